@@ -1,0 +1,193 @@
+"""Planning a prompt against the chunk store and building the HF cache from the hits.
+
+A plan is a list of segments covering [0, n) in order. A reuse segment takes KV from a store entry
+(EXACT: a chunk under its chained key; PREFIX: the longest common token prefix of a tail or, in "prefix"
+mode, the leading run of chunks); a MISS segment is computed by a forward pass over its tokens with every
+earlier segment already in the cache, so its KV is the KV of a real prefill in its true context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .chunking import Span
+from .keys import chain_key, content_key
+from .store import KV, ChunkRecord, ChunkStore
+
+EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
+
+
+@dataclass
+class Segment:
+    start: int
+    end: int
+    kind: str
+    record: ChunkRecord | None = None  # the entry reused (None for MISS)
+    offset: int = 0  # first token of the entry used (a tail's LCP starts at 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Plan:
+    ids: list[int]
+    spans: list[Span]
+    num_complete: int
+    keys: list[bytes]  # chained key of each complete span
+    root: bytes
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def reused_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.segments if s.kind != MISS)
+
+    @property
+    def tail_start(self) -> int:
+        return self.spans[self.num_complete - 1][1] if self.num_complete else 0
+
+    @property
+    def tail_parent(self) -> bytes:
+        return self.keys[self.num_complete - 1] if self.num_complete else self.root
+
+    def parent_of(self, span_index: int) -> bytes:
+        return self.keys[span_index - 1] if span_index else self.root
+
+    def chunk_rows(self) -> list[tuple[int, int, str]]:
+        return [(s.start, s.end, s.kind) for s in self.segments]
+
+
+def chain_keys(ids: Sequence[int], spans: Sequence[Span], num_complete: int, root: bytes) -> list[bytes]:
+    keys, parent = [], root
+    for start, end in spans[:num_complete]:
+        parent = chain_key(parent, ids[start:end])
+        keys.append(parent)
+    return keys
+
+
+def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: bytes, store: ChunkStore | None,
+                mode: str) -> Plan:
+    """Decides, per token range, whether it is reused or computed. mode: "off" | "prefix" | "chunk"."""
+    keys = chain_keys(ids, spans, num_complete, root)
+    plan = Plan(ids, spans, num_complete, keys, root)
+    n = len(ids)
+    segments: list[Segment] = []
+    pos = 0
+    if mode != "off" and store is not None:
+        # 1. The leading run of complete chunks found under their chained keys.
+        index = 0
+        while index < num_complete:
+            record = store.get_chunk(keys[index])
+            if record is None:
+                break
+            start, end = spans[index]
+            segments.append(Segment(start, end, EXACT if mode == "chunk" else PREFIX, record))
+            index += 1
+            pos = end
+        # 2. The best tail hung under the last chunk of that run: token-granular reuse of a live conversation.
+        best, best_len = None, 0
+        for tail in store.tails_under(plan.parent_of(index)):
+            assert tail.start == pos, "a tail hangs right after its parent chunk"
+            common = _longest_common_prefix(tail.tokens, ids[pos:])
+            if common > best_len:
+                best, best_len = tail, common
+        if best is not None:
+            segments.append(Segment(pos, pos + best_len, PREFIX, best))
+            pos += best_len
+        # 3. "chunk": every later complete chunk that is cached under its chained key, wherever it is.
+        if mode == "chunk":
+            for index in range(index, num_complete):
+                start, end = spans[index]
+                if start < pos:
+                    continue
+                record = store.get_chunk(keys[index])
+                if record is not None:
+                    if start > pos:
+                        segments.append(Segment(pos, start, MISS))
+                    segments.append(Segment(start, end, EXACT, record))
+                    pos = end
+    if pos < n:
+        segments.append(Segment(pos, n, MISS))
+    _leave_last_token_to_compute(segments, n)
+    plan.segments = _split_misses_at_spans(segments, spans)
+    return plan
+
+
+def _leave_last_token_to_compute(segments: list[Segment], n: int) -> None:
+    """The next-token logits come from a forward pass over at least the last prompt token."""
+    last = segments[-1]
+    if last.kind == MISS:
+        return
+    if last.num_tokens == 1:
+        last.kind, last.record, last.offset = MISS, None, 0
+        return
+    last.end -= 1
+    segments.append(Segment(n - 1, n, MISS))
+
+
+def _split_misses_at_spans(segments: list[Segment], spans: list[Span]) -> list[Segment]:
+    """One row per chunk for the UI: MISS segments are cut at chunk boundaries (reuse segments already are
+    chunk-sized, or a tail's prefix)."""
+    cuts = sorted({end for _, end in spans})
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.kind != MISS:
+            out.append(seg)
+            continue
+        start = seg.start
+        for cut in cuts:
+            if start < cut < seg.end:
+                out.append(Segment(start, cut, MISS))
+                start = cut
+        out.append(Segment(start, seg.end, MISS))
+    return out
+
+
+def slice_kv(kv: KV, start: int, end: int) -> KV:
+    return tuple((k[:, :, start:end], v[:, :, start:end]) for k, v in kv)
+
+
+def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
+    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation."""
+    num_layers = len(parts[0])
+    for layer in range(num_layers):
+        keys = torch.cat([p[layer][0] for p in parts], dim=2)
+        values = torch.cat([p[layer][1] for p in parts], dim=2)
+        cache.update(keys, values, layer)
+
+
+def cache_kv(cache: DynamicCache, start: int, end: int) -> KV:
+    """An independent copy of positions [start, end) of every layer of `cache` (a view would pin the whole
+    cache tensor in memory and defeat the byte budget)."""
+    return tuple(
+        (layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in cache.layers
+    )
+
+
+def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerprint: str) -> int:
+    """Stores every complete chunk of the prompt that is not in the store yet, from the prefill's own KV.
+    Returns the number stored."""
+    stored = 0
+    for index in range(plan.num_complete):
+        key = plan.keys[index]
+        if store.get_chunk(key) is not None:
+            continue
+        start, end = plan.spans[index]
+        tokens = plan.ids[start:end]
+        if store.put_chunk(key, plan.parent_of(index), content_key(fingerprint, tokens), start, tokens,
+                           cache_kv(cache, start, end)):
+            stored += 1
+    return stored

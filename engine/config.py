@@ -1,0 +1,96 @@
+"""Engine options as frozen dataclasses. `validate()` raises ValueError naming the bad value."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+REUSE_MODES = ("off", "prefix", "chunk", "approx")
+CHUNKING_MODES = ("fixed", "semantic", "adaptive")
+REPAIR_MODES = ("none", "selective", "cacheblend")
+
+
+@dataclass(frozen=True)
+class ChunkingConfig:
+    """How prompt token ids are cut into chunks.
+
+    fixed: every `size` tokens. semantic: at paragraph/sentence ends, chunks between `size // 4` and `size`
+    tokens. adaptive: each fixed cut moves within +-`window` tokens to the nearest sentence/line boundary.
+    """
+
+    mode: str = "fixed"
+    size: int = 128
+    window: int = 16
+
+    def validate(self) -> None:
+        if self.mode not in CHUNKING_MODES:
+            raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.mode!r}")
+        if not isinstance(self.size, int) or self.size < 8:
+            raise ValueError(f"chunk_size must be an integer >= 8, got {self.size!r}")
+        if not isinstance(self.window, int) or not 0 <= self.window < self.size // 2:
+            raise ValueError(f"adaptive window must be in [0, chunk_size/2), got {self.window!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    reuse: str = "chunk"
+    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
+    repair: str = "cacheblend"
+    # Byte budget of the in-memory chunk store; None sizes it from the machine (see engine.store).
+    cache_bytes: int | None = None
+
+    def validate(self) -> None:
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if self.repair not in REPAIR_MODES:
+            raise ValueError(f"repair must be one of {REPAIR_MODES}, got {self.repair!r}")
+        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 0):
+            raise ValueError(f"cache_bytes must be a non-negative integer or None, got {self.cache_bytes!r}")
+        self.chunking.validate()
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @classmethod
+    def from_kwargs(cls, *, stop=None, **kwargs) -> "SamplingConfig":
+        if stop is None:
+            stops: tuple[str, ...] = ()
+        elif isinstance(stop, str):
+            stops = (stop,)
+        else:
+            stops = tuple(stop)
+        cfg = cls(stop=stops, **kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        def number(name, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        number("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        number("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        number("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")

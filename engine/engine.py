@@ -1,0 +1,236 @@
+"""The facade users import: KVBoost.from_pretrained, generate, chat, stream, warm, cache_stats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Iterator, Sequence
+
+import torch
+
+from . import loader
+from .assemble import plan_prompt, store_new_chunks, cache_kv
+from .chunking import TokenBreaks, chunk_spans
+from .config import ChunkingConfig, EngineConfig, SamplingConfig
+from .generate import Result, TokenEvent, generate_events
+from .keys import chain_key, root_key
+from .store import ChunkStore, default_budget_bytes
+
+log = logging.getLogger(__name__)
+
+Messages = Sequence[dict]
+
+
+class UnsupportedModelError(ValueError):
+    """A model this engine cannot serve correctly (no RoPE, ...)."""
+
+
+def rope_module(model):
+    """The rotary embedding module of a decoder, or None for models without RoPE (gpt2, ALiBi models)."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb"):
+            return module
+    return None
+
+
+class KVBoost:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, fingerprint: str | None = None,
+                 name: str = "model"):
+        config = config or EngineConfig()
+        config.validate()
+        if rope_module(model) is None:
+            raise UnsupportedModelError(
+                f"{model.config.model_type!r} does not use rotary position embeddings (RoPE); KVBoost reuses KV "
+                "only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.fingerprint = fingerprint or loader.fingerprint(model, name)
+        # Chunking settings are part of every key: chunks cut differently never match.
+        self._root = root_key(f"{self.fingerprint}|{config.chunking}")
+        budget = config.cache_bytes if config.cache_bytes is not None else default_budget_bytes(self.device)
+        self.store = ChunkStore(budget)
+        self._breaks = TokenBreaks(tokenizer)
+        self._eos_ids = self._find_eos_ids()
+        self.max_context = self._find_max_context()
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    # -- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
+                        chunking="fixed", repair="cacheblend", cache_bytes=None) -> "KVBoost":
+        config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
+                              repair=repair, cache_bytes=cache_bytes)
+        config.validate()
+        src = loader.resolve_source(source)
+        dev = loader.pick_device(device)
+        dt = loader.pick_dtype(dtype, dev)
+        model, tokenizer = loader.load_model(src, dev, dt)
+        if rope_module(model) is None:
+            raise UnsupportedModelError(
+                f"{src.describe()} is a {model.config.model_type!r} model without rotary position embeddings "
+                "(RoPE); KVBoost reuses KV only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
+            )
+        return cls(model, tokenizer, config, name=src.describe())
+
+    def with_options(self, **changes) -> "KVBoost":
+        """Another engine over the same loaded model, with its own empty store (e.g. reuse="off")."""
+        chunking = self.config.chunking
+        if "chunk_size" in changes or "chunking" in changes:
+            chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
+                                      size=changes.pop("chunk_size", chunking.size))
+        fields = {"reuse": self.config.reuse, "repair": self.config.repair, "cache_bytes": self.config.cache_bytes}
+        fields.update(changes)
+        return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
+                       fingerprint=self.fingerprint, name=self.name)
+
+    def _find_eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif eos:
+                ids.update(int(e) for e in eos)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def _find_max_context(self) -> int:
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        return int(limit)
+
+    # -- prompts ---------------------------------------------------------------------------------------
+    def encode(self, prompt: str | Messages, *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a plain prompt, or of a messages list rendered by the model's chat template."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer(prompt)["input_ids"])
+        messages = list(prompt)
+        if not messages:
+            raise ValueError("messages list is empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if not isinstance(m["content"], str):
+                raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"{self.name} has no chat template; pass a plain string prompt")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _plan(self, ids: list[int], reuse: str):
+        spans, num_complete = chunk_spans(ids, self.config.chunking, self._breaks)
+        return plan_prompt(ids, spans, num_complete, self._root, self.store, reuse)
+
+    # -- generation ------------------------------------------------------------------------------------
+    def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None,
+               **sampling) -> Iterator[TokenEvent | Result]:
+        """Token deltas as TokenEvent, then the Result as the last event. `cancel` (optional) stops the
+        generation at the next token with finish_reason "cancelled"."""
+        t_enter = time.perf_counter()
+        params = SamplingConfig.from_kwargs(**sampling)
+        ids = self.encode(prompt)
+        if len(ids) >= self.max_context:
+            raise ValueError(f"prompt is {len(ids)} tokens; {self.name} holds at most {self.max_context} "
+                             "(prompt and answer together)")
+        return self._events(ids, params, t_enter, cancel)
+
+    def _events(self, ids, params, t_enter, cancel):
+        # Requests on one engine run one at a time; a second stream opened and iterated on the thread that
+        # holds the first would wait for itself forever, so that is an error.
+        if self._owner == threading.get_ident():
+            raise RuntimeError("a stream is still open on this engine in this thread; finish or close it first")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        try:
+            reuse = self.config.reuse
+            plan = self._plan(ids, reuse)
+            self.store.counters.misses += sum(1 for s in plan.segments if s.kind == "MISS")
+            for seg in plan.segments:
+                if seg.record is not None:
+                    self.store.acquire(seg.record)
+                    self.store.touch(seg.record, seg.kind)
+            storing = reuse != "off"
+            try:
+                yield from generate_events(
+                    self.model, self.tokenizer, plan, self.store, params, device=self.device,
+                    eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
+                    cancel=cancel,
+                    on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
+                    if storing else None,
+                    on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))
+                    if storing else None,
+                )
+            finally:
+                for seg in plan.segments:
+                    if seg.record is not None:
+                        self.store.release(seg.record)
+        finally:
+            self._owner = None
+            self._lock.release()
+
+    def _store_tail(self, plan, cache, all_ids: list[int]) -> None:
+        """The KV after the last complete chunk (partial chunk + answer), for the next turn's token-level
+        reuse. The last sampled token was never fed to the model, so the KV ends one before it."""
+        end = cache.get_seq_length()
+        start = plan.tail_start
+        if end <= start:
+            return
+        tokens = all_ids[start:end]
+        key = chain_key(plan.tail_parent + b"tail", tokens)
+        self.store.put_tail(key, plan.tail_parent, start, tokens, cache_kv(cache, start, end))
+
+    def generate(self, prompt: str | Messages, **kwargs) -> Result:
+        result = None
+        for event in self.stream(prompt, **kwargs):
+            result = event
+        assert isinstance(result, Result)
+        return result
+
+    def chat(self, messages: Messages, **kwargs) -> Result:
+        if isinstance(messages, str):
+            raise ValueError("chat() takes a list of {'role', 'content'} messages; use generate() for a string")
+        return self.generate(messages, **kwargs)
+
+    def warm(self, text: str | Messages) -> dict:
+        """Prefills `text` (a plain string, or messages rendered without a generation prompt) and stores its
+        chunk KV, so later prompts that start with it reuse it. Returns what was done."""
+        t_enter = time.perf_counter()
+        ids = self.encode(text, add_generation_prompt=False)
+        if len(ids) >= self.max_context:
+            raise ValueError(f"text is {len(ids)} tokens; {self.name} holds at most {self.max_context}")
+        before = self.store.counters.stored
+        params = SamplingConfig(max_new_tokens=1)
+        result = None
+        for event in self._events(ids, params, t_enter, None):
+            result = event
+        return {
+            "tokens": len(ids),
+            "reused_tokens": result.stats.reused_tokens,
+            "computed_tokens": result.stats.recomputed_tokens,
+            "entries_stored": self.store.counters.stored - before,
+            "ms": (time.perf_counter() - t_enter) * 1000,
+        }
+
+    def cache_stats(self) -> dict:
+        stats = self.store.stats()
+        stats["reuse"] = self.config.reuse
+        stats["chunking"] = {"mode": self.config.chunking.mode, "size": self.config.chunking.size}
+        return stats
+
+    def clear_cache(self) -> None:
+        self.store.clear()
+
+    @torch.inference_mode()
+    def full_prefill_logits(self, ids: list[int]) -> torch.Tensor:
+        """Next-token logits [V] of a plain full prefill, no cache involved (the reference for tests/bench)."""
+        out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1)
+        return out.logits[0, -1]

@@ -1,0 +1,258 @@
+"""The one hot loop: prefill a planned prompt, then decode token by token, as a generator of events.
+
+The CLI, the server and the GUI all consume the same events: `TokenEvent` per visible text delta, then one
+`Result` as the last event. Tokenization happens in the caller; this module only turns text deltas out of
+token ids for streaming.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .assemble import MISS, Plan, append_kv, slice_kv
+from .config import SamplingConfig
+from .store import ChunkStore
+
+
+@dataclass
+class TokenEvent:
+    text: str  # the visible text added by this step (may be "" while a multi-byte char or stop is pending)
+    token_id: int
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    total_ms: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    store_ms: float = 0.0  # storing chunk/tail KV, inside the call, after the first token
+    chunks: list[tuple[int, int, str]] = field(default_factory=list)
+    reuse: str = "off"
+
+    @property
+    def reused_fraction(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["chunks"] = [list(c) for c in self.chunks]
+        return d
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
+    stats: Stats
+
+
+class Cancelled(Exception):
+    pass
+
+
+def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device) -> torch.Tensor:
+    """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V].
+
+    Consecutive reuse segments are appended in one concatenation; each MISS run is one forward pass over the
+    base model (no LM head), except the last, which computes logits for its last position only.
+    """
+    segments = plan.segments
+    assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
+    decoder = model.get_decoder()
+    i = 0
+    logits = None
+    while i < len(segments):
+        if segments[i].kind != MISS:
+            parts = []
+            while i < len(segments) and segments[i].kind != MISS:
+                seg = segments[i]
+                kv = store.payload(seg.record.key)
+                parts.append(slice_kv(kv, seg.offset, seg.offset + seg.num_tokens))
+                i += 1
+            append_kv(cache, [_to_device(p, device) for p in parts])
+            continue
+        start = segments[i].start
+        while i < len(segments) and segments[i].kind == MISS:
+            i += 1
+        end = segments[i - 1].end
+        input_ids = torch.tensor([plan.ids[start:end]], device=device)
+        if i == len(segments):
+            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits = out.logits[0, -1]
+        else:
+            decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
+    return logits
+
+
+def _to_device(kv, device):
+    return tuple((k.to(device, non_blocking=True), v.to(device, non_blocking=True)) for k, v in kv)
+
+
+def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch.Tensor:
+    out = model(input_ids=torch.tensor([[token_id]], device=device), past_key_values=cache, use_cache=True)
+    return out.logits[0, -1]
+
+
+def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
+           generator: torch.Generator | None) -> int:
+    """One token from next-token logits [V]. temperature 0 is greedy. Works in float32 on the CPU so that the
+    same seed gives the same token on every device."""
+    logits = logits.detach().float().cpu()
+    if params.repetition_penalty != 1.0 and len(history):
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
+        scores = logits[seen]
+        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+    if params.temperature == 0.0:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over top_p
+        logits[order[drop]] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class Detokenizer:
+    """Incremental text for streamed ids: decodes a short window so multi-token characters come out whole,
+    and holds back text that could be the start of a stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = tuple(stop)
+        self.ids: list[int] = []
+        self.text = ""  # all text decoded so far
+        self.emitted = 0  # characters of self.text already handed out
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.stopped = False
+
+    def _decode(self, ids):
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.ids)
+        return self._release()
+
+    def _release(self) -> str:
+        visible_end = len(self.text)
+        for s in self.stop:
+            hit = self.text.find(s, max(0, self.emitted - len(s) + 1))
+            if hit != -1 and hit < visible_end:
+                visible_end = hit
+                self.stopped = True
+        if not self.stopped:
+            # Hold back a suffix that may grow into a stop string.
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        visible_end = min(visible_end, len(self.text) - k)
+                        break
+        delta = self.text[self.emitted:visible_end] if visible_end > self.emitted else ""
+        self.emitted = max(self.emitted, visible_end)
+        if self.stopped:
+            self.text = self.text[:visible_end]
+        return delta
+
+    def finish(self) -> str:
+        """Everything held back, at the end of generation (a stop-string prefix that never completed)."""
+        if self.stopped:
+            return ""
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta
+
+
+def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
+                    device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
+                    cancel: threading.Event | None = None,
+                    on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
+    """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
+    token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
+    and consumer close included, so the store stays consistent."""
+    stats = Stats(prompt_tokens=len(plan.ids), reused_tokens=plan.reused_tokens,
+                  recomputed_tokens=len(plan.ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=reuse)
+    generator = None
+    if params.temperature > 0:
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
+    detok = Detokenizer(tokenizer, params.stop)
+    cache = DynamicCache()
+    generated: list[int] = []
+    finish_reason = "length"
+    t_first = None
+    prefill_stored = False
+    try:
+        with torch.inference_mode():
+            logits = run_segments(model, plan, store, cache, device)
+            while True:
+                token = sample(logits, params, plan.ids + generated, generator)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    stats.ttft_ms = (t_first - t_enter) * 1000
+                if token in eos_ids:
+                    finish_reason = "stop"
+                    break
+                generated.append(token)
+                delta = detok.add(token)
+                if delta:
+                    yield TokenEvent(delta, token)
+                if not prefill_stored and on_prefilled is not None:
+                    prefill_stored = True
+                    t0 = time.perf_counter()
+                    on_prefilled(cache)
+                    stats.store_ms += (time.perf_counter() - t0) * 1000
+                if detok.stopped:
+                    finish_reason = "stop"
+                    break
+                if len(generated) >= params.max_new_tokens or len(plan.ids) + len(generated) >= max_context:
+                    finish_reason = "length"
+                    break
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled
+                logits = decode_one_token(model, token, cache, device)
+    except Cancelled:
+        finish_reason = "cancelled"
+    finally:
+        # Runs on normal end, on cancel, and when the consumer closes the stream (GeneratorExit).
+        if on_finished is not None and cache.get_seq_length() >= len(plan.ids):
+            t0 = time.perf_counter()
+            if not prefill_stored and on_prefilled is not None:
+                on_prefilled(cache)
+            on_finished(cache, plan.ids + generated)
+            stats.store_ms += (time.perf_counter() - t0) * 1000
+    tail = detok.finish()
+    if tail:
+        yield TokenEvent(tail, generated[-1])
+    t_end = time.perf_counter()
+    stats.generated_tokens = len(generated)
+    stats.total_ms = (t_end - t_enter) * 1000
+    if t_first is not None and len(generated) > 1:
+        stats.decode_tokens_per_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
+    yield Result(detok.text, generated, finish_reason, stats)
+

