@@ -106,8 +106,15 @@ class KVBoost:
         return int(limit)
 
     # -- prompts ---------------------------------------------------------------------------------------
-    def encode(self, prompt: str | Messages, *, add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a plain prompt, or of a messages list rendered by the model's chat template."""
+    def encode(self, prompt: str | Messages | Sequence[int], *, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a plain prompt, of a messages list rendered by the model's chat template, or of
+        token ids given as they are."""
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
+            vocab = self.model.get_input_embeddings().num_embeddings
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+            return list(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
