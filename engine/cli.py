@@ -1,0 +1,204 @@
+"""`kvboost`: chat, run, warm and bench over the engine. argparse -> config -> engine, nothing more."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import threading
+from pathlib import Path
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model folder, .gguf file or HF hub id in the local cache (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk"))
+    p.add_argument("--chunk-size", type=int, default=128)
+    p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
+    p.add_argument("--cache-bytes", type=int, default=None)
+
+
+def _add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _sampling(args) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
+
+
+def _load(args):
+    from .engine import KVBoost
+
+    print("loading model ...", file=sys.stderr, flush=True)
+    return KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
+                                   chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes)
+
+
+def _badge(stats) -> str:
+    return (f"[{stats.prompt_tokens} prompt tokens, {stats.reused_fraction:.0%} reused, "
+            f"TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tokens_per_s:.1f} tok/s]")
+
+
+def _stream_to(out, eng, prompt, sampling, cancel=None):
+    from .generate import Result
+
+    result = None
+    for event in eng.stream(prompt, cancel=cancel, **sampling):
+        if isinstance(event, Result):
+            result = event
+        else:
+            out.write(event.text)
+            out.flush()
+    return result
+
+
+def cmd_run(args) -> int:
+    eng = _load(args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": prompt}]
+    result = _stream_to(sys.stdout, eng, prompt, _sampling(args))
+    print()
+    print(_badge(result.stats), file=sys.stderr)
+    if args.json:
+        print(json.dumps({"text": result.text, "finish_reason": result.finish_reason,
+                          "stats": result.stats.to_dict()}), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    eng = _load(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print("KVBoost chat. /reset clears the conversation, /stats shows the cache, /quit or Ctrl+D leaves.\n"
+          "Ctrl+C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("you> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit"):
+            return 0
+        if text == "/reset":
+            history.clear()
+            continue
+        if text == "/stats":
+            print(json.dumps(eng.cache_stats(), indent=2))
+            continue
+        history.append({"role": "user", "content": line})
+        cancel = threading.Event()
+        sys.stdout.write("bot> ")
+        try:
+            result = _stream_to(sys.stdout, eng, system + history, _sampling(args), cancel)
+        except KeyboardInterrupt:
+            # The stream object is gone with the interrupt; the engine stored what was computed.
+            print("\n[stopped]")
+            history.pop()
+            continue
+        except ValueError as exc:
+            print(f"\nerror: {exc}", file=sys.stderr)
+            history.pop()
+            continue
+        print()
+        print(_badge(result.stats), file=sys.stderr)
+        history.append({"role": "assistant", "content": result.text})
+
+
+def cmd_warm(args) -> int:
+    eng = _load(args)
+    for name in args.files:
+        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8", errors="replace")
+        info = eng.warm(text)
+        print(f"{name}: {info['tokens']} tokens, {info['entries_stored']} entries stored in {info['ms']:.0f} ms")
+    print(json.dumps(eng.cache_stats()))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from . import bench
+
+    return bench.main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvboost", description="Local LLM inference that never computes the "
+                                     "same text twice.")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_engine_options(p)
+    _add_sampling_options(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("run", help="one prompt, streamed to stdout")
+    _add_engine_options(p)
+    _add_sampling_options(p)
+    p.add_argument("prompt", help="the prompt text, or - to read stdin")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    p.add_argument("--json", action="store_true", help="also print the result and stats as JSON on stderr")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("warm", help="prefill files into the cache and report")
+    _add_engine_options(p)
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=cmd_warm)
+
+    p = sub.add_parser("bench", help="side-by-side reuse benchmark (see bench/README.md)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if not args.verbose:
+        _quiet_transformers()
+    from .loader import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"kvboost: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def server_main(argv=None) -> int:
+    print("kvboost-server: the OpenAI-compatible server is not built yet", file=sys.stderr)
+    return 2
+
+
+def desktop_main(argv=None) -> int:
+    print("kvboost-desktop: the desktop app is not built yet; use `kvboost chat`", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
