@@ -78,6 +78,16 @@ def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
+def _best_tail(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[ChunkRecord | None, int]:
+    """The tail under `parent` sharing the longest token prefix with `rest`, and that length."""
+    best, best_len = None, 0
+    for tail in store.tails_under(parent):
+        common = _longest_common_prefix(tail.tokens, rest)
+        if common > best_len:
+            best, best_len = tail, common
+    return best, best_len
+
+
 def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: bytes, store: ChunkStore | None,
                 mode: str) -> Plan:
     """Decides, per token range, whether it is reused or computed. mode: "off" | "prefix" | "chunk"."""
@@ -87,38 +97,31 @@ def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: byte
     segments: list[Segment] = []
     pos = 0
     if mode != "off" and store is not None:
-        # 1. The leading run of complete chunks found under their chained keys.
+        # Walk the chunk boundaries in order. At each one the tokens before it are known (chained key), so a
+        # chunk stored under that key, or a tail hung under it, is exact here. "prefix" stops at the first
+        # boundary with neither; "chunk" computes that chunk and goes on looking.
         index = 0
-        while index < num_complete:
-            record = store.get_chunk(keys[index])
-            if record is None:
+        while index <= num_complete:
+            boundary = spans[index][0] if index < len(spans) else n
+            if boundary >= n:
                 break
-            start, end = spans[index]
-            segments.append(Segment(start, end, EXACT if mode == "chunk" else PREFIX, record))
+            if pos > boundary:  # a tail already covered this boundary
+                index += 1
+                continue
+            hit = store.get_chunk(keys[index]) if index < num_complete else None
+            tail, common = (None, 0) if hit else _best_tail(store, plan.parent_of(index), ids[boundary:])
+            if (hit or tail) and pos < boundary:
+                segments.append(Segment(pos, boundary, MISS))
+                pos = boundary
+            if hit:
+                segments.append(Segment(boundary, spans[index][1], EXACT if mode == "chunk" else PREFIX, hit))
+                pos = spans[index][1]
+            elif tail:
+                segments.append(Segment(pos, pos + common, PREFIX, tail))
+                pos += common
+            if not hit and mode == "prefix":
+                break
             index += 1
-            pos = end
-        # 2. The best tail hung under the last chunk of that run: token-granular reuse of a live conversation.
-        best, best_len = None, 0
-        for tail in store.tails_under(plan.parent_of(index)):
-            assert tail.start == pos, "a tail hangs right after its parent chunk"
-            common = _longest_common_prefix(tail.tokens, ids[pos:])
-            if common > best_len:
-                best, best_len = tail, common
-        if best is not None:
-            segments.append(Segment(pos, pos + best_len, PREFIX, best))
-            pos += best_len
-        # 3. "chunk": every later complete chunk that is cached under its chained key, wherever it is.
-        if mode == "chunk":
-            for index in range(index, num_complete):
-                start, end = spans[index]
-                if start < pos:
-                    continue
-                record = store.get_chunk(keys[index])
-                if record is not None:
-                    if start > pos:
-                        segments.append(Segment(pos, start, MISS))
-                    segments.append(Segment(start, end, EXACT, record))
-                    pos = end
     if pos < n:
         segments.append(Segment(pos, n, MISS))
     _leave_last_token_to_compute(segments, n)

@@ -27,7 +27,7 @@ class ChunkingConfig:
             raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.mode!r}")
         if not isinstance(self.size, int) or self.size < 8:
             raise ValueError(f"chunk_size must be an integer >= 8, got {self.size!r}")
-        if not isinstance(self.window, int) or not 0 <= self.window < self.size // 2:
+        if self.mode == "adaptive" and (not isinstance(self.window, int) or not 0 <= self.window < self.size // 2):
             raise ValueError(f"adaptive window must be in [0, chunk_size/2), got {self.window!r}")
 
 

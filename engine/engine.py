@@ -207,8 +207,8 @@ class KVBoost:
             raise ValueError("chat() takes a list of {'role', 'content'} messages; use generate() for a string")
         return self.generate(messages, **kwargs)
 
-    def warm(self, text: str | Messages) -> dict:
-        """Prefills `text` (a plain string, or messages rendered without a generation prompt) and stores its
+    def warm(self, text: str | Messages | Sequence[int]) -> dict:
+        """Prefills `text` (a plain string, token ids, or messages rendered without a generation prompt) and stores its
         chunk KV, so later prompts that start with it reuse it. Returns what was done."""
         t_enter = time.perf_counter()
         ids = self.encode(text, add_generation_prompt=False)
