@@ -48,6 +48,11 @@ class Plan:
         return sum(s.num_tokens for s in self.segments if s.kind != MISS)
 
     @property
+    def first_approximate(self) -> int:
+        """Position of the first APPROXIMATE token (len(ids) if none): KV from there on is not exact."""
+        return min((s.start for s in self.segments if s.kind == APPROXIMATE), default=len(self.ids))
+
+    @property
     def tail_start(self) -> int:
         return self.spans[self.num_complete - 1][1] if self.num_complete else 0
 
@@ -89,8 +94,9 @@ def _best_tail(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[C
 
 
 def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: bytes, store: ChunkStore | None,
-                mode: str) -> Plan:
-    """Decides, per token range, whether it is reused or computed. mode: "off" | "prefix" | "chunk"."""
+                mode: str, refine=None) -> Plan:
+    """Decides, per token range, whether it is reused or computed. mode: "off" | "prefix" | "chunk".
+    `refine(segments)` (optional) may turn parts of MISS segments into other kinds (APPROXIMATE reuse)."""
     keys = chain_keys(ids, spans, num_complete, root)
     plan = Plan(ids, spans, num_complete, keys, root)
     n = len(ids)
@@ -124,6 +130,8 @@ def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: byte
             index += 1
     if pos < n:
         segments.append(Segment(pos, n, MISS))
+    if refine is not None:
+        segments = refine(segments)
     _leave_last_token_to_compute(segments, n)
     plan.segments = _split_misses_at_spans(segments, spans)
     return plan
@@ -137,7 +145,7 @@ def _leave_last_token_to_compute(segments: list[Segment], n: int) -> None:
     if last.num_tokens == 1:
         last.kind, last.record, last.offset = MISS, None, 0
         return
-    last.end -= 1
+    last.end -= 1  # a reuse segment keeps its offset: it just ends one token earlier
     segments.append(Segment(n - 1, n, MISS))
 
 
@@ -182,15 +190,26 @@ def cache_kv(cache: DynamicCache, start: int, end: int) -> KV:
 
 def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerprint: str) -> int:
     """Stores every complete chunk of the prompt that is not in the store yet, from the prefill's own KV.
-    Returns the number stored."""
+
+    A chunk that starts at or after the first APPROXIMATE token holds approximate KV: it is stored for
+    approximate reuse only (never under its chained key), and only if part of it was computed here (a chunk
+    served wholly from another entry would just duplicate it). Returns the number stored."""
     stored = 0
+    first_approx = plan.first_approximate
     for index in range(plan.num_complete):
         key = plan.keys[index]
-        if store.get_chunk(key) is not None:
-            continue
         start, end = plan.spans[index]
+        exact = end <= first_approx
+        if exact and store.get_chunk(key) is not None:
+            continue
+        if not exact:
+            if not any(s.kind == MISS and s.start < end and s.end > start for s in plan.segments):
+                continue
+            key = chain_key(key + b"inexact", [])
+            if key in store.records:
+                continue
         tokens = plan.ids[start:end]
         if store.put_chunk(key, plan.parent_of(index), content_key(fingerprint, tokens), start, tokens,
-                           cache_kv(cache, start, end)):
+                           cache_kv(cache, start, end), exact=exact):
             stored += 1
     return stored

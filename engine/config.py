@@ -32,18 +32,38 @@ class ChunkingConfig:
 
 
 @dataclass(frozen=True)
+class RepairConfig:
+    """Seam repair for APPROXIMATE hits (engine.approx)."""
+
+    mode: str = "cacheblend"  # "none" | "selective" | "cacheblend"
+    selective_tokens: int = 16  # selective: tokens recomputed after each seam
+    blend_ratio: float = 0.15  # cacheblend: share of reused tokens recomputed past the probe layer
+    probe_layer: int = 1  # cacheblend: layer whose value deviation picks those tokens
+
+    def validate(self) -> None:
+        if self.mode not in REPAIR_MODES:
+            raise ValueError(f"repair must be one of {REPAIR_MODES}, got {self.mode!r}")
+        if isinstance(self.selective_tokens, bool) or not isinstance(self.selective_tokens, int) \
+                or self.selective_tokens < 0:
+            raise ValueError(f"selective_tokens must be an integer >= 0, got {self.selective_tokens!r}")
+        if not isinstance(self.blend_ratio, (int, float)) or not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
+        if isinstance(self.probe_layer, bool) or not isinstance(self.probe_layer, int) or self.probe_layer < 0:
+            raise ValueError(f"probe_layer must be an integer >= 0, got {self.probe_layer!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     reuse: str = "chunk"
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
-    repair: str = "cacheblend"
+    repair: RepairConfig = field(default_factory=RepairConfig)
     # Byte budget of the in-memory chunk store; None sizes it from the machine (see engine.store).
     cache_bytes: int | None = None
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
-        if self.repair not in REPAIR_MODES:
-            raise ValueError(f"repair must be one of {REPAIR_MODES}, got {self.repair!r}")
+        self.repair.validate()
         if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 0):
             raise ValueError(f"cache_bytes must be a non-negative integer or None, got {self.cache_bytes!r}")
         self.chunking.validate()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -10,11 +11,13 @@ from typing import Iterator, Sequence
 import torch
 
 from . import loader
-from .assemble import plan_prompt, store_new_chunks, cache_kv
+from .approx import BLEND_MODEL_TYPES, apply_selective, fill_approximate, merge_misses
+from .assemble import cache_kv, plan_prompt, store_new_chunks
 from .chunking import TokenBreaks, chunk_spans
-from .config import ChunkingConfig, EngineConfig, SamplingConfig
+from .config import ChunkingConfig, EngineConfig, RepairConfig, SamplingConfig
 from .generate import Result, TokenEvent, generate_events
 from .keys import chain_key, root_key
+from .rope import rope_params
 from .store import ChunkStore, default_budget_bytes
 
 log = logging.getLogger(__name__)
@@ -57,15 +60,33 @@ class KVBoost:
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
         self.max_context = self._find_max_context()
+        self._rope = self._check_approx_support() if config.reuse == "approx" else None
         self._lock = threading.Lock()
         self._owner: int | None = None
+
+    def _check_approx_support(self):
+        """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
+        chosen repair cannot run on it."""
+        try:
+            rope = rope_params(self.model)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"reuse='approx' needs exact RoPE re-rotation: {exc}") from None
+        model_type = self.model.config.model_type
+        if self.config.repair.mode == "cacheblend" and model_type not in BLEND_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)}, not {model_type!r}; "
+                "use repair='selective' or 'none'"
+            )
+        return rope
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
-                        chunking="fixed", repair="cacheblend", cache_bytes=None) -> "KVBoost":
+                        chunking="fixed", repair="cacheblend", cache_bytes=None,
+                        repair_options: dict | None = None) -> "KVBoost":
+        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig)."""
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
-                              repair=repair, cache_bytes=cache_bytes)
+                              repair=RepairConfig(mode=repair, **(repair_options or {})), cache_bytes=cache_bytes)
         config.validate()
         src = loader.resolve_source(source)
         dev = loader.pick_device(device)
@@ -79,12 +100,19 @@ class KVBoost:
         return cls(model, tokenizer, config, name=src.describe())
 
     def with_options(self, **changes) -> "KVBoost":
-        """Another engine over the same loaded model, with its own empty store (e.g. reuse="off")."""
+        """Another engine over the same loaded model, with its own empty store (e.g. reuse="off").
+        Takes reuse, chunking, chunk_size, cache_bytes, repair and the RepairConfig fields."""
         chunking = self.config.chunking
         if "chunk_size" in changes or "chunking" in changes:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
                                       size=changes.pop("chunk_size", chunking.size))
-        fields = {"reuse": self.config.reuse, "repair": self.config.repair, "cache_bytes": self.config.cache_bytes}
+        repair = self.config.repair
+        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "blend_ratio", "probe_layer")
+                         if k in changes}
+        if "repair" in changes:
+            repair = RepairConfig(mode=changes.pop("repair"))
+        repair = dataclasses.replace(repair, **repair_fields)
+        fields = {"reuse": self.config.reuse, "repair": repair, "cache_bytes": self.config.cache_bytes}
         fields.update(changes)
         return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
                        fingerprint=self.fingerprint, name=self.name)
@@ -135,7 +163,17 @@ class KVBoost:
 
     def _plan(self, ids: list[int], reuse: str):
         spans, num_complete = chunk_spans(ids, self.config.chunking, self._breaks)
-        return plan_prompt(ids, spans, num_complete, self._root, self.store, reuse)
+        if reuse != "approx":
+            return plan_prompt(ids, spans, num_complete, self._root, self.store, reuse)
+        repair = self.config.repair
+
+        def approximate(segments):
+            segments = fill_approximate(merge_misses(segments), ids, self.store, self._rope)
+            if repair.mode == "selective":
+                segments = apply_selective(segments, repair.selective_tokens)
+            return segments
+
+        return plan_prompt(ids, spans, num_complete, self._root, self.store, "chunk", refine=approximate)
 
     # -- generation ------------------------------------------------------------------------------------
     def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None,
@@ -170,7 +208,7 @@ class KVBoost:
                 yield from generate_events(
                     self.model, self.tokenizer, plan, self.store, params, device=self.device,
                     eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
-                    cancel=cancel,
+                    cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
                     on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
                     if storing else None,
                     on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))
@@ -186,10 +224,11 @@ class KVBoost:
 
     def _store_tail(self, plan, cache, all_ids: list[int]) -> None:
         """The KV after the last complete chunk (partial chunk + answer), for the next turn's token-level
-        reuse. The last sampled token was never fed to the model, so the KV ends one before it."""
+        reuse. The last sampled token was never fed to the model, so the KV ends one before it. Not stored
+        when the prompt had APPROXIMATE hits: tails serve exact continuations only."""
         end = cache.get_seq_length()
         start = plan.tail_start
-        if end <= start:
+        if end <= start or plan.first_approximate < len(plan.ids):
             return
         tokens = all_ids[start:end]
         key = chain_key(plan.tail_parent + b"tail", tokens)

@@ -16,7 +16,9 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from .assemble import MISS, Plan, append_kv, slice_kv
+from .approx import blend_forward
+from .assemble import APPROXIMATE, MISS, Plan, append_kv, slice_kv
+from .rope import rerotate_kv
 from .config import SamplingConfig
 from .store import ChunkStore
 
@@ -37,6 +39,8 @@ class Stats:
     total_ms: float = 0.0
     decode_tokens_per_s: float = 0.0
     store_ms: float = 0.0  # storing chunk/tail KV, inside the call, after the first token
+    repaired_tokens: int = 0  # reused tokens recomputed by seam repair (cacheblend, past the probe layer)
+    repair: str = "none"
     chunks: list[tuple[int, int, str]] = field(default_factory=list)
     reuse: str = "off"
 
@@ -62,26 +66,29 @@ class Cancelled(Exception):
     pass
 
 
-def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device) -> torch.Tensor:
-    """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V].
+def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None,
+                 repair=None) -> tuple[torch.Tensor, int]:
+    """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V] and
+    the number of reused tokens that repair recomputed.
 
-    Consecutive reuse segments are appended in one concatenation; each MISS run is one forward pass over the
-    base model (no LM head), except the last, which computes logits for its last position only.
+    Consecutive reuse segments are appended in one concatenation (APPROXIMATE ones re-rotated to their new
+    positions first); each MISS run is one forward pass over the base model (no LM head), except the last,
+    which computes logits for its last position only. With repair "cacheblend", everything from the first
+    APPROXIMATE token on is one CacheBlend pass instead (engine.approx).
     """
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
+    blend_from = plan.first_approximate if repair is not None and repair.mode == "cacheblend" else len(plan.ids)
     decoder = model.get_decoder()
     i = 0
     logits = None
-    while i < len(segments):
+    while i < len(segments) and segments[i].start < blend_from:
         if segments[i].kind != MISS:
             parts = []
             while i < len(segments) and segments[i].kind != MISS:
-                seg = segments[i]
-                kv = store.payload(seg.record.key)
-                parts.append(slice_kv(kv, seg.offset, seg.offset + seg.num_tokens))
+                parts.append(_segment_kv(segments[i], store, rope, device))
                 i += 1
-            append_kv(cache, [_to_device(p, device) for p in parts])
+            append_kv(cache, parts)
             continue
         start = segments[i].start
         while i < len(segments) and segments[i].kind == MISS:
@@ -93,8 +100,63 @@ def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCach
             logits = out.logits[0, -1]
         else:
             decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    repaired = 0
+    if i < len(segments):
+        logits, repaired = _blend(model, plan, segments[i:], store, cache, rope, repair, device)
     assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
-    return logits
+    return logits, repaired
+
+
+def _segment_kv(seg, store, rope, device):
+    kv = _to_device(slice_kv(store.payload(seg.record.key), seg.offset, seg.offset + seg.num_tokens), device)
+    if seg.kind == APPROXIMATE:
+        kv = rerotate_kv(kv, seg.record.start + seg.offset, seg.start, rope)
+    return kv
+
+
+def _blend(model, plan, segments, store, cache, rope, repair, device):
+    """Builds full-length per-layer K/V (exact prefix in `cache`, then cached KV of the reused segments and
+    zeros where tokens are computed) and runs the CacheBlend pass over the rest of the prompt."""
+    start = segments[0].start
+    num_layers = model.config.num_hidden_layers
+    reused = torch.zeros(len(plan.ids) - start, dtype=torch.bool, device=device)
+    pieces = []
+    for seg in segments:
+        if seg.kind == MISS:
+            pieces.append(None)
+        else:
+            pieces.append(_segment_kv(seg, store, rope, device))
+            reused[seg.start - start:seg.end - start] = True
+    layers_k, layers_v = [], []
+    for layer in range(num_layers):
+        ks, vs = [], []
+        if start > 0:
+            ks.append(cache.layers[layer].keys)
+            vs.append(cache.layers[layer].values)
+        for seg, kv in zip(segments, pieces):
+            if kv is None:
+                ks.append(_zeros_kv(model, seg.num_tokens, device))
+                vs.append(_zeros_kv(model, seg.num_tokens, device))
+            else:
+                ks.append(kv[layer][0])
+                vs.append(kv[layer][1])
+        layers_k.append(torch.cat(ks, dim=2).contiguous())
+        layers_v.append(torch.cat(vs, dim=2).contiguous())
+    logits = blend_forward(model, plan.ids, start, layers_k, layers_v, reused, repair, device)
+    for layer in range(num_layers):
+        if layer < len(cache.layers) and start > 0:
+            cache.layers[layer].keys, cache.layers[layer].values = layers_k[layer], layers_v[layer]
+        else:
+            cache.update(layers_k[layer], layers_v[layer], layer)
+    return logits, int(round(repair.blend_ratio * int(reused.sum())))
+
+
+def _zeros_kv(model, num_tokens, device):
+    """Placeholder K or V [1, H_kv, T, D] for tokens the blend pass computes (overwritten at every layer)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return torch.zeros(1, heads, num_tokens, head_dim, dtype=model.dtype, device=device)
 
 
 def _to_device(kv, device):
@@ -188,13 +250,14 @@ class Detokenizer:
 
 def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
                     device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
-                    cancel: threading.Event | None = None,
+                    cancel: threading.Event | None = None, rope=None, repair=None,
                     on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
     """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
     token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
     and consumer close included, so the store stays consistent."""
     stats = Stats(prompt_tokens=len(plan.ids), reused_tokens=plan.reused_tokens,
-                  recomputed_tokens=len(plan.ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=reuse)
+                  recomputed_tokens=len(plan.ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=reuse,
+                  repair=repair.mode if repair is not None and plan.first_approximate < len(plan.ids) else "none")
     generator = None
     if params.temperature > 0:
         generator = torch.Generator()
@@ -207,7 +270,7 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     prefill_stored = False
     try:
         with torch.inference_mode():
-            logits = run_segments(model, plan, store, cache, device)
+            logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair)
             while True:
                 token = sample(logits, params, plan.ids + generated, generator)
                 if device.type == "cuda":

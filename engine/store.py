@@ -23,6 +23,10 @@ from .eviction import LRU, EvictionPolicy
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
+# Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
+# contains a whole anchor of it.
+ANCHOR_LEN = 16
+
 
 @dataclass
 class ChunkRecord:
@@ -37,6 +41,9 @@ class ChunkRecord:
     last_access: int = 0
     hits: int = 0
     ref_count: int = 0
+    # False for KV computed after an APPROXIMATE segment: usable only for approximate reuse (anchors), never
+    # under its chained key.
+    exact: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +89,9 @@ class ChunkStore:
         self._payloads: dict[bytes, KV] = {}
         self._by_content: dict[bytes, set[bytes]] = {}
         self._tails_by_parent: dict[bytes, set[bytes]] = {}
+        # Token anchors for alignment-free lookup: every ANCHOR_LEN tokens of every chunk, keyed by the token
+        # tuple's hash, -> (chunk key, offset inside the chunk).
+        self._anchors: dict[int, list[tuple[bytes, int]]] = {}
         self._clock = itertools.count(1)
         self.num_bytes = 0
         self.counters = StoreCounters()
@@ -89,9 +99,15 @@ class ChunkStore:
     # -- lookup -------------------------------------------------------------------------------------------
     def get_chunk(self, key: bytes) -> ChunkRecord | None:
         record = self.records.get(key)
-        if record is None or record.kind != "chunk":
+        if record is None or record.kind != "chunk" or not record.exact:
             return None
         return record
+
+    def anchored(self, tokens: tuple[int, ...]) -> list[tuple[ChunkRecord, int]]:
+        """Chunks holding `tokens` (ANCHOR_LEN long) at an anchor offset, with that offset."""
+        hits = self._anchors.get(hash(tokens), ())
+        return [(self.records[key], offset) for key, offset in hits
+                if self.records[key].tokens[offset:offset + ANCHOR_LEN] == tokens]
 
     def tails_under(self, parent: bytes) -> list[ChunkRecord]:
         return [self.records[k] for k in self._tails_by_parent.get(parent, ())]
@@ -117,14 +133,17 @@ class ChunkStore:
 
     # -- insertion ----------------------------------------------------------------------------------------
     def put_chunk(self, key: bytes, parent: bytes, content_key: bytes, start: int, tokens: Sequence[int],
-                  kv: KV) -> bool:
+                  kv: KV, *, exact: bool = True) -> bool:
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
-        record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv))
+        record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact)
         if not self._insert(record, kv):
             return False
         self._by_content.setdefault(content_key, set()).add(key)
+        for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
+            anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
+            self._anchors.setdefault(anchor, []).append((key, offset))
         return True
 
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV) -> bool:
@@ -176,6 +195,14 @@ class ChunkStore:
         assert record.ref_count == 0, "evicting an entry in use"
         del self._payloads[key]
         self.num_bytes -= record.num_bytes
+        if record.kind == "chunk":
+            for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
+                anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
+                remaining = [entry for entry in self._anchors.get(anchor, ()) if entry[0] != key]
+                if remaining:
+                    self._anchors[anchor] = remaining
+                else:
+                    self._anchors.pop(anchor, None)
         index = self._by_content if record.kind == "chunk" else self._tails_by_parent
         bucket_key = record.content_key if record.kind == "chunk" else record.parent
         bucket = index.get(bucket_key)

@@ -1,0 +1,483 @@
+"""Side-by-side time-to-first-token of the reuse modes on three workloads, in one process, on one model.
+
+Every request is sent to each engine ("off" first, then "prefix" and "chunk") before the next request, so
+machine noise hits all modes alike. The engines share the loaded weights; each workload starts them with
+empty stores. Text is the Python documentation that ships with Python (`pydoc_data.topics`), cut to token
+budgets with the engine's own tokenizer, so runs are reproducible without downloads.
+
+The first request of a workload has nothing to reuse in any mode; medians, reuse and agreement in the
+summary are over the requests after it ("warm" requests). Greedy decoding throughout: "agree" compares a
+mode's generated token ids with those of "off" on the same prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence, TextIO
+
+import torch
+
+MODES = ("off", "prefix", "chunk")  # "off" first: it is the reference for speedup and agreement
+WORKLOADS = ("multiturn", "sysprompt", "rag")
+
+SPEEDUP_TARGET = 5.0
+FLAT_TTFT_TARGET = 1.3  # chunk TTFT of the last turn over that of turn 2
+
+
+@dataclass(frozen=True)
+class Sizes:
+    num_turns: int = 8
+    turn_tokens: int = 150
+    system_tokens: int = 1000
+    num_questions: int = 8
+    num_docs: int = 5
+    doc_tokens: int = 380
+    num_queries: int = 6
+    max_new_tokens: int = 32
+
+
+FULL = Sizes()
+QUICK = Sizes(num_turns=3, turn_tokens=60, system_tokens=300, num_questions=3, num_docs=3, doc_tokens=100,
+              num_queries=3, max_new_tokens=8)
+
+TURN_QUESTIONS = (
+    "What is this passage about, in one sentence?",
+    "Which Python keywords does it mention?",
+    "Give a short example of what it describes.",
+    "What mistake could a beginner make here?",
+    "Which terms does it define?",
+    "How does this relate to the previous passage?",
+    "What is the most important rule in it?",
+    "Summarize everything so far in two sentences.",
+)
+SYSTEM_QUESTIONS = (
+    "What is the main subject of this documentation?",
+    "Which statement is described first?",
+    "Name one keyword that appears in the grammar.",
+    "What happens when an exception is raised?",
+    "Is there an example of nested blocks?",
+    "Which section would a beginner read first?",
+    "What does the word 'suite' mean here?",
+    "List two rules from the text.",
+)
+
+
+# -- text ---------------------------------------------------------------------------------------------------
+class Corpus:
+    """Passages of the Python documentation topics, handed out in topic-name order, each topic at most once.
+
+    A passage is whole lines of one topic, cut at the line end nearest the token budget, so the text reads
+    naturally and is within half a line of the budget.
+    """
+
+    def __init__(self, tokenizer):
+        from pydoc_data.topics import topics
+
+        self._tokenizer = tokenizer
+        self._topics = dict(sorted(topics.items()))
+        self._used: set[str] = set()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _cut(self, text: str, budget: int, count: int) -> list[str]:
+        passages: list[str] = []
+        lines: list[str] = []
+        used = 0  # tokens of the passage so far, counted whole: line-by-line counts drift at the joins
+        for line in text.splitlines(keepends=True):
+            if not lines and not line.strip():
+                continue  # a passage never starts with a blank line
+            with_line = self.count_tokens("".join(lines) + line)
+            if lines and with_line > budget:
+                keep = with_line - budget < budget - used  # the line that crosses the budget lands nearer
+                if keep:
+                    lines.append(line)
+                passages.append("".join(lines).strip("\n").rstrip())
+                if len(passages) == count:
+                    return passages
+                lines, used = [], 0
+                if keep or not line.strip():
+                    continue
+                with_line = self.count_tokens(line)
+            lines.append(line)
+            used = with_line
+        if lines and used >= budget * 0.9:
+            passages.append("".join(lines).strip("\n").rstrip())
+        return passages[:count]
+
+    def passages(self, budget: int, count: int) -> tuple[str, list[str]]:
+        """(topic name, `count` consecutive passages of ~`budget` tokens) from the first unused topic long
+        enough to hold them."""
+        for name, text in self._topics.items():
+            if name in self._used or len(text) < budget * count * 3:  # under ~3 chars/token: too short
+                continue
+            cut = self._cut(text, budget, count)
+            if len(cut) == count:
+                self._used.add(name)
+                return name, cut
+        raise ValueError(f"no unused documentation topic holds {count} passages of {budget} tokens")
+
+
+def permutations(num_items: int, count: int) -> list[list[int]]:
+    """`count` orders of range(num_items): the natural order first, then seeded shuffles, all distinct while
+    there are enough of them."""
+    orders = [list(range(num_items))]
+    rng = random.Random(20240611)
+    while len(orders) < count:
+        order = rng.sample(range(num_items), num_items)
+        if order not in orders or len(orders) >= math.factorial(num_items):
+            orders.append(order)
+    return orders
+
+
+@dataclass(frozen=True)
+class Texts:
+    """The text of every workload, cut in one fixed order so that a workload's text does not depend on which
+    workloads run."""
+
+    turn_topic: str
+    turn_passages: list[str]
+    system_topic: str
+    system_doc: str
+    docs: list[tuple[str, str]]  # (topic, text)
+
+
+def cut_texts(corpus: Corpus, sizes: Sizes) -> Texts:
+    turn_topic, turn_passages = corpus.passages(sizes.turn_tokens, sizes.num_turns)
+    system_topic, (system_doc,) = corpus.passages(sizes.system_tokens, 1)
+    docs = []
+    for _ in range(sizes.num_docs):
+        topic, (text,) = corpus.passages(sizes.doc_tokens, 1)
+        docs.append((topic, text))
+    return Texts(turn_topic, turn_passages, system_topic, system_doc, docs)
+
+
+# -- measuring ----------------------------------------------------------------------------------------------
+@dataclass
+class Request:
+    """One request of one mode, as measured."""
+
+    mode: str
+    ttft_ms: float
+    total_ms: float
+    prompt_tokens: int
+    reused_tokens: int
+    generated_tokens: int
+    store_ms: float  # storing new KV, after the first token
+    finish_reason: str
+    token_ids: list[int]
+    text: str
+    chunks: list[tuple[int, int, str]]  # (start, end, EXACT | PREFIX | MISS) per prompt segment
+    first_token_agree: bool = True  # with "off" on the same prompt
+    all_tokens_agree: bool = True
+
+    @property
+    def reused_fraction(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass
+class Step:
+    """One prompt sent to every mode."""
+
+    label: str
+    requests: dict[str, Request]
+
+
+@dataclass
+class Target:
+    workload: str
+    mode: str
+    what: str
+    value: float
+    target: float
+    higher_is_better: bool
+
+    @property
+    def passed(self) -> bool:
+        return self.value >= self.target if self.higher_is_better else self.value <= self.target
+
+    def line(self) -> str:
+        sign = ">=" if self.higher_is_better else "<="
+        return (f"{'PASS' if self.passed else 'MISS'}  {self.workload} / {self.mode}: {self.what} "
+                f"{self.value:.2f}x (target {sign} {self.target:g}x)")
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    params: dict
+    steps: list[Step] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+
+    def warm_steps(self) -> list[Step]:
+        return self.steps[1:] if len(self.steps) > 1 else self.steps
+
+    def summary(self) -> dict[str, dict]:
+        """Per mode, over the warm steps: median TTFT, speedup vs off, mean reuse, agreement with off."""
+        warm = self.warm_steps()
+        medians = {m: statistics.median(s.requests[m].ttft_ms for s in warm) for m in MODES}
+        out = {}
+        for mode in MODES:
+            reqs = [s.requests[mode] for s in warm]
+            out[mode] = {
+                "median_ttft_ms": medians[mode],
+                "speedup": medians["off"] / medians[mode],
+                "reused_pct": 100 * statistics.fmean(r.reused_fraction for r in reqs),
+                "first_token_agree_pct": 100 * statistics.fmean(r.first_token_agree for r in reqs),
+                "all_tokens_agree_pct": 100 * statistics.fmean(r.all_tokens_agree for r in reqs),
+            }
+        return out
+
+
+def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int) -> Step:
+    requests = {}
+    for mode in MODES:
+        result = engines[mode].chat(messages, max_new_tokens=max_new_tokens, temperature=0.0)
+        stats = result.stats
+        requests[mode] = Request(mode, stats.ttft_ms, stats.total_ms, stats.prompt_tokens, stats.reused_tokens,
+                                 stats.generated_tokens, stats.store_ms, result.finish_reason,
+                                 list(result.token_ids), result.text, [tuple(c) for c in stats.chunks])
+    reference = requests["off"].token_ids
+    for request in requests.values():
+        # Both empty (EOS first) counts as agreeing.
+        request.first_token_agree = request.token_ids[:1] == reference[:1]
+        request.all_tokens_agree = request.token_ids == reference
+    return Step(label, requests)
+
+
+def warm_up(engines: dict) -> None:
+    """One tiny request per engine, so the first measured request pays no one-time costs; then empty stores."""
+    for engine in engines.values():
+        engine.chat([{"role": "user", "content": "Say hi."}], max_new_tokens=2)
+        engine.clear_cache()
+
+
+Progress = Callable[[str], None]
+
+
+def run_multiturn(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progress) -> Workload:
+    wl = Workload("multiturn", f"one chat of {sizes.num_turns} turns; each user turn is a ~{sizes.turn_tokens}"
+                  f"-token passage of {texts.turn_topic!r} and a question; the history holds the replies of 'off'",
+                  {"topic": texts.turn_topic, "num_turns": sizes.num_turns, "turn_tokens": sizes.turn_tokens,
+                   "max_new_tokens": sizes.max_new_tokens})
+    history: list[dict] = []
+    for turn, passage in enumerate(texts.turn_passages, start=1):
+        question = TURN_QUESTIONS[(turn - 1) % len(TURN_QUESTIONS)]
+        history.append({"role": "user", "content": f"Passage {turn}:\n\n{passage}\n\n{question}"})
+        progress(f"multiturn: turn {turn}/{sizes.num_turns}")
+        step = measure(engines, f"turn {turn}", history, sizes.max_new_tokens)
+        wl.steps.append(step)
+        # Every mode continues the same conversation: the reference reply goes into the history.
+        history.append({"role": "assistant", "content": step.requests["off"].text})
+    second, last = wl.warm_steps()[0], wl.steps[-1]
+    for mode in MODES[1:]:
+        wl.targets.append(Target(wl.name, mode, f"{last.label} TTFT speedup vs off",
+                                 last.requests["off"].ttft_ms / last.requests[mode].ttft_ms,
+                                 SPEEDUP_TARGET, True))
+    wl.targets.append(Target(wl.name, "chunk", f"{last.label} / {second.label} TTFT",
+                             last.requests["chunk"].ttft_ms / second.requests["chunk"].ttft_ms,
+                             FLAT_TTFT_TARGET, False))
+    return wl
+
+
+def run_sysprompt(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progress) -> Workload:
+    system = f"You answer questions about this part of the Python reference.\n\n{texts.system_doc}"
+    wl = Workload("sysprompt", f"a ~{sizes.system_tokens}-token system prompt ({texts.system_topic!r}) and "
+                  f"{sizes.num_questions} different short questions",
+                  {"topic": texts.system_topic, "system_tokens": corpus.count_tokens(system),
+                   "num_questions": sizes.num_questions, "max_new_tokens": sizes.max_new_tokens})
+    for q in range(sizes.num_questions):
+        progress(f"sysprompt: question {q + 1}/{sizes.num_questions}")
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": SYSTEM_QUESTIONS[q % len(SYSTEM_QUESTIONS)]}]
+        wl.steps.append(measure(engines, f"question {q + 1}", messages, sizes.max_new_tokens))
+    summary = wl.summary()
+    for mode in MODES[1:]:
+        wl.targets.append(Target(wl.name, mode, f"median TTFT speedup vs off (questions 2..{sizes.num_questions})",
+                                 summary[mode]["speedup"], SPEEDUP_TARGET, True))
+    return wl
+
+
+def run_rag(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progress) -> Workload:
+    docs = texts.docs
+    orders = permutations(len(docs), sizes.num_queries)
+    wl = Workload("rag", f"{len(docs)} documents of ~{sizes.doc_tokens} tokens and a question, "
+                  f"{sizes.num_queries} queries, each with the documents in a different order (no target: "
+                  "reordered documents are left to approximate reuse)",
+                  {"topics": [t for t, _ in docs], "doc_tokens": [corpus.count_tokens(d) for _, d in docs],
+                   "orders": orders, "num_queries": sizes.num_queries, "max_new_tokens": sizes.max_new_tokens})
+    for q, order in enumerate(orders):
+        progress(f"rag: query {q + 1}/{sizes.num_queries}")
+        parts = [f"Document {i + 1} ({docs[d][0]}):\n{docs[d][1]}" for i, d in enumerate(order)]
+        asked = docs[order[-1 - q % len(docs)]][0]
+        question = f"Which document explains {asked!r}, and what does it say about it? Answer briefly."
+        content = "Answer using these documents.\n\n" + "\n\n".join(parts) + f"\n\nQuestion: {question}"
+        label = f"query {q + 1} [{' '.join(str(d + 1) for d in order)}]"
+        wl.steps.append(measure(engines, label, [{"role": "user", "content": content}], sizes.max_new_tokens))
+    return wl
+
+
+RUNNERS = {"multiturn": run_multiturn, "sysprompt": run_sysprompt, "rag": run_rag}
+
+
+# -- reporting ----------------------------------------------------------------------------------------------
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+
+    def line(cells):
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)])
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"
+
+
+def step_table(wl: Workload, max_new_tokens: int) -> str:
+    headers = ["request", "prompt tok", "off ms"]
+    for mode in MODES[1:]:
+        headers += [f"{mode} ms", f"{mode} reused", f"{mode} x", f"{mode} agree 1st/{max_new_tokens}"]
+    rows = []
+    for step in wl.steps:
+        off = step.requests["off"]
+        row = [step.label, str(off.prompt_tokens), f"{off.ttft_ms:.0f}"]
+        for mode in MODES[1:]:
+            r = step.requests[mode]
+            row += [f"{r.ttft_ms:.0f}", f"{100 * r.reused_fraction:.0f}%", f"{off.ttft_ms / r.ttft_ms:.1f}",
+                    f"{_yes(r.first_token_agree)}/{_yes(r.all_tokens_agree)}"]
+        rows.append(row)
+    return markdown_table(headers, rows)
+
+
+def summary_table(workloads: Sequence[Workload], max_new_tokens: int) -> str:
+    headers = ["workload", "mode", "median TTFT ms", "speedup vs off", "reused %", "first-token agree",
+               f"{max_new_tokens}-token agree"]
+    rows = []
+    for wl in workloads:
+        for mode, s in wl.summary().items():
+            rows.append([wl.name, mode, f"{s['median_ttft_ms']:.0f}", f"{s['speedup']:.2f}x",
+                         f"{s['reused_pct']:.0f}%", f"{s['first_token_agree_pct']:.0f}%",
+                         f"{s['all_tokens_agree_pct']:.0f}%"])
+    return markdown_table(headers, rows)
+
+
+def _meta(engine, quick: bool) -> dict:
+    import transformers
+
+    return {
+        "model": engine.name, "device": str(engine.device), "dtype": str(next(engine.model.parameters()).dtype),
+        "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "machine": platform.platform(), "chunking": asdict(engine.config.chunking), "modes": list(MODES),
+        "quick": quick,
+    }
+
+
+def _workload_dict(wl: Workload) -> dict:
+    return {
+        "description": wl.description, "params": wl.params,
+        "steps": [{"label": s.label, "requests": {m: asdict(r) for m, r in s.requests.items()}} for s in wl.steps],
+        "summary": wl.summary(),
+        "targets": [{**asdict(t), "passed": t.passed} for t in wl.targets],
+    }
+
+
+# -- entry points -------------------------------------------------------------------------------------------
+def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: bool = False,
+        progress: Progress | None = None) -> dict:
+    """Runs the named workloads ("all" for every one) and prints Markdown tables to `out`. Returns every raw
+    number as a JSON-ready dict. `engine`: a loaded KVBoost (default: the embedded model); its reuse setting
+    does not matter, each mode gets its own engine over the same weights."""
+    names = list(WORKLOADS) if "all" in workloads else list(dict.fromkeys(workloads))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        raise ValueError(f"workloads must be among {WORKLOADS + ('all',)}, got {workloads!r}")
+    progress = progress or (lambda _msg: None)
+    if engine is None:
+        from .engine import KVBoost
+
+        progress("loading model")
+        engine = KVBoost.from_pretrained()
+    sizes = QUICK if quick else FULL
+    t_start = time.perf_counter()
+    meta = _meta(engine, quick)
+    print(f"# KVBoost bench{' (quick)' if quick else ''}\n", file=out)
+    print(f"model {meta['model']} on {meta['device']} ({meta['dtype']}), torch {meta['torch']} with "
+          f"{meta['torch_threads']} threads, transformers {meta['transformers']}, chunks of "
+          f"{engine.config.chunking.size} ({engine.config.chunking.mode}); greedy, {sizes.max_new_tokens} new "
+          "tokens per request. Summary numbers exclude each workload's first (cold) request.\n", file=out)
+
+    corpus = Corpus(engine.tokenizer)
+    texts = cut_texts(corpus, sizes)
+    done: list[Workload] = []
+    for name in WORKLOADS:
+        if name not in names:
+            continue
+        engines = {mode: engine.with_options(reuse=mode) for mode in MODES}
+        warm_up(engines)
+        wl = RUNNERS[name](engines, texts, corpus, sizes, progress)
+        done.append(wl)
+        print(f"## {wl.name}\n\n{wl.description}.\n\n{step_table(wl, sizes.max_new_tokens)}\n", file=out)
+        for target in wl.targets:
+            print(f"- {target.line()}", file=out)
+        print(file=out, flush=True)
+    targets = [t for wl in done for t in wl.targets]
+    print(f"## summary\n\n{summary_table(done, sizes.max_new_tokens)}\n", file=out)
+    for target in targets:
+        print(f"- {target.line()}", file=out)
+    wall_s = time.perf_counter() - t_start
+    print(f"\n{len(done)} workload(s) in {wall_s:.0f} s", file=out, flush=True)
+    meta["wall_s"] = wall_s
+    return {"meta": meta, "workloads": {wl.name: _workload_dict(wl) for wl in done}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvboost bench",
+        description="Time to first token of reuse modes off / prefix / chunk, side by side (see bench/README.md).")
+    parser.add_argument("workloads", nargs="*", default=["all"], metavar="WORKLOAD",
+                        help=f"any of {', '.join(WORKLOADS)}, or all (default)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: fewer, shorter requests")
+    parser.add_argument("--json", metavar="PATH", help="also write every raw number to PATH")
+    parser.add_argument("--model", metavar="SOURCE", default=None,
+                        help="model folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
+    parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1, ...")
+    args = parser.parse_args(argv)
+    bad = [w for w in args.workloads if w not in WORKLOADS + ("all",)]
+    if bad:
+        parser.error(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}, all")
+
+    from .engine import KVBoost
+
+    def progress(message: str) -> None:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+    try:
+        # Opened before the run, so an unwritable path fails now rather than after minutes of measuring.
+        json_file = open(args.json, "w", encoding="utf-8") if args.json else None
+    except OSError as exc:
+        print(f"kvboost bench: cannot write --json file: {exc}", file=sys.stderr)
+        return 1
+    progress("loading model")
+    try:
+        engine = KVBoost.from_pretrained(args.model, device=args.device)
+    except ValueError as exc:  # ModelLoadError, UnsupportedModelError, a bad device
+        print(f"kvboost bench: {exc}", file=sys.stderr)
+        return 1
+    results = run(args.workloads, engine=engine, quick=args.quick, progress=progress)
+    if json_file is not None:
+        with json_file:
+            json.dump(results, json_file, indent=1)
+        progress(f"raw numbers written to {args.json}")
+    return 0
