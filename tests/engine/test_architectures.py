@@ -124,7 +124,7 @@ def reused_logits(eng: KVBoost, ids: list[int], mode: str = "chunk"):
     """The plan for `ids` against the engine's store, and the next-token logits [V] of running it."""
     plan = eng._plan(ids, mode)
     with torch.inference_mode():
-        logits = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
+        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
     return plan, logits
 
 

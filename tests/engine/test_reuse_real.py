@@ -16,7 +16,7 @@ QUESTION = "In one sentence, what does an augmented assignment do?"
 def reused_logits(eng, ids):
     plan = eng._plan(ids, eng.config.reuse)
     with torch.inference_mode():
-        logits = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
+        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
     return plan, logits
 
 
