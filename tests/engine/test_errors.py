@@ -61,7 +61,7 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 
 
 def test_non_rope_model_is_refused(tmp_path):
-    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel
     from tokenizers import Tokenizer, models
 
     folder = tmp_path / "tiny-gpt2"

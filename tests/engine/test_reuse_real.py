@@ -53,7 +53,7 @@ def test_eight_turn_chat_is_identical_and_recomputes_only_new_text(smollm):
     topics = ["for", "while", "if", "function", "class", "try", "with", "import"]
     engines = {reuse: smollm.with_options(reuse=reuse) for reuse in ("off", "prefix", "chunk")}
     history: list[dict] = []
-    previous_prompt = 0
+    previous_prompt, previous_answer = 0, []
     for turn, topic in enumerate(topics, start=1):
         history.append({"role": "user", "content": f"Explain the Python `{topic}` statement briefly. "
                                                     + pydoc_data.topics.topics[topic][:300]})
