@@ -62,10 +62,11 @@ def fill_approximate(segments: list[Segment], ids: Sequence[int], store: ChunkSt
             start, end, record, offset = best
             run = _extend_into_parents(ids, cursor, start, record, offset, store)
             run.append(Segment(start, end, APPROXIMATE, record, offset))
+            run += _extend_into_children(ids, end, seg.end, record, offset + (end - start), store)
             if run[0].start > cursor:
                 out.append(Segment(cursor, run[0].start, MISS))
             out.extend(run)
-            cursor = i = end
+            cursor = i = run[-1].end
         if cursor < seg.end:
             out.append(Segment(cursor, seg.end, MISS))
     return out
@@ -107,6 +108,28 @@ def _extend_into_parents(ids, lo, start, record, offset, store) -> list[Segment]
         record, offset, start = parent, parent.num_tokens - back, start - back
         found.append(Segment(start, start + back, APPROXIMATE, record, offset))
     found.reverse()
+    return found
+
+
+def _extend_into_children(ids, end, hi, record, used, store) -> list[Segment]:
+    """When a match runs to the last token of its entry, the text may go on in an entry stored right after
+    it (a chunk or tail whose parent it is): extend forwards while tokens agree, through the child that
+    agrees longest. `used` is how far into `record` the match reached."""
+    found: list[Segment] = []
+    while used == record.num_tokens and end < hi:
+        best, best_len = None, 0
+        for child in store.children(record.key):
+            if child.start != record.start + record.num_tokens:
+                continue
+            length = 0
+            while end + length < hi and length < child.num_tokens and ids[end + length] == child.tokens[length]:
+                length += 1
+            if length > best_len:
+                best, best_len = child, length
+        if best is None:
+            break
+        found.append(Segment(end, end + best_len, APPROXIMATE, best, 0))
+        record, used, end = best, best_len, end + best_len
     return found
 
 

@@ -89,6 +89,7 @@ class ChunkStore:
         self._payloads: dict[bytes, KV] = {}
         self._by_content: dict[bytes, set[bytes]] = {}
         self._tails_by_parent: dict[bytes, set[bytes]] = {}
+        self._chunks_by_parent: dict[bytes, set[bytes]] = {}
         # Token anchors for alignment-free lookup: every ANCHOR_LEN tokens of every chunk, keyed by the token
         # tuple's hash, -> (chunk key, offset inside the chunk).
         self._anchors: dict[int, list[tuple[bytes, int]]] = {}
@@ -104,13 +105,18 @@ class ChunkStore:
         return record
 
     def anchored(self, tokens: tuple[int, ...]) -> list[tuple[ChunkRecord, int]]:
-        """Chunks holding `tokens` (ANCHOR_LEN long) at an anchor offset, with that offset."""
+        """Entries (chunks and tails) holding `tokens` (ANCHOR_LEN long) at an anchor offset, with the offset."""
         hits = self._anchors.get(hash(tokens), ())
         return [(self.records[key], offset) for key, offset in hits
                 if self.records[key].tokens[offset:offset + ANCHOR_LEN] == tokens]
 
     def tails_under(self, parent: bytes) -> list[ChunkRecord]:
         return [self.records[k] for k in self._tails_by_parent.get(parent, ())]
+
+    def children(self, parent: bytes) -> list[ChunkRecord]:
+        """Chunks and tails stored right after the chunk `parent` (the text that followed it)."""
+        keys = self._chunks_by_parent.get(parent, set()) | self._tails_by_parent.get(parent, set())
+        return [self.records[k] for k in keys]
 
     def chunks_with_content(self, content_key: bytes) -> list[ChunkRecord]:
         return [self.records[k] for k in self._by_content.get(content_key, ())]
@@ -141,9 +147,7 @@ class ChunkStore:
         if not self._insert(record, kv):
             return False
         self._by_content.setdefault(content_key, set()).add(key)
-        for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
-            anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
-            self._anchors.setdefault(anchor, []).append((key, offset))
+        self._chunks_by_parent.setdefault(parent, set()).add(key)
         return True
 
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV) -> bool:
@@ -169,6 +173,10 @@ class ChunkStore:
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
         self.records[record.key] = record
+        # Python's hash of an int tuple is deterministic; the anchor index lives in memory only.
+        for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
+            anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
+            self._anchors.setdefault(anchor, []).append((record.key, offset))
         self._payloads[record.key] = kv
         self.num_bytes += record.num_bytes
         self.counters.stored += 1
@@ -195,21 +203,23 @@ class ChunkStore:
         assert record.ref_count == 0, "evicting an entry in use"
         del self._payloads[key]
         self.num_bytes -= record.num_bytes
+        for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
+            anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
+            remaining = [entry for entry in self._anchors.get(anchor, ()) if entry[0] != key]
+            if remaining:
+                self._anchors[anchor] = remaining
+            else:
+                self._anchors.pop(anchor, None)
         if record.kind == "chunk":
-            for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
-                anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
-                remaining = [entry for entry in self._anchors.get(anchor, ()) if entry[0] != key]
-                if remaining:
-                    self._anchors[anchor] = remaining
-                else:
-                    self._anchors.pop(anchor, None)
-        index = self._by_content if record.kind == "chunk" else self._tails_by_parent
-        bucket_key = record.content_key if record.kind == "chunk" else record.parent
-        bucket = index.get(bucket_key)
-        if bucket is not None:
-            bucket.discard(key)
-            if not bucket:
-                del index[bucket_key]
+            indexes = ((self._by_content, record.content_key), (self._chunks_by_parent, record.parent))
+        else:
+            indexes = ((self._tails_by_parent, record.parent),)
+        for index, bucket_key in indexes:
+            bucket = index.get(bucket_key)
+            if bucket is not None:
+                bucket.discard(key)
+                if not bucket:
+                    del index[bucket_key]
 
     def clear(self) -> None:
         for key in [k for k, r in self.records.items() if r.ref_count == 0]:

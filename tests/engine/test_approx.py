@@ -1,0 +1,176 @@
+"""APPROXIMATE reuse on tiny models: alignment-free lookup, exact re-rotation, seam repair, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine.config import RepairConfig
+from engine.generate import run_segments
+from tiny_models import ATOL, build_model, build_tokenizer, random_ids
+
+CHUNK = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return {"tokenizer": build_tokenizer(), "llama": build_model("llama"), "qwen2": build_model("qwen2")}
+
+
+def engine(parts, arch="llama", reuse="approx", **repair):
+    config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(size=CHUNK), repair=RepairConfig(**repair))
+    return KVBoost(parts[arch], parts["tokenizer"], config, name=f"tiny-{arch}")
+
+
+DOCS = [random_ids(75, seed=s) for s in range(10, 15)]
+PREAMBLE = random_ids(13, seed=1)  # not a multiple of CHUNK: documents land at misaligned offsets
+
+
+def rag_prompt(order, question_seed):
+    ids = list(PREAMBLE)
+    for d in order:
+        ids += DOCS[d]
+    return ids + random_ids(9, seed=question_seed)
+
+
+def logits_of(eng, ids):
+    plan = eng._plan(ids, eng.config.reuse)
+    with torch.inference_mode():
+        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                                 eng.config.repair if eng.config.reuse == "approx" else None)
+    return plan, logits
+
+
+def doc_coverage(plan, ids, doc):
+    """Share of a document's tokens served from cache in `plan` (the document located by its tokens)."""
+    start = next(i for i in range(len(ids)) if ids[i:i + len(doc)] == doc)
+    covered = sum(max(0, min(e, start + len(doc)) - max(s, start))
+                  for s, e, kind in plan.chunk_rows() if kind != "MISS")
+    return covered / len(doc)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_documents_warmed_alone_hit_at_any_offset(parts, arch):
+    eng = engine(parts, arch, mode="none")
+    for doc in DOCS:
+        eng.warm(doc)
+    ids = rag_prompt([3, 0, 4, 1, 2], question_seed=5)
+    plan, _ = logits_of(eng, ids)
+    assert "APPROXIMATE" in {kind for _, _, kind in plan.chunk_rows()}
+    for doc in DOCS:
+        assert doc_coverage(plan, ids, doc) >= 0.95
+
+
+def test_reordered_documents_hit_after_an_earlier_prompt(parts):
+    eng = engine(parts, mode="none")
+    eng.generate(rag_prompt([0, 1, 2, 3, 4], question_seed=5), max_new_tokens=1)
+    ids = rag_prompt([4, 2, 0, 3, 1], question_seed=6)
+    plan, _ = logits_of(eng, ids)
+    hit_rate = sum(doc_coverage(plan, ids, doc) for doc in DOCS) / len(DOCS)
+    assert hit_rate >= 0.9
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cacheblend_recomputing_everything_equals_full_prefill(parts, arch):
+    """With blend_ratio 1 every reused token is recomputed past the probe layer: the blend pass must then give
+    the logits of a full prefill, which proves its masks, positions and cache writes right."""
+    eng = engine(parts, arch, mode="cacheblend", blend_ratio=1.0, probe_layer=0)
+    eng.generate(rag_prompt([0, 1, 2, 3, 4], question_seed=5), max_new_tokens=1)
+    ids = rag_prompt([2, 4, 1, 0, 3], question_seed=7)
+    plan, logits = logits_of(eng, ids)
+    assert plan.first_approximate < len(ids)
+    assert torch.max(torch.abs(logits - eng.full_prefill_logits(ids))).item() < ATOL
+
+
+def test_repair_moves_logits_towards_full_prefill(parts):
+    warm_prompt = rag_prompt([0, 1, 2, 3, 4], question_seed=5)
+    ids = rag_prompt([3, 1, 4, 0, 2], question_seed=8)
+    errors = {}
+    for name, repair in {"none": dict(mode="none"), "selective": dict(mode="selective", selective_tokens=16),
+                         "blend50": dict(mode="cacheblend", blend_ratio=0.5, probe_layer=0)}.items():
+        eng = engine(parts, **repair)
+        eng.generate(warm_prompt, max_new_tokens=1)
+        _, logits = logits_of(eng, ids)
+        errors[name] = torch.max(torch.abs(logits - eng.full_prefill_logits(ids))).item()
+    assert errors["none"] > 10 * ATOL  # reuse out of context really is approximate on this model
+    assert errors["selective"] < errors["none"]
+    assert errors["blend50"] < errors["none"]
+
+
+def test_selective_recomputes_the_first_tokens_after_each_seam(parts):
+    eng = engine(parts, mode="selective", selective_tokens=8)
+    for doc in DOCS:
+        eng.warm(doc)
+    ids = rag_prompt([1, 0], question_seed=9)
+    plan, _ = logits_of(eng, ids)
+    starts = {len(PREAMBLE), len(PREAMBLE) + len(DOCS[1])}
+    for start in starts:
+        kinds = {kind for s, e, kind in plan.chunk_rows() if s < start + 8 and e > start}
+        assert kinds == {"MISS"}, f"seam at {start} not recomputed"
+        after = [kind for s, e, kind in plan.chunk_rows() if s <= start + 8 < e]
+        assert after == ["APPROXIMATE"]
+
+
+def test_exact_paths_stay_exact_in_approx_mode(parts):
+    eng = engine(parts, mode="cacheblend")
+    off = engine(parts, reuse="off")
+    first = rag_prompt([0, 1, 2], question_seed=3)
+    eng.generate(first, max_new_tokens=1)
+    ids = first + random_ids(20, seed=4)
+    plan, logits = logits_of(eng, ids)
+    assert plan.first_approximate == len(ids)  # an exact extension is served by EXACT/PREFIX hits only
+    assert plan.reused_tokens >= len(first) - 1
+    assert torch.max(torch.abs(logits - eng.full_prefill_logits(ids))).item() < ATOL
+    assert eng.generate(ids, max_new_tokens=24).token_ids == off.generate(ids, max_new_tokens=24).token_ids
+
+
+def test_approximate_kv_is_never_served_as_exact(parts):
+    eng = engine(parts, mode="none")
+    eng.generate(rag_prompt([0, 1, 2, 3, 4], question_seed=5), max_new_tokens=1)
+    ids = rag_prompt([4, 3, 2, 1, 0], question_seed=6)
+    first = eng._plan(ids, "approx")
+    eng.generate(ids, max_new_tokens=1)
+    again = eng._plan(ids, "approx")
+    # KV computed after the first approximate token is approximate: the same prompt again must not find it
+    # under chained keys.
+    assert all(kind != "EXACT" or e <= first.first_approximate for s, e, kind in again.chunk_rows())
+    assert not any(r.exact for r in eng.store.records.values() if r.start >= first.first_approximate
+                   and r.kind == "chunk" and r.key not in {seg.record.key for seg in first.segments if seg.record})
+
+
+def test_chunk_mode_never_serves_approximate_hits(parts):
+    eng = engine(parts, reuse="chunk")
+    for doc in DOCS:
+        eng.warm(doc)
+    res = eng.generate(rag_prompt([3, 0, 4, 1, 2], question_seed=5), max_new_tokens=1)
+    assert "APPROXIMATE" not in {kind for _, _, kind in res.stats.chunks}
+
+
+def test_engines_do_not_share_entries_across_models_or_settings(parts):
+    a = engine(parts, "llama", mode="none")
+    b = engine(parts, "qwen2", mode="none")
+    c = a.with_options(chunk_size=64)
+    assert len({a._root, b._root, c._root}) == 3
+    a.generate(rag_prompt([0, 1, 2], question_seed=1), max_new_tokens=1)
+    for other in (b, c):
+        res = other.generate(rag_prompt([0, 1, 2], question_seed=1), max_new_tokens=1)
+        assert res.stats.reused_tokens == 0
+
+
+def test_cacheblend_refuses_models_it_cannot_run_on(parts):
+    from tiny_models import build_model as build
+
+    gemma = build("gemma3")
+    with pytest.raises(UnsupportedModelError, match="cacheblend"):
+        KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
+    KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="selective")))
