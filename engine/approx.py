@@ -11,7 +11,8 @@ A reused run's keys are re-rotated exactly from their stored positions to the ne
 KV still carries the context it was computed in (other neighbours, or none); repair recomputes part of it in
 the true context:
 - selective: the first `selective_tokens` tokens after every seam (where reused text starts after something
-  it did not follow before), in full context, at the cost of those tokens only.
+  it did not follow before), and optionally the last `selective_before` reused tokens before it, in full
+  context, at the cost of those tokens only.
 - cacheblend: one batched pass over everything after the first APPROXIMATE token. The first layers run for
   every token; at the probe layer each reused token's fresh value is compared with its cached value, and only
   the `blend_ratio` most deviating reused tokens (plus every computed token) go on through the remaining
@@ -142,20 +143,29 @@ def is_seam(previous: Segment | None, seg: Segment) -> bool:
     return prev_source_end != seg.record.start + seg.offset
 
 
-def apply_selective(segments: list[Segment], num_tokens: int) -> list[Segment]:
-    """Turns the first `num_tokens` tokens after each seam into MISS (computed in full context)."""
+def apply_selective(segments: list[Segment], after: int, before: int = 0) -> list[Segment]:
+    """Turns the first `after` tokens after each seam, and the last `before` reused tokens before it, into
+    MISS (computed in full context)."""
+    seams = [seg.start for prev, seg in zip([None] + segments[:-1], segments)
+             if seg.kind == APPROXIMATE and is_seam(prev, seg)]
+    recompute = [(s - before, s + after) for s in seams]
     out: list[Segment] = []
-    previous = None
     for seg in segments:
-        if seg.kind == APPROXIMATE and is_seam(previous, seg) and num_tokens > 0:
-            cut = min(seg.end, seg.start + num_tokens)
-            out.append(Segment(seg.start, cut, MISS))
-            if cut < seg.end:
-                out.append(Segment(cut, seg.end, APPROXIMATE, seg.record, seg.offset + (cut - seg.start)))
-        else:
+        if seg.kind != APPROXIMATE:
             out.append(seg)
-        previous = seg
-    return out
+            continue
+        pos = seg.start
+        for lo, hi in recompute:
+            lo, hi = max(lo, pos), min(hi, seg.end)
+            if lo >= hi:
+                continue
+            if lo > pos:
+                out.append(Segment(pos, lo, APPROXIMATE, seg.record, seg.offset + (pos - seg.start)))
+            out.append(Segment(lo, hi, MISS))
+            pos = hi
+        if pos < seg.end:
+            out.append(Segment(pos, seg.end, APPROXIMATE, seg.record, seg.offset + (pos - seg.start)))
+    return merge_misses(out)
 
 
 class BlendCache:

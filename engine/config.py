@@ -37,6 +37,7 @@ class RepairConfig:
 
     mode: str = "cacheblend"  # "none" | "selective" | "cacheblend"
     selective_tokens: int = 16  # selective: tokens recomputed after each seam
+    selective_before: int = 0  # selective: reused tokens recomputed just before each seam
     blend_ratio: float = 0.15  # cacheblend: share of reused tokens recomputed past the probe layer
     probe_layer: int = 1  # cacheblend: layer whose value deviation picks those tokens
 
@@ -46,6 +47,9 @@ class RepairConfig:
         if isinstance(self.selective_tokens, bool) or not isinstance(self.selective_tokens, int) \
                 or self.selective_tokens < 0:
             raise ValueError(f"selective_tokens must be an integer >= 0, got {self.selective_tokens!r}")
+        if isinstance(self.selective_before, bool) or not isinstance(self.selective_before, int) \
+                or self.selective_before < 0:
+            raise ValueError(f"selective_before must be an integer >= 0, got {self.selective_before!r}")
         if not isinstance(self.blend_ratio, (int, float)) or not 0.0 <= self.blend_ratio <= 1.0:
             raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
         if isinstance(self.probe_layer, bool) or not isinstance(self.probe_layer, int) or self.probe_layer < 0:

@@ -107,7 +107,7 @@ class KVBoost:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
                                       size=changes.pop("chunk_size", chunking.size))
         repair = self.config.repair
-        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "blend_ratio", "probe_layer")
+        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio", "probe_layer")
                          if k in changes}
         if "repair" in changes:
             repair = RepairConfig(mode=changes.pop("repair"))
@@ -170,7 +170,7 @@ class KVBoost:
         def approximate(segments):
             segments = fill_approximate(merge_misses(segments), ids, self.store, self._rope)
             if repair.mode == "selective":
-                segments = apply_selective(segments, repair.selective_tokens)
+                segments = apply_selective(segments, repair.selective_tokens, repair.selective_before)
             return segments
 
         return plan_prompt(ids, spans, num_complete, self._root, self.store, "chunk", refine=approximate)

@@ -174,3 +174,15 @@ def test_cacheblend_refuses_models_it_cannot_run_on(parts):
     with pytest.raises(UnsupportedModelError, match="cacheblend"):
         KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
     KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="selective")))
+
+
+def test_selective_can_also_recompute_tokens_before_a_seam(parts):
+    eng = engine(parts, mode="selective", selective_tokens=4, selective_before=6)
+    for doc in DOCS:
+        eng.warm(doc)
+    ids = rag_prompt([1, 0], question_seed=9)
+    plan, _ = logits_of(eng, ids)
+    seam = len(PREAMBLE) + len(DOCS[1])
+    kinds = {kind for s, e, kind in plan.chunk_rows() if s < seam + 4 and e > seam - 6}
+    assert kinds == {"MISS"}
+    assert [k for s, e, k in plan.chunk_rows() if s <= seam - 7 < e] == ["APPROXIMATE"]
