@@ -1,8 +1,9 @@
 """Planning a prompt against the chunk store and building the HF cache from the hits.
 
 A plan is a list of segments covering [0, n) in order. A reuse segment takes KV from a store entry
-(EXACT: a chunk under its chained key; PREFIX: the longest common token prefix of a tail or, in "prefix"
-mode, the leading run of chunks); a MISS segment is computed by a forward pass over its tokens with every
+(EXACT: a chunk under its chained key; PREFIX: the longest common token prefix of a tail or of a chunk whose
+text went on differently, hung under the same parent, or, in "prefix" mode, the leading run of chunks);
+APPROXIMATE segments come from engine.approx; a MISS segment is computed by a forward pass over its tokens with every
 earlier segment already in the cache, so its KV is the KV of a real prefill in its true context.
 """
 
@@ -83,13 +84,17 @@ def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _best_tail(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[ChunkRecord | None, int]:
-    """The tail under `parent` sharing the longest token prefix with `rest`, and that length."""
+def _best_child(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[ChunkRecord | None, int]:
+    """Among the exact entries stored right after `parent` (tails, and chunks whose text went on differently),
+    the one sharing the longest token prefix with `rest`, and that length: token-granular reuse, as a radix
+    tree would give."""
     best, best_len = None, 0
-    for tail in store.tails_under(parent):
-        common = _longest_common_prefix(tail.tokens, rest)
+    for child in store.children(parent):
+        if not child.exact:
+            continue
+        common = _longest_common_prefix(child.tokens, rest)
         if common > best_len:
-            best, best_len = tail, common
+            best, best_len = child, common
     return best, best_len
 
 
@@ -115,15 +120,15 @@ def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: byte
                 index += 1
                 continue
             hit = store.get_chunk(keys[index]) if index < num_complete else None
-            tail, common = (None, 0) if hit else _best_tail(store, plan.parent_of(index), ids[boundary:])
-            if (hit or tail) and pos < boundary:
+            partial, common = (None, 0) if hit else _best_child(store, plan.parent_of(index), ids[boundary:])
+            if (hit or partial) and pos < boundary:
                 segments.append(Segment(pos, boundary, MISS))
                 pos = boundary
             if hit:
                 segments.append(Segment(boundary, spans[index][1], EXACT if mode == "chunk" else PREFIX, hit))
                 pos = spans[index][1]
-            elif tail:
-                segments.append(Segment(pos, pos + common, PREFIX, tail))
+            elif partial:
+                segments.append(Segment(pos, pos + common, PREFIX, partial))
                 pos += common
             if not hit and mode == "prefix":
                 break

@@ -85,13 +85,13 @@ def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCach
     while i < len(segments) and segments[i].start < blend_from:
         if segments[i].kind != MISS:
             parts = []
-            while i < len(segments) and segments[i].kind != MISS:
+            while i < len(segments) and segments[i].kind != MISS and segments[i].start < blend_from:
                 parts.append(_segment_kv(segments[i], store, rope, device))
                 i += 1
             append_kv(cache, parts)
             continue
         start = segments[i].start
-        while i < len(segments) and segments[i].kind == MISS:
+        while i < len(segments) and segments[i].kind == MISS and segments[i].start < blend_from:
             i += 1
         end = segments[i - 1].end
         input_ids = torch.tensor([plan.ids[start:end]], device=device)
