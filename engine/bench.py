@@ -1,9 +1,10 @@
 """Side-by-side time-to-first-token of the reuse modes on three workloads, in one process, on one model.
 
-Every request is sent to each engine ("off" first, then "prefix" and "chunk") before the next request, so
-machine noise hits all modes alike. The engines share the loaded weights; each workload starts them with
-empty stores. Text is the Python documentation that ships with Python (`pydoc_data.topics`), cut to token
-budgets with the engine's own tokenizer, so runs are reproducible without downloads.
+Every request is sent to each engine ("off" first, then the other modes: "prefix" and "chunk" by default)
+before the next request, so machine noise hits all modes alike. The engines share the loaded weights; each
+workload starts them with empty stores. Text is the Python documentation that ships with Python
+(`pydoc_data.topics`), cut to token budgets with the engine's own tokenizer, so runs are reproducible without
+downloads.
 
 The first request of a workload has nothing to reuse in any mode; medians, reuse and agreement in the
 summary are over the requests after it ("warm" requests). Greedy decoding throughout: "agree" compares a
@@ -25,7 +26,10 @@ from typing import Callable, Sequence, TextIO
 
 import torch
 
-MODES = ("off", "prefix", "chunk")  # "off" first: it is the reference for speedup and agreement
+from .config import REUSE_MODES
+
+DEFAULT_MODES = ("off", "prefix", "chunk")
+REFERENCE = "off"  # the mode every other is compared with: speedup and agreement
 WORKLOADS = ("multiturn", "sysprompt", "rag")
 
 SPEEDUP_TARGET = 5.0
@@ -171,6 +175,7 @@ class Request:
     prompt_tokens: int
     reused_tokens: int
     generated_tokens: int
+    repaired_tokens: int  # reused tokens recomputed by seam repair (approx)
     store_ms: float  # storing new KV, after the first token
     finish_reason: str
     token_ids: list[int]
@@ -219,19 +224,23 @@ class Workload:
     steps: list[Step] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
 
+    @property
+    def modes(self) -> list[str]:
+        return list(self.steps[0].requests)
+
     def warm_steps(self) -> list[Step]:
         return self.steps[1:] if len(self.steps) > 1 else self.steps
 
     def summary(self) -> dict[str, dict]:
         """Per mode, over the warm steps: median TTFT, speedup vs off, mean reuse, agreement with off."""
         warm = self.warm_steps()
-        medians = {m: statistics.median(s.requests[m].ttft_ms for s in warm) for m in MODES}
+        medians = {m: statistics.median(s.requests[m].ttft_ms for s in warm) for m in self.modes}
         out = {}
-        for mode in MODES:
+        for mode in self.modes:
             reqs = [s.requests[mode] for s in warm]
             out[mode] = {
                 "median_ttft_ms": medians[mode],
-                "speedup": medians["off"] / medians[mode],
+                "speedup": medians[REFERENCE] / medians[mode],
                 "reused_pct": 100 * statistics.fmean(r.reused_fraction for r in reqs),
                 "first_token_agree_pct": 100 * statistics.fmean(r.first_token_agree for r in reqs),
                 "all_tokens_agree_pct": 100 * statistics.fmean(r.all_tokens_agree for r in reqs),
@@ -240,14 +249,15 @@ class Workload:
 
 
 def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int) -> Step:
+    """Sends `messages` to every engine in order (the reference first)."""
     requests = {}
-    for mode in MODES:
-        result = engines[mode].chat(messages, max_new_tokens=max_new_tokens, temperature=0.0)
+    for mode, engine in engines.items():
+        result = engine.chat(messages, max_new_tokens=max_new_tokens, temperature=0.0)
         stats = result.stats
         requests[mode] = Request(mode, stats.ttft_ms, stats.total_ms, stats.prompt_tokens, stats.reused_tokens,
-                                 stats.generated_tokens, stats.store_ms, result.finish_reason,
+                                 stats.generated_tokens, stats.repaired_tokens, stats.store_ms, result.finish_reason,
                                  list(result.token_ids), result.text, [tuple(c) for c in stats.chunks])
-    reference = requests["off"].token_ids
+    reference = requests[REFERENCE].token_ids
     for request in requests.values():
         # Both empty (EOS first) counts as agreeing.
         request.first_token_agree = request.token_ids[:1] == reference[:1]
@@ -267,7 +277,8 @@ Progress = Callable[[str], None]
 
 def run_multiturn(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progress) -> Workload:
     wl = Workload("multiturn", f"one chat of {sizes.num_turns} turns; each user turn is a ~{sizes.turn_tokens}"
-                  f"-token passage of {texts.turn_topic!r} and a question; the history holds the replies of 'off'",
+                  f"-token passage of {texts.turn_topic!r} and a question; the history holds the replies of "
+                  f"{REFERENCE!r}",
                   {"topic": texts.turn_topic, "num_turns": sizes.num_turns, "turn_tokens": sizes.turn_tokens,
                    "max_new_tokens": sizes.max_new_tokens})
     history: list[dict] = []
@@ -278,15 +289,16 @@ def run_multiturn(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress:
         step = measure(engines, f"turn {turn}", history, sizes.max_new_tokens)
         wl.steps.append(step)
         # Every mode continues the same conversation: the reference reply goes into the history.
-        history.append({"role": "assistant", "content": step.requests["off"].text})
+        history.append({"role": "assistant", "content": step.requests[REFERENCE].text})
     second, last = wl.warm_steps()[0], wl.steps[-1]
-    for mode in MODES[1:]:
+    for mode in wl.modes[1:]:
         wl.targets.append(Target(wl.name, mode, f"{last.label} TTFT speedup vs off",
-                                 last.requests["off"].ttft_ms / last.requests[mode].ttft_ms,
+                                 last.requests[REFERENCE].ttft_ms / last.requests[mode].ttft_ms,
                                  SPEEDUP_TARGET, True))
-    wl.targets.append(Target(wl.name, "chunk", f"{last.label} / {second.label} TTFT",
-                             last.requests["chunk"].ttft_ms / second.requests["chunk"].ttft_ms,
-                             FLAT_TTFT_TARGET, False))
+    if "chunk" in wl.modes:
+        wl.targets.append(Target(wl.name, "chunk", f"{last.label} / {second.label} TTFT",
+                                 last.requests["chunk"].ttft_ms / second.requests["chunk"].ttft_ms,
+                                 FLAT_TTFT_TARGET, False))
     return wl
 
 
@@ -302,7 +314,7 @@ def run_sysprompt(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress:
                     {"role": "user", "content": SYSTEM_QUESTIONS[q % len(SYSTEM_QUESTIONS)]}]
         wl.steps.append(measure(engines, f"question {q + 1}", messages, sizes.max_new_tokens))
     summary = wl.summary()
-    for mode in MODES[1:]:
+    for mode in wl.modes[1:]:
         wl.targets.append(Target(wl.name, mode, f"median TTFT speedup vs off (questions 2..{sizes.num_questions})",
                                  summary[mode]["speedup"], SPEEDUP_TARGET, True))
     return wl
@@ -346,13 +358,13 @@ def _yes(flag: bool) -> str:
 
 def step_table(wl: Workload, max_new_tokens: int) -> str:
     headers = ["request", "prompt tok", "off ms"]
-    for mode in MODES[1:]:
+    for mode in wl.modes[1:]:
         headers += [f"{mode} ms", f"{mode} reused", f"{mode} x", f"{mode} agree 1st/{max_new_tokens}"]
     rows = []
     for step in wl.steps:
-        off = step.requests["off"]
+        off = step.requests[REFERENCE]
         row = [step.label, str(off.prompt_tokens), f"{off.ttft_ms:.0f}"]
-        for mode in MODES[1:]:
+        for mode in wl.modes[1:]:
             r = step.requests[mode]
             row += [f"{r.ttft_ms:.0f}", f"{100 * r.reused_fraction:.0f}%", f"{off.ttft_ms / r.ttft_ms:.1f}",
                     f"{_yes(r.first_token_agree)}/{_yes(r.all_tokens_agree)}"]
@@ -372,14 +384,14 @@ def summary_table(workloads: Sequence[Workload], max_new_tokens: int) -> str:
     return markdown_table(headers, rows)
 
 
-def _meta(engine, quick: bool) -> dict:
+def _meta(engine, modes: Sequence[str], quick: bool) -> dict:
     import transformers
 
     return {
         "model": engine.name, "device": str(engine.device), "dtype": str(next(engine.model.parameters()).dtype),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": platform.platform(), "chunking": asdict(engine.config.chunking), "modes": list(MODES),
+        "machine": platform.platform(), "chunking": asdict(engine.config.chunking), "modes": list(modes),
         "quick": quick,
     }
 
@@ -395,14 +407,19 @@ def _workload_dict(wl: Workload) -> dict:
 
 # -- entry points -------------------------------------------------------------------------------------------
 def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: bool = False,
-        progress: Progress | None = None) -> dict:
+        modes: Sequence[str] = DEFAULT_MODES, progress: Progress | None = None) -> dict:
     """Runs the named workloads ("all" for every one) and prints Markdown tables to `out`. Returns every raw
     number as a JSON-ready dict. `engine`: a loaded KVBoost (default: the embedded model); its reuse setting
-    does not matter, each mode gets its own engine over the same weights."""
+    does not matter, each of `modes` gets its own engine over the same weights ("off" is always run: it is
+    the reference)."""
     names = list(WORKLOADS) if "all" in workloads else list(dict.fromkeys(workloads))
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
         raise ValueError(f"workloads must be among {WORKLOADS + ('all',)}, got {workloads!r}")
+    modes = list(dict.fromkeys([REFERENCE, *modes]))
+    bad_modes = [m for m in modes if m not in REUSE_MODES]
+    if bad_modes or len(modes) < 2:
+        raise ValueError(f"modes must be among {REUSE_MODES} besides {REFERENCE!r}, got {list(modes)!r}")
     progress = progress or (lambda _msg: None)
     if engine is None:
         from .engine import KVBoost
@@ -411,7 +428,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
         engine = KVBoost.from_pretrained()
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
-    meta = _meta(engine, quick)
+    meta = _meta(engine, modes, quick)
     print(f"# KVBoost bench{' (quick)' if quick else ''}\n", file=out)
     print(f"model {meta['model']} on {meta['device']} ({meta['dtype']}), torch {meta['torch']} with "
           f"{meta['torch_threads']} threads, transformers {meta['transformers']}, chunks of "
@@ -424,7 +441,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     for name in WORKLOADS:
         if name not in names:
             continue
-        engines = {mode: engine.with_options(reuse=mode) for mode in MODES}
+        engines = {mode: engine.with_options(reuse=mode) for mode in modes}
         warm_up(engines)
         wl = RUNNERS[name](engines, texts, corpus, sizes, progress)
         done.append(wl)
@@ -453,10 +470,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", metavar="SOURCE", default=None,
                         help="model folder, .gguf file or cached hub id (default: embedded SmolLM2-135M)")
     parser.add_argument("--device", default="auto", help="auto (default), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help=f"comma-separated reuse modes to compare with off, among {', '.join(REUSE_MODES)} "
+                             f"(default: {','.join(DEFAULT_MODES)})")
     args = parser.parse_args(argv)
     bad = [w for w in args.workloads if w not in WORKLOADS + ("all",)]
     if bad:
         parser.error(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}, all")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in REUSE_MODES]
+    if bad or not [m for m in modes if m != REFERENCE]:
+        parser.error(f"--modes takes reuse modes among {', '.join(REUSE_MODES)} besides off, got {args.modes!r}")
 
     from .engine import KVBoost
 
@@ -475,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ModelLoadError, UnsupportedModelError, a bad device
         print(f"kvboost bench: {exc}", file=sys.stderr)
         return 1
-    results = run(args.workloads, engine=engine, quick=args.quick, progress=progress)
+    results = run(args.workloads, engine=engine, quick=args.quick, modes=modes, progress=progress)
     if json_file is not None:
         with json_file:
             json.dump(results, json_file, indent=1)

@@ -15,10 +15,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="model folder, .gguf file or HF hub id in the local cache (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk"))
+    p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk", "approx"),
+                   help="approx adds APPROXIMATE reuse of moved text (may change answers; see README)")
+    p.add_argument("--repair", default="cacheblend", choices=("none", "selective", "cacheblend"))
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
     p.add_argument("--cache-bytes", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -39,9 +42,14 @@ def _sampling(args) -> dict:
 def _load(args):
     from .engine import KVBoost
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
     return KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
-                                   chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes)
+                                   chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
+                                   repair=args.repair)
 
 
 def _badge(stats) -> str:

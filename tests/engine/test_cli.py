@@ -1,0 +1,35 @@
+"""The `kvboost` command as users run it: a real process, real stdin/stdout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+KVBOOST = [sys.executable, "-m", "engine.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args, stdin=None, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(KVBOOST + args, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def test_chat_answers_and_reuses_the_conversation():
+    proc = run(["chat", "--max-new-tokens", "24", "--threads", "2"],
+               stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    badges = [line for line in proc.stderr.splitlines() if "reused" in line]
+    assert len(badges) == 2
+    assert "0% reused" in badges[0] and "0% reused" not in badges[1]
+    assert '"hits"' in proc.stdout  # /stats printed the cache statistics
+
+
+def test_bad_model_path_is_a_clear_error_with_exit_code_2(tmp_path):
+    proc = run(["run", "--model", str(tmp_path / "missing.gguf"), "hello"], timeout=120)
+    assert proc.returncode == 2
+    assert "GGUF file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
