@@ -220,3 +220,14 @@ def test_model_without_rope_is_rejected(tokenizer):
         GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048), dtype=torch.float32)
     with pytest.raises(UnsupportedModelError, match="RoPE"):
         KVBoost(gpt2, tokenizer, EngineConfig(chunking=ChunkingConfig(size=CHUNK, window=4)))
+
+
+def test_a_small_reusable_share_is_recomputed_instead(tiny_models, tokenizer):
+    """Reusing a few tokens in front of a long prompt costs more (masked attention) than it saves."""
+    eng = make_engine(tiny_models, tokenizer, "llama")
+    head = random_ids(20, seed=1)
+    eng.warm(head)
+    long_prompt = head + random_ids(200, seed=2)
+    assert eng.generate(long_prompt, max_new_tokens=1).stats.reused_tokens == 0
+    short_prompt = head + random_ids(30, seed=3)
+    assert eng.generate(short_prompt, max_new_tokens=1).stats.reused_tokens >= 19
