@@ -30,7 +30,7 @@ from .config import REUSE_MODES
 
 DEFAULT_MODES = ("off", "prefix", "chunk")
 REFERENCE = "off"  # the mode every other is compared with: speedup and agreement
-WORKLOADS = ("multiturn", "sysprompt", "rag")
+WORKLOADS = ("multiturn", "sysprompt", "rag", "needle")
 
 SPEEDUP_TARGET = 5.0
 FLAT_TTFT_TARGET = 1.3  # chunk TTFT of the last turn over that of turn 2
@@ -46,11 +46,16 @@ class Sizes:
     doc_tokens: int = 380
     num_queries: int = 6
     max_new_tokens: int = 32
+    needle_docs: int = 8
+    needle_docs_per_prompt: int = 5
+    needle_questions: int = 24
+    needle_chars: int = 1300
 
 
 FULL = Sizes()
 QUICK = Sizes(num_turns=3, turn_tokens=60, system_tokens=300, num_questions=3, num_docs=3, doc_tokens=100,
-              num_queries=3, max_new_tokens=8)
+              num_queries=3, max_new_tokens=8, needle_docs=4, needle_docs_per_prompt=3, needle_questions=3,
+              needle_chars=600)
 
 TURN_QUESTIONS = (
     "What is this passage about, in one sentence?",
@@ -164,6 +169,35 @@ def cut_texts(corpus: Corpus, sizes: Sizes) -> Texts:
     return Texts(turn_topic, turn_passages, system_topic, system_doc, docs)
 
 
+# -- modes --------------------------------------------------------------------------------------------------
+REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
+
+
+def mode_options(mode: str) -> dict:
+    """Engine options of a mode name: a reuse mode ("off", "prefix", "chunk", "approx"), or
+    "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
+    recomputed after each seam; cacheblend: share of reused tokens recomputed), e.g. "approx:cacheblend@0.3"."""
+    reuse, _, repair = mode.partition(":")
+    if reuse not in REUSE_MODES or (repair and reuse != "approx"):
+        raise ValueError(f"unknown mode {mode!r}: use {', '.join(REUSE_MODES)} or approx:none|selective|cacheblend")
+    if not repair:
+        return {"reuse": reuse}
+    repair, _, value = repair.partition("@")
+    if repair not in ("none", "selective", "cacheblend") or (value and repair == "none"):
+        raise ValueError(f"unknown repair in mode {mode!r}")
+    options = {"reuse": reuse, "repair": repair}
+    if value:
+        try:
+            options[REPAIR_PARAM[repair]] = int(value) if repair == "selective" else float(value)
+        except ValueError:
+            raise ValueError(f"bad repair value in mode {mode!r}") from None
+    return options
+
+
+def engine_for(engine, mode: str):
+    return engine.with_options(**mode_options(mode))
+
+
 # -- measuring ----------------------------------------------------------------------------------------------
 @dataclass
 class Request:
@@ -183,6 +217,8 @@ class Request:
     chunks: list[tuple[int, int, str]]  # (start, end, EXACT | PREFIX | MISS) per prompt segment
     first_token_agree: bool = True  # with "off" on the same prompt
     all_tokens_agree: bool = True
+    kl: float = 0.0  # KL(off || mode) of the next-token distribution at the end of the prompt
+    correct: bool | None = None  # needle-QA: the expected answer is in the reply
 
     @property
     def reused_fraction(self) -> float:
@@ -205,6 +241,7 @@ class Target:
     value: float
     target: float
     higher_is_better: bool
+    unit: str = "x"
 
     @property
     def passed(self) -> bool:
@@ -213,7 +250,7 @@ class Target:
     def line(self) -> str:
         sign = ">=" if self.higher_is_better else "<="
         return (f"{'PASS' if self.passed else 'MISS'}  {self.workload} / {self.mode}: {self.what} "
-                f"{self.value:.2f}x (target {sign} {self.target:g}x)")
+                f"{self.value:.2f}{self.unit} (target {sign} {self.target:g}{self.unit})")
 
 
 @dataclass
@@ -244,15 +281,20 @@ class Workload:
                 "reused_pct": 100 * statistics.fmean(r.reused_fraction for r in reqs),
                 "first_token_agree_pct": 100 * statistics.fmean(r.first_token_agree for r in reqs),
                 "all_tokens_agree_pct": 100 * statistics.fmean(r.all_tokens_agree for r in reqs),
+                "mean_kl": statistics.fmean(r.kl for r in reqs),
             }
+            if reqs[0].correct is not None:
+                out[mode]["accuracy_pct"] = 100 * statistics.fmean(bool(r.correct) for r in reqs)
         return out
 
 
 def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int) -> Step:
     """Sends `messages` to every engine in order (the reference first)."""
     requests = {}
+    logits = {}
     for mode, engine in engines.items():
-        result = engine.chat(messages, max_new_tokens=max_new_tokens, temperature=0.0)
+        result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=0.0, return_logits=True)
+        logits[mode] = torch.log_softmax(result.first_logits.double(), dim=-1)
         stats = result.stats
         requests[mode] = Request(mode, stats.ttft_ms, stats.total_ms, stats.prompt_tokens, stats.reused_tokens,
                                  stats.generated_tokens, stats.repaired_tokens, stats.store_ms, result.finish_reason,
@@ -262,6 +304,8 @@ def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int
         # Both empty (EOS first) counts as agreeing.
         request.first_token_agree = request.token_ids[:1] == reference[:1]
         request.all_tokens_agree = request.token_ids == reference
+        ref = logits[REFERENCE]
+        request.kl = float((ref.exp() * (ref - logits[request.mode])).sum())
     return Step(label, requests)
 
 
@@ -336,10 +380,31 @@ def run_rag(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progr
         content = "Answer using these documents.\n\n" + "\n\n".join(parts) + f"\n\nQuestion: {question}"
         label = f"query {q + 1} [{' '.join(str(d + 1) for d in order)}]"
         wl.steps.append(measure(engines, label, [{"role": "user", "content": content}], sizes.max_new_tokens))
+    add_approx_targets(wl)
     return wl
 
 
-RUNNERS = {"multiturn": run_multiturn, "sysprompt": run_sysprompt, "rag": run_rag}
+def add_approx_targets(wl: Workload) -> None:
+    """The targets of approximate reuse on reordered documents, for every approx mode that ran."""
+    summary = wl.summary()
+    prefix = summary.get("prefix")
+    for mode in wl.modes:
+        if not mode.startswith("approx"):
+            continue
+        s = summary[mode]
+        wl.targets.append(Target(wl.name, mode, "median TTFT speedup vs off", s["speedup"], 4.5, True))
+        if prefix is not None:
+            wl.targets.append(Target(wl.name, mode, "median TTFT speedup vs prefix",
+                                     prefix["median_ttft_ms"] / s["median_ttft_ms"], 2.0, True))
+        wl.targets.append(Target(wl.name, mode, "mean KL vs off", s["mean_kl"], 0.05, False, unit=""))
+        wl.targets.append(Target(wl.name, mode, "first-token agreement %", s["first_token_agree_pct"], 95, True,
+                                 unit="%"))
+
+
+def runners() -> dict:
+    from .bench_needle import run_needle
+
+    return {"multiturn": run_multiturn, "sysprompt": run_sysprompt, "rag": run_rag, "needle": run_needle}
 
 
 # -- reporting ----------------------------------------------------------------------------------------------
@@ -374,13 +439,14 @@ def step_table(wl: Workload, max_new_tokens: int) -> str:
 
 def summary_table(workloads: Sequence[Workload], max_new_tokens: int) -> str:
     headers = ["workload", "mode", "median TTFT ms", "speedup vs off", "reused %", "first-token agree",
-               f"{max_new_tokens}-token agree"]
+               f"{max_new_tokens}-token agree", "mean KL", "needle accuracy"]
     rows = []
     for wl in workloads:
         for mode, s in wl.summary().items():
+            accuracy = f"{s['accuracy_pct']:.1f}%" if "accuracy_pct" in s else ""
             rows.append([wl.name, mode, f"{s['median_ttft_ms']:.0f}", f"{s['speedup']:.2f}x",
                          f"{s['reused_pct']:.0f}%", f"{s['first_token_agree_pct']:.0f}%",
-                         f"{s['all_tokens_agree_pct']:.0f}%"])
+                         f"{s['all_tokens_agree_pct']:.0f}%", f"{s['mean_kl']:.3f}", accuracy])
     return markdown_table(headers, rows)
 
 
@@ -417,9 +483,10 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     if unknown or not names:
         raise ValueError(f"workloads must be among {WORKLOADS + ('all',)}, got {workloads!r}")
     modes = list(dict.fromkeys([REFERENCE, *modes]))
-    bad_modes = [m for m in modes if m not in REUSE_MODES]
-    if bad_modes or len(modes) < 2:
-        raise ValueError(f"modes must be among {REUSE_MODES} besides {REFERENCE!r}, got {list(modes)!r}")
+    for mode in modes:
+        mode_options(mode)  # raises ValueError naming a bad one
+    if len(modes) < 2:
+        raise ValueError(f"name at least one mode besides {REFERENCE!r}, got {list(modes)!r}")
     progress = progress or (lambda _msg: None)
     if engine is None:
         from .engine import KVBoost
@@ -441,9 +508,9 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     for name in WORKLOADS:
         if name not in names:
             continue
-        engines = {mode: engine.with_options(reuse=mode) for mode in modes}
+        engines = {mode: engine_for(engine, mode) for mode in modes}
         warm_up(engines)
-        wl = RUNNERS[name](engines, texts, corpus, sizes, progress)
+        wl = runners()[name](engines, texts, corpus, sizes, progress)
         done.append(wl)
         print(f"## {wl.name}\n\n{wl.description}.\n\n{step_table(wl, sizes.max_new_tokens)}\n", file=out)
         for target in wl.targets:
@@ -478,9 +545,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unknown workload(s) {', '.join(bad)}; choose from {', '.join(WORKLOADS)}, all")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in REUSE_MODES]
-    if bad or not [m for m in modes if m != REFERENCE]:
-        parser.error(f"--modes takes reuse modes among {', '.join(REUSE_MODES)} besides off, got {args.modes!r}")
+    try:
+        for mode in modes:
+            mode_options(mode)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not [m for m in modes if m != REFERENCE]:
+        parser.error(f"--modes takes reuse modes besides off, got {args.modes!r}")
 
     from .engine import KVBoost
 

@@ -188,19 +188,20 @@ class KVBoost:
         return plan_prompt(ids, spans, num_complete, self._root, self.store, "chunk", refine=approximate)
 
     # -- generation ------------------------------------------------------------------------------------
-    def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None,
+    def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None, return_logits: bool = False,
                **sampling) -> Iterator[TokenEvent | Result]:
         """Token deltas as TokenEvent, then the Result as the last event. `cancel` (optional) stops the
-        generation at the next token with finish_reason "cancelled"."""
+        generation at the next token with finish_reason "cancelled"; `return_logits` keeps the next-token
+        logits at the end of the prompt in Result.first_logits."""
         t_enter = time.perf_counter()
         params = SamplingConfig.from_kwargs(**sampling)
         ids = self.encode(prompt)
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt is {len(ids)} tokens; {self.name} holds at most {self.max_context} "
                              "(prompt and answer together)")
-        return self._events(ids, params, t_enter, cancel)
+        return self._events(ids, params, t_enter, cancel, return_logits)
 
-    def _events(self, ids, params, t_enter, cancel):
+    def _events(self, ids, params, t_enter, cancel, return_logits=False):
         # Requests on one engine run one at a time; a second stream opened and iterated on the thread that
         # holds the first would wait for itself forever, so that is an error.
         if self._owner == threading.get_ident():
@@ -221,6 +222,7 @@ class KVBoost:
                     self.model, self.tokenizer, plan, self.store, params, device=self.device,
                     eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
                     cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
+                    return_logits=return_logits,
                     on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
                     if storing else None,
                     on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))

@@ -60,6 +60,8 @@ class Result:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
     stats: Stats
+    # Next-token logits [V] at the end of the prompt (float32, CPU); only with stream(..., return_logits=True).
+    first_logits: torch.Tensor | None = None
 
 
 class Cancelled(Exception):
@@ -250,7 +252,7 @@ class Detokenizer:
 
 def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
                     device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
-                    cancel: threading.Event | None = None, rope=None, repair=None,
+                    cancel: threading.Event | None = None, rope=None, repair=None, return_logits=False,
                     on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
     """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
     token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
@@ -266,11 +268,13 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     cache = DynamicCache()
     generated: list[int] = []
     finish_reason = "length"
+    first_logits = None
     t_first = None
     prefill_stored = False
     try:
         with torch.inference_mode():
             logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair)
+            first_logits = logits.float().cpu().clone() if return_logits else None
             while True:
                 token = sample(logits, params, plan.ids + generated, generator)
                 if device.type == "cuda":
@@ -317,5 +321,5 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     stats.total_ms = (t_end - t_enter) * 1000
     if t_first is not None and len(generated) > 1:
         stats.decode_tokens_per_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
-    yield Result(detok.text, generated, finish_reason, stats)
+    yield Result(detok.text, generated, finish_reason, stats, first_logits)
 
