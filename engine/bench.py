@@ -176,21 +176,26 @@ REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
 def mode_options(mode: str) -> dict:
     """Engine options of a mode name: a reuse mode ("off", "prefix", "chunk", "approx"), or
     "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
-    recomputed after each seam; cacheblend: share of reused tokens recomputed), e.g. "approx:cacheblend@0.3"."""
+    recomputed after each seam; cacheblend: share of reused tokens recomputed, then "+N" to also recompute the
+    N tokens after each seam), e.g. "approx:cacheblend@0.3" or "approx:cacheblend@0.15+16"."""
     reuse, _, repair = mode.partition(":")
     if reuse not in REUSE_MODES or (repair and reuse != "approx"):
         raise ValueError(f"unknown mode {mode!r}: use {', '.join(REUSE_MODES)} or approx:none|selective|cacheblend")
     if not repair:
         return {"reuse": reuse}
     repair, _, value = repair.partition("@")
-    if repair not in ("none", "selective", "cacheblend") or (value and repair == "none"):
+    value, _, seam = value.partition("+")
+    if repair not in ("none", "selective", "cacheblend") or (value and repair == "none") \
+            or (seam and repair != "cacheblend"):
         raise ValueError(f"unknown repair in mode {mode!r}")
     options = {"reuse": reuse, "repair": repair}
-    if value:
-        try:
+    try:
+        if value:
             options[REPAIR_PARAM[repair]] = int(value) if repair == "selective" else float(value)
-        except ValueError:
-            raise ValueError(f"bad repair value in mode {mode!r}") from None
+        if seam:
+            options["blend_seam_tokens"] = int(seam)
+    except ValueError:
+        raise ValueError(f"bad repair value in mode {mode!r}") from None
     return options
 
 

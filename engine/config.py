@@ -40,6 +40,7 @@ class RepairConfig:
     selective_before: int = 0  # selective: reused tokens recomputed just before each seam
     blend_ratio: float = 0.15  # cacheblend: share of reused tokens recomputed past the probe layer
     probe_layer: int = 1  # cacheblend: layer whose value deviation picks those tokens
+    blend_seam_tokens: int = 0  # cacheblend: also always recompute this many tokens after each seam
 
     def validate(self) -> None:
         if self.mode not in REPAIR_MODES:
@@ -52,6 +53,9 @@ class RepairConfig:
             raise ValueError(f"selective_before must be an integer >= 0, got {self.selective_before!r}")
         if not isinstance(self.blend_ratio, (int, float)) or not 0.0 <= self.blend_ratio <= 1.0:
             raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
+        if isinstance(self.blend_seam_tokens, bool) or not isinstance(self.blend_seam_tokens, int) \
+                or self.blend_seam_tokens < 0:
+            raise ValueError(f"blend_seam_tokens must be an integer >= 0, got {self.blend_seam_tokens!r}")
         if isinstance(self.probe_layer, bool) or not isinstance(self.probe_layer, int) or self.probe_layer < 0:
             raise ValueError(f"probe_layer must be an integer >= 0, got {self.probe_layer!r}")
 

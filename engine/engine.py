@@ -74,11 +74,14 @@ class KVBoost:
             rope = rope_params(self.model)
         except ValueError as exc:
             raise UnsupportedModelError(f"reuse='approx' needs exact RoPE re-rotation: {exc}") from None
-        model_type = self.model.config.model_type
-        if self.config.repair.mode == "cacheblend" and model_type not in BLEND_MODEL_TYPES:
+        config = self.model.config
+        model_type = config.model_type
+        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        if self.config.repair.mode == "cacheblend" and (model_type not in BLEND_MODEL_TYPES or windowed):
+            why = "a sliding attention window" if windowed else f"model type {model_type!r}"
             raise UnsupportedModelError(
-                f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)}, not {model_type!r}; "
-                "use repair='selective' or 'none'"
+                f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)} without a sliding window, not on "
+                f"{why}; use repair='selective' or 'none'"
             )
         return rope
 
@@ -110,7 +113,7 @@ class KVBoost:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
                                       size=changes.pop("chunk_size", chunking.size))
         repair = self.config.repair
-        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio", "probe_layer")
+        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio", "probe_layer", "blend_seam_tokens")
                          if k in changes}
         if "repair" in changes:
             repair = RepairConfig(mode=changes.pop("repair"))
@@ -183,6 +186,9 @@ class KVBoost:
             segments = fill_approximate(merge_misses(segments), ids, self.store, self._rope)
             if repair.mode == "selective":
                 segments = apply_selective(segments, repair.selective_tokens, repair.selective_before)
+            elif repair.mode == "cacheblend" and repair.blend_seam_tokens:
+                # Seam tokens become computed tokens, which the blend pass always recomputes.
+                segments = apply_selective(segments, repair.blend_seam_tokens)
             return segments
 
         return plan_prompt(ids, spans, num_complete, self._root, self.store, "chunk", refine=approximate)

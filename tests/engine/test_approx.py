@@ -186,3 +186,11 @@ def test_selective_can_also_recompute_tokens_before_a_seam(parts):
     kinds = {kind for s, e, kind in plan.chunk_rows() if s < seam + 4 and e > seam - 6}
     assert kinds == {"MISS"}
     assert [k for s, e, k in plan.chunk_rows() if s <= seam - 7 < e] == ["APPROXIMATE"]
+
+
+def test_cacheblend_refuses_sliding_window_models(parts):
+    from tiny_models import build_model as build
+
+    mistral = build("mistral")
+    with pytest.raises(UnsupportedModelError, match="sliding"):
+        KVBoost(mistral, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
