@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,9 @@ def test_chat_answers_and_reuses_the_conversation():
                stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n/quit\n")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
-    badges = [line for line in proc.stderr.splitlines() if "reused" in line]
-    assert len(badges) == 2
-    assert "0% reused" in badges[0] and "0% reused" not in badges[1]
+    reused = [int(m) for m in re.findall(r"(\d+)% reused", proc.stderr)]
+    assert len(reused) == 2
+    assert reused[0] == 0 and reused[1] >= 40  # the second turn reuses the first turn and its answer
     assert '"hits"' in proc.stdout  # /stats printed the cache statistics
 
 
