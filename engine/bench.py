@@ -176,7 +176,7 @@ REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
 def mode_options(mode: str) -> dict:
     """Engine options of a mode name: a reuse mode ("off", "prefix", "chunk", "approx"), or
     "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
-    recomputed after each seam; cacheblend: share of reused tokens recomputed, then "+N" to also recompute the
+    recomputed after each seam, or "A/B": A after and B before it; cacheblend: share of reused tokens recomputed, then "+N" to also recompute the
     N tokens after each seam), e.g. "approx:cacheblend@0.3" or "approx:cacheblend@0.15+16"."""
     reuse, _, repair = mode.partition(":")
     if reuse not in REUSE_MODES or (repair and reuse != "approx"):
@@ -190,8 +190,13 @@ def mode_options(mode: str) -> dict:
         raise ValueError(f"unknown repair in mode {mode!r}")
     options = {"reuse": reuse, "repair": repair}
     try:
-        if value:
-            options[REPAIR_PARAM[repair]] = int(value) if repair == "selective" else float(value)
+        if value and repair == "selective":
+            after, _, before = value.partition("/")
+            options["selective_tokens"] = int(after)
+            if before:
+                options["selective_before"] = int(before)
+        elif value:
+            options[REPAIR_PARAM[repair]] = float(value)
         if seam:
             options["blend_seam_tokens"] = int(seam)
     except ValueError:
@@ -223,6 +228,7 @@ class Request:
     first_token_agree: bool = True  # with "off" on the same prompt
     all_tokens_agree: bool = True
     kl: float = 0.0  # KL(off || mode) of the next-token distribution at the end of the prompt
+    doc_hit_pct: float | None = None  # rag: share of the documents' tokens served from the store
     correct: bool | None = None  # needle-QA: the expected answer is in the reply
 
     @property
@@ -288,6 +294,8 @@ class Workload:
                 "all_tokens_agree_pct": 100 * statistics.fmean(r.all_tokens_agree for r in reqs),
                 "mean_kl": statistics.fmean(r.kl for r in reqs),
             }
+            if reqs[0].doc_hit_pct is not None:
+                out[mode]["doc_hit_pct"] = statistics.fmean(r.doc_hit_pct for r in reqs)
             if reqs[0].correct is not None:
                 out[mode]["accuracy_pct"] = 100 * statistics.fmean(bool(r.correct) for r in reqs)
         return out
@@ -384,9 +392,29 @@ def run_rag(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progr
         question = f"Which document explains {asked!r}, and what does it say about it? Answer briefly."
         content = "Answer using these documents.\n\n" + "\n\n".join(parts) + f"\n\nQuestion: {question}"
         label = f"query {q + 1} [{' '.join(str(d + 1) for d in order)}]"
-        wl.steps.append(measure(engines, label, [{"role": "user", "content": content}], sizes.max_new_tokens))
+        messages = [{"role": "user", "content": content}]
+        step = measure(engines, label, messages, sizes.max_new_tokens)
+        ids = engines[REFERENCE].encode(messages)
+        for request in step.requests.values():
+            request.doc_hit_pct = doc_hit_pct(engines[REFERENCE], ids, [d[1] for d in docs], request.chunks)
+        wl.steps.append(step)
     add_approx_targets(wl)
     return wl
+
+
+def doc_hit_pct(engine, ids: list[int], doc_texts: list[str], chunks) -> float:
+    """Share of the documents' tokens that `chunks` rows serve from the store. Each document is found in the
+    prompt by its own tokens (the first and last two dropped: they may merge with neighbours)."""
+    covered = total = 0
+    for text in doc_texts:
+        core = engine.tokenizer(text, add_special_tokens=False)["input_ids"][2:-2]
+        start = next((i for i in range(len(ids) - len(core) + 1) if ids[i:i + len(core)] == core), None)
+        if start is None:
+            continue
+        end = start + len(core)
+        total += len(core)
+        covered += sum(max(0, min(e, end) - max(s, start)) for s, e, kind in chunks if kind != "MISS")
+    return 100 * covered / total if total else 0.0
 
 
 def add_approx_targets(wl: Workload) -> None:
@@ -443,14 +471,15 @@ def step_table(wl: Workload, max_new_tokens: int) -> str:
 
 
 def summary_table(workloads: Sequence[Workload], max_new_tokens: int) -> str:
-    headers = ["workload", "mode", "median TTFT ms", "speedup vs off", "reused %", "first-token agree",
-               f"{max_new_tokens}-token agree", "mean KL", "needle accuracy"]
+    headers = ["workload", "mode", "median TTFT ms", "speedup vs off", "reused %", "document hit %",
+               "first-token agree", f"{max_new_tokens}-token agree", "mean KL", "needle accuracy"]
     rows = []
     for wl in workloads:
         for mode, s in wl.summary().items():
             accuracy = f"{s['accuracy_pct']:.1f}%" if "accuracy_pct" in s else ""
+            hits = f"{s['doc_hit_pct']:.0f}%" if "doc_hit_pct" in s else ""
             rows.append([wl.name, mode, f"{s['median_ttft_ms']:.0f}", f"{s['speedup']:.2f}x",
-                         f"{s['reused_pct']:.0f}%", f"{s['first_token_agree_pct']:.0f}%",
+                         f"{s['reused_pct']:.0f}%", hits, f"{s['first_token_agree_pct']:.0f}%",
                          f"{s['all_tokens_agree_pct']:.0f}%", f"{s['mean_kl']:.3f}", accuracy])
     return markdown_table(headers, rows)
 

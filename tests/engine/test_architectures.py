@@ -19,14 +19,7 @@ from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.generate import run_segments
 from tiny_models import ARCHS, ATOL, CHUNK, EOS, SLIDING_ARCHS, VOCAB, WINDOW, build_model, build_tokenizer, random_ids
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine their spin-waits cost up to
-    50x per forward pass (measured: 1.5 ms vs 80 ms per decode step on 2 loaded cores)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
