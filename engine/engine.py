@@ -267,12 +267,16 @@ class KVBoost:
         return self.generate(messages, **kwargs)
 
     def warm(self, text: str | Messages | Sequence[int]) -> dict:
-        """Prefills `text` (a plain string, token ids, or messages rendered without a generation prompt) and stores its
-        chunk KV, so later prompts that start with it reuse it. Returns what was done."""
+        """Prefills `text` (a plain string, token ids, or messages rendered without a generation prompt) and
+        stores its chunk KV, so later prompts that start with it (any reuse mode) or contain it (approx) reuse
+        it. Returns what was done; with reuse="off" nothing is computed or kept."""
         t_enter = time.perf_counter()
         ids = self.encode(text, add_generation_prompt=False)
         if len(ids) >= self.max_context:
             raise ValueError(f"text is {len(ids)} tokens; {self.name} holds at most {self.max_context}")
+        if self.config.reuse == "off":  # nothing would be kept
+            return {"tokens": len(ids), "reused_tokens": 0, "computed_tokens": 0, "entries_stored": 0,
+                    "ms": (time.perf_counter() - t_enter) * 1000}
         before = self.store.counters.stored
         params = SamplingConfig(max_new_tokens=1)
         result = None
