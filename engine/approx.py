@@ -196,19 +196,27 @@ class BlendCache:
 
 def blend_forward(model, ids: Sequence[int], start: int, layers_k, layers_v, reused: torch.Tensor,
                   repair: RepairConfig, device) -> torch.Tensor:
-    """CacheBlend over positions [start, n): `layers_k/v` hold per layer the full-length KV (the exact prefix
-    [0, start) and cached KV where `reused` [n - start] is True; anything elsewhere is overwritten). Returns
-    the last position's logits [V]; `layers_k/v` end up as the cache to decode from."""
+    """One batched pass over positions [start, n): `layers_k/v` hold per layer the full-length KV (the exact
+    prefix [0, start) and cached KV where `reused` [n - start] is True; anything elsewhere is overwritten).
+    cacheblend: every token through the layers up to the probe, then the computed tokens and the most deviating
+    reused ones. selective: the computed tokens (seams and new text) alone through every layer, which equals
+    computing them one run at a time but costs one forward pass instead of one per seam. Returns the last
+    position's logits [V]; `layers_k/v` end up as the cache to decode from."""
     decoder = model.get_decoder()
     n = len(ids)
     positions = torch.arange(start, n, device=device)
     hidden = decoder.embed_tokens(torch.tensor([ids[start:]], device=device))
     cache = BlendCache(layers_k, layers_v, start)
     cache.active = positions
-    cache.probe_layer = repair.probe_layer
     num_reused = int(reused.sum())
+    probe_layer = repair.probe_layer if repair.mode == "cacheblend" else -1
+    cache.probe_layer = probe_layer
+    if probe_layer < 0:  # selective: only the computed tokens, through every layer
+        keep = torch.nonzero(~reused).squeeze(1)
+        hidden = hidden[:, keep]
+        cache.active = positions[keep]
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
-        if layer_idx == repair.probe_layer + 1:
+        if layer_idx == probe_layer + 1 and probe_layer >= 0:
             keep = _select(cache.deviation, reused, repair.blend_ratio, num_reused)
             hidden = hidden[:, keep]
             cache.active = positions[keep]

@@ -24,7 +24,7 @@ def run_needle(engines, texts, corpus, sizes, progress) -> Workload:
     for i, question in enumerate(questions, start=1):
         progress(f"needle: question {i}/{len(questions)}")
         step = measure(engines, f"q{i} {question.answer} [{' '.join(str(d + 1) for d in question.doc_order)}]",
-                       needle.messages_for(docs, question), max_new_tokens=12)
+                       needle.messages_for(docs, question), max_new_tokens=24)
         for request in step.requests.values():
             request.correct = needle.is_correct(request.text, question)
         wl.steps.append(step)

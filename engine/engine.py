@@ -63,6 +63,7 @@ class KVBoost:
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
         self.max_context = self._find_max_context()
+        self._batch_repair = False
         self._rope = self._check_approx_support() if config.reuse == "approx" else None
         self._lock = threading.Lock()
         self._owner: int | None = None
@@ -77,7 +78,9 @@ class KVBoost:
         config = self.model.config
         model_type = config.model_type
         windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-        if self.config.repair.mode == "cacheblend" and (model_type not in BLEND_MODEL_TYPES or windowed):
+        # Selective repair runs batched where the blend pass can run, one forward per seam elsewhere.
+        self._batch_repair = model_type in BLEND_MODEL_TYPES and not windowed
+        if self.config.repair.mode == "cacheblend" and not self._batch_repair:
             why = "a sliding attention window" if windowed else f"model type {model_type!r}"
             raise UnsupportedModelError(
                 f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)} without a sliding window, not on "
@@ -228,6 +231,7 @@ class KVBoost:
                     self.model, self.tokenizer, plan, self.store, params, device=self.device,
                     eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
                     cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
+                    batch_repair=self._batch_repair,
                     return_logits=return_logits,
                     on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
                     if storing else None,

@@ -69,18 +69,21 @@ class Cancelled(Exception):
 
 
 def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None,
-                 repair=None) -> tuple[torch.Tensor, int]:
+                 repair=None, batch_repair: bool = True) -> tuple[torch.Tensor, int]:
     """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V] and
     the number of reused tokens that repair recomputed.
 
     Consecutive reuse segments are appended in one concatenation (APPROXIMATE ones re-rotated to their new
     positions first); each MISS run is one forward pass over the base model (no LM head), except the last,
     which computes logits for its last position only. With repair "cacheblend", everything from the first
-    APPROXIMATE token on is one CacheBlend pass instead (engine.approx).
+    APPROXIMATE token on is one CacheBlend pass instead, and with "selective" one batched pass over every
+    computed token after it (engine.approx.blend_forward).
     """
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
-    blend_from = plan.first_approximate if repair is not None and repair.mode == "cacheblend" else len(plan.ids)
+    # batch_repair: the model runs engine.approx.blend_forward (Llama-family layers, no sliding window).
+    batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
+    blend_from = plan.first_approximate if batched else len(plan.ids)
     decoder = model.get_decoder()
     i = 0
     logits = None
@@ -150,7 +153,8 @@ def _blend(model, plan, segments, store, cache, rope, repair, device):
             cache.layers[layer].keys, cache.layers[layer].values = layers_k[layer], layers_v[layer]
         else:
             cache.update(layers_k[layer], layers_v[layer], layer)
-    return logits, int(round(repair.blend_ratio * int(reused.sum())))
+    repaired = int(round(repair.blend_ratio * int(reused.sum()))) if repair.mode == "cacheblend" else 0
+    return logits, repaired
 
 
 def _zeros_kv(model, num_tokens, device):
@@ -252,7 +256,8 @@ class Detokenizer:
 
 def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
                     device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
-                    cancel: threading.Event | None = None, rope=None, repair=None, return_logits=False,
+                    cancel: threading.Event | None = None, rope=None, repair=None, batch_repair=True,
+                    return_logits=False,
                     on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
     """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
     token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
@@ -273,7 +278,8 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     prefill_stored = False
     try:
         with torch.inference_mode():
-            logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair)
+            logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair,
+                                                         batch_repair)
             first_logits = logits.float().cpu().clone() if return_logits else None
             while True:
                 token = sample(logits, params, plan.ids + generated, generator)

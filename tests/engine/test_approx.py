@@ -189,3 +189,19 @@ def test_cacheblend_refuses_sliding_window_models(parts):
     mistral = build("mistral")
     with pytest.raises(UnsupportedModelError, match="sliding"):
         KVBoost(mistral, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_batched_selective_pass_equals_computing_each_seam_in_turn(parts, arch):
+    eng = engine(parts, arch, mode="selective", selective_tokens=6)
+    for doc in DOCS:
+        eng.warm(doc)
+    ids = rag_prompt([4, 1, 3], question_seed=11)
+    plan = eng._plan(ids, "approx")
+    assert sum(1 for s in plan.segments if s.kind == "MISS") >= 3
+    with torch.inference_mode():
+        batched, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                                  eng.config.repair, batch_repair=True)
+        in_turn, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                                  eng.config.repair, batch_repair=False)
+    assert torch.max(torch.abs(batched - in_turn)).item() < ATOL
