@@ -17,7 +17,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk", "approx"),
                    help="approx adds APPROXIMATE reuse of moved text (may change answers; see README)")
-    p.add_argument("--repair", default="cacheblend", choices=("none", "selective", "cacheblend"))
+    p.add_argument("--repair", default="selective", choices=("none", "selective", "cacheblend"))
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
     p.add_argument("--cache-bytes", type=int, default=None)

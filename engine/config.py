@@ -35,7 +35,7 @@ class ChunkingConfig:
 class RepairConfig:
     """Seam repair for APPROXIMATE hits (engine.approx)."""
 
-    mode: str = "cacheblend"  # "none" | "selective" | "cacheblend"
+    mode: str = "selective"  # "none" | "selective" | "cacheblend" (default chosen by measurement: README)
     selective_tokens: int = 16  # selective: tokens recomputed after each seam
     selective_before: int = 0  # selective: reused tokens recomputed just before each seam
     blend_ratio: float = 0.15  # cacheblend: share of reused tokens recomputed past the probe layer

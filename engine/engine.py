@@ -91,7 +91,7 @@ class KVBoost:
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
-                        chunking="fixed", repair="cacheblend", cache_bytes=None,
+                        chunking="fixed", repair="selective", cache_bytes=None,
                         repair_options: dict | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig)."""
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
