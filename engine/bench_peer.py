@@ -194,8 +194,9 @@ def run_peer_rows(base_engine, prompts: list[list[dict]], max_new_tokens: int,
 
     Each row: ttft_ms (ours, from call entry), reused (the peer's cached_tokens, or None), first_token_agree
     and all_tokens_agree (greedy ids vs `reference_token_ids`, our reuse="off" output of the same prompt;
-    both empty counts as agreeing), text; plus prompt_tokens, token_ids, total_ms, peer_reported_ttft_ms,
-    reuse_ratio (the peer's kv_reuse_ratio). `prime`: prompts or texts the peer sees first (its warm(),
+    both empty counts as agreeing), text; plus prompt_tokens, token_ids, total_ms (whole call, including the
+    peer storing the prompt's new chunks after the answer), peer_reported_ttft_ms, reuse_ratio (the peer's
+    kv_reuse_ratio). `prime`: prompts or texts the peer sees first (its warm(),
     untimed). `warm_up`: one tiny request and then an empty cache first, as bench.warm_up does for ours.
     Raises PeerUnavailable (one-line reason) when the peer cannot run.
     """
