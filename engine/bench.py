@@ -173,11 +173,16 @@ def cut_texts(corpus: Corpus, sizes: Sizes) -> Texts:
 REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
 
 
+PEER = "peer"  # the PyPI `kvboost` library as a peer row (engine.bench_peer), when it is installed
+
+
 def mode_options(mode: str) -> dict:
     """Engine options of a mode name: a reuse mode ("off", "prefix", "chunk", "approx"), or
     "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
     recomputed after each seam, or "A/B": A after and B before it; cacheblend: share of reused tokens recomputed, then "+N" to also recompute the
     N tokens after each seam), e.g. "approx:cacheblend@0.3" or "approx:cacheblend@0.15+16"."""
+    if mode == PEER:
+        return {}
     reuse, _, repair = mode.partition(":")
     if reuse not in REUSE_MODES or (repair and reuse != "approx"):
         raise ValueError(f"unknown mode {mode!r}: use {', '.join(REUSE_MODES)} or approx:none|selective|cacheblend")
@@ -205,6 +210,10 @@ def mode_options(mode: str) -> dict:
 
 
 def engine_for(engine, mode: str):
+    if mode == PEER:
+        from .bench_peer import PeerBenchEngine
+
+        return PeerBenchEngine(engine)
     return engine.with_options(**mode_options(mode))
 
 
@@ -307,7 +316,8 @@ def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int
     logits = {}
     for mode, engine in engines.items():
         result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=0.0, return_logits=True)
-        logits[mode] = torch.log_softmax(result.first_logits.double(), dim=-1)
+        if result.first_logits is not None:  # the peer row has none
+            logits[mode] = torch.log_softmax(result.first_logits.double(), dim=-1)
         stats = result.stats
         requests[mode] = Request(mode, stats.ttft_ms, stats.total_ms, stats.prompt_tokens, stats.reused_tokens,
                                  stats.generated_tokens, stats.repaired_tokens, stats.store_ms, result.finish_reason,
@@ -318,7 +328,8 @@ def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int
         request.first_token_agree = request.token_ids[:1] == reference[:1]
         request.all_tokens_agree = request.token_ids == reference
         ref = logits[REFERENCE]
-        request.kl = float((ref.exp() * (ref - logits[request.mode])).sum())
+        mine = logits.get(request.mode)
+        request.kl = float((ref.exp() * (ref - mine)).sum()) if mine is not None else float("nan")
     return Step(label, requests)
 
 
@@ -519,6 +530,13 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     modes = list(dict.fromkeys([REFERENCE, *modes]))
     for mode in modes:
         mode_options(mode)  # raises ValueError naming a bad one
+    if PEER in modes:
+        from .bench_peer import peer_available
+
+        reason = peer_available()
+        if reason is not None:
+            print(f"(peer row skipped: {reason})\n", file=out)
+            modes.remove(PEER)
     if len(modes) < 2:
         raise ValueError(f"name at least one mode besides {REFERENCE!r}, got {list(modes)!r}")
     progress = progress or (lambda _msg: None)

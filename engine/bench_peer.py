@@ -229,3 +229,31 @@ def run_peer_rows(base_engine, prompts: list[list[dict]], max_new_tokens: int,
             "reuse_ratio": float(getattr(result, "kv_reuse_ratio", float("nan"))),
         })
     return rows
+
+
+class PeerBenchEngine:
+    """The peer behind the small part of our engine's interface that `engine.bench` uses (generate, chat,
+    warm, clear_cache), so it runs as one more mode, interleaved with ours on every prompt. It has no logits
+    to compare: its KL is reported as NaN."""
+
+    def __init__(self, base_engine):
+        self.peer = PeerEngine(base_engine)
+
+    def generate(self, messages: Messages, *, max_new_tokens: int, **_ignored):
+        from .generate import Result, Stats
+
+        text, ids, ttft_ms, reused = self.peer.chat(messages, max_new_tokens)
+        result = self.peer.last_result
+        prompt_tokens = int(getattr(result, "prompt_tokens", 0))
+        stats = Stats(prompt_tokens=prompt_tokens, reused_tokens=int(reused or 0),
+                      recomputed_tokens=prompt_tokens - int(reused or 0), generated_tokens=len(ids),
+                      ttft_ms=ttft_ms, reuse=f"peer kvboost {self.peer.version}")
+        return Result(text, ids, "stop" if len(ids) < max_new_tokens else "length", stats, None)
+
+    chat = generate
+
+    def warm(self, messages: Messages | str) -> dict:
+        return self.peer.prime(messages)
+
+    def clear_cache(self) -> None:
+        self.peer.reset()
