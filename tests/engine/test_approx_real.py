@@ -7,6 +7,7 @@ working fails this test."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import needle
@@ -19,6 +20,7 @@ def common_prefix(a, b):
     return n
 
 
+@pytest.mark.slow
 def test_reordered_documents_get_approximate_hits_and_stay_close_to_full_prefill(smollm):
     eng = smollm.with_options(reuse="approx", repair="cacheblend")
     off = smollm.with_options(reuse="off")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 KVBOOST = [sys.executable, "-m", "engine.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,6 +20,7 @@ def run(args, stdin=None, timeout=300):
                           env=env)
 
 
+@pytest.mark.slow
 def test_chat_answers_and_reuses_the_conversation():
     proc = run(["chat", "--max-new-tokens", "24", "--threads", "2"],
                stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n/quit\n")

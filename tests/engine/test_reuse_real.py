@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pydoc_data.topics
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -49,6 +50,7 @@ def test_warm_then_generate_64_greedy_tokens_identical_across_modes(smollm):
     assert outputs["chunk"].token_ids == outputs["off"].token_ids
 
 
+@pytest.mark.slow
 def test_eight_turn_chat_is_identical_and_recomputes_only_new_text(smollm):
     topics = ["for", "while", "if", "function", "class", "try", "with", "import"]
     engines = {reuse: smollm.with_options(reuse=reuse) for reuse in ("off", "prefix", "chunk")}
