@@ -115,3 +115,15 @@ def test_chunk_rows_cover_the_prompt_in_order(smollm):
     assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
     assert all(end - start <= eng.config.chunking.size for start, end, _ in rows)
     assert sum(end - start for start, end, kind in rows if kind != "MISS") == stats.reused_tokens
+
+
+@pytest.mark.parametrize("chunking", ["semantic", "adaptive"])
+def test_semantic_and_adaptive_chunks_are_reused_exactly(smollm, chunking):
+    eng = smollm.with_options(reuse="chunk", chunking=chunking)
+    eng.warm([{"role": "system", "content": DOC}])
+    ids = eng.encode([{"role": "system", "content": DOC}, {"role": "user", "content": QUESTION}])
+    plan, logits = reused_logits(eng, ids)
+    sizes = [end - start for start, end, kind in plan.chunk_rows() if kind == "EXACT"]
+    assert plan.reused_tokens > 0.8 * len(ids)
+    assert len(set(sizes)) > 1  # cuts moved to sentence/paragraph ends, not every 128 tokens
+    assert torch.max(torch.abs(logits - eng.full_prefill_logits(ids))).item() < 1e-4
