@@ -55,7 +55,7 @@ class KVBoost:
         self.config = config
         self.name = name
         self.device = next(model.parameters()).device
-        self.fingerprint = fingerprint or loader.fingerprint(model, name)
+        self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")
         budget = config.cache_bytes if config.cache_bytes is not None else default_budget_bytes(self.device)

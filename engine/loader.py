@@ -133,7 +133,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype):
     return model, tokenizer
 
 
-def fingerprint(model, source_name: str) -> str:
+def fingerprint(model) -> str:
     """A stable identity of the weights, dtype and RoPE/attention config.
 
     Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
