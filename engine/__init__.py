@@ -1,11 +1,11 @@
 """KVBoost engine: chunked KV reuse over HuggingFace transformers RoPE decoders. Never imports Qt."""
 
 from .config import ChunkingConfig, EngineConfig, SamplingConfig
-from .engine import KVBoost, UnsupportedModelError
+from .engine import KVBoost, UnsupportedModelError, awq_streaming_unavailable
 from .generate import Result, Stats, TokenEvent
 from .loader import ModelLoadError
 
 __all__ = [
     "KVBoost", "Result", "Stats", "TokenEvent", "EngineConfig", "ChunkingConfig", "SamplingConfig",
-    "ModelLoadError", "UnsupportedModelError",
+    "ModelLoadError", "UnsupportedModelError", "awq_streaming_unavailable",
 ]

@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if not args.verbose:
-        _quiet_transformers()
+        quiet_transformers()
     from .loader import ModelLoadError
 
     try:
@@ -189,7 +189,8 @@ def main(argv=None) -> int:
         return 130
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
+    """Only errors from transformers' logger (its warnings and progress bars are noise for our users)."""
     try:
         from transformers.utils import logging as hf_logging
 
@@ -203,9 +204,6 @@ def server_main(argv=None) -> int:
     return 2
 
 
-def desktop_main(argv=None) -> int:
-    print("kvboost-desktop: the desktop app is not built yet; use `kvboost chat`", file=sys.stderr)
-    return 2
 
 
 if __name__ == "__main__":

@@ -40,6 +40,17 @@ def rope_module(model):
     return None
 
 
+def awq_streaming_unavailable(model_config, device: torch.device) -> str | None:
+    """Why AWQ layer streaming cannot run for this model on this device, or None when it could."""
+    if device.type != "cuda":
+        return "needs a CUDA GPU (this engine runs on the CPU)"
+    quant = getattr(model_config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(method).lower() != "awq":
+        return "needs an AWQ int4 checkpoint (this model is not AWQ-quantized)"
+    return None
+
+
 class KVBoost:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, fingerprint: str | None = None,
                  name: str = "model"):
@@ -92,14 +103,23 @@ class KVBoost:
     @classmethod
     def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
                         chunking="fixed", repair="selective", cache_bytes=None,
-                        repair_options: dict | None = None) -> "KVBoost":
-        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig)."""
+                        repair_options: dict | None = None, awq_streaming: bool = False) -> "KVBoost":
+        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
+        `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
+        awq_streaming_unavailable)."""
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
                               repair=RepairConfig(mode=repair, **(repair_options or {})), cache_bytes=cache_bytes)
         config.validate()
         src = loader.resolve_source(source)
         dev = loader.pick_device(device)
         dt = loader.pick_dtype(dtype, dev)
+        if awq_streaming:
+            # Checked before loading the weights, from the config alone, so a wrong choice fails in seconds.
+            reason = awq_streaming_unavailable(loader.read_config(src), dev)
+            raise UnsupportedModelError(
+                f"AWQ layer streaming: {reason}" if reason else
+                "AWQ layer streaming is not available in this version of the engine; load without it"
+            )
         model, tokenizer = loader.load_model(src, dev, dt)
         if rope_module(model) is None:
             raise UnsupportedModelError(
@@ -293,6 +313,19 @@ class KVBoost:
             "entries_stored": self.store.counters.stored - before,
             "ms": (time.perf_counter() - t_enter) * 1000,
         }
+
+    def memory(self) -> dict:
+        """Bytes held by the weights and by cached KV per tier, and the device's totals when it is CUDA.
+        Reads counters only (no lock), so a UI can call it while a request runs."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tier = "gpu" if self.device.type == "cuda" else "cpu"
+        report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": {tier: self.store.num_bytes},
+                  "kv_budget_bytes": {tier: self.store.budget_bytes}}
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            report["device_used_bytes"] = total - free
+            report["device_total_bytes"] = total
+        return report
 
     def cache_stats(self) -> dict:
         stats = self.store.stats()

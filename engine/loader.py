@@ -104,6 +104,19 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def read_config(source: ModelSource):
+    """The model's transformers config without loading weights (ModelLoadError when unreadable)."""
+    from transformers import AutoConfig
+
+    kwargs: dict = {"gguf_file": source.gguf_file} if source.kind == "gguf" else {}
+    if source.kind == "hub":
+        kwargs["local_files_only"] = True
+    try:
+        return AutoConfig.from_pretrained(source.location, **kwargs)
+    except Exception as exc:  # corrupt files surface as assorted parser errors
+        raise ModelLoadError(f"could not read the config of {source.describe()}: {type(exc).__name__}: {exc}") from exc
+
+
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype):
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

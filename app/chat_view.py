@@ -1,0 +1,281 @@
+"""The message list of one conversation: Markdown bubbles, streaming, badges, sources and the cache map."""
+
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import QTimer, QUrl, Qt, Signal
+from PySide6.QtGui import QDesktopServices, QGuiApplication, QTextOption
+from PySide6.QtWidgets import (
+    QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget,
+)
+
+from .theme import KIND_COLORS
+
+RENDER_INTERVAL_MS = 60  # re-render streaming Markdown at most this often (a full re-layout per token is slow)
+KINDS = ("EXACT", "PREFIX", "APPROXIMATE", "MISS")
+
+
+def badge_text(stats: dict | None, finish_reason: str | None = None) -> str:
+    if not stats:
+        return ""
+    prompt = stats.get("prompt_tokens") or 0
+    share = 100.0 * stats.get("reused_tokens", 0) / prompt if prompt else 0.0
+    text = f"{share:.0f}% reused, TTFT {stats.get('ttft_ms', 0):.0f} ms"
+    if stats.get("decode_tokens_per_s"):
+        text += f", {stats['decode_tokens_per_s']:.1f} tok/s"
+    if finish_reason == "cancelled":
+        text += " · stopped"
+    elif finish_reason == "length":
+        text += " · hit max tokens"
+    return text
+
+
+def cache_map_html(answer: dict, theme: str) -> str:
+    """The prompt as sent, each engine segment coloured by how its KV was obtained, and a summary line."""
+    colors = KIND_COLORS[theme]
+    stats = answer.get("stats") or {}
+    prompt = stats.get("prompt_tokens") or 0
+    reused = stats.get("reused_tokens", 0)
+    counts = {k: 0 for k in KINDS}
+    for seg in answer.get("segments", []):
+        counts[seg["kind"]] = counts.get(seg["kind"], 0) + seg["end"] - seg["start"]
+    legend = " ".join(
+        f'<span style="background:{colors[k]}">&nbsp;{k} {counts[k]}&nbsp;</span>' for k in KINDS if counts[k]
+    )
+    summary = (f"<b>{reused} of {prompt} prompt tokens reused</b> "
+               f"({100.0 * reused / prompt if prompt else 0:.0f}%), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
+               f"≈{answer.get('saved_ms', 0):.0f} ms saved vs full prefill (estimate from this model's "
+               f"measured prefill rate). Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")
+    body = "".join(
+        f'<span style="background:{colors[seg["kind"]]}" title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
+        f"{html.escape(seg['text'])}</span>"
+        for seg in answer.get("segments", [])
+    )
+    return (f"<p>{summary}</p><p>{legend}</p>"
+            f'<pre style="white-space: pre-wrap; font-size: small">{body}</pre>')
+
+
+class _AutoHeightBrowser(QTextBrowser):
+    """A QTextBrowser as tall as its content, so the surrounding scroll area does the scrolling."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setOpenExternalLinks(True)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setWordWrapMode(QTextOption.WrapAtWordBoundaryOrAnywhere)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+
+    def _fit(self, *_):
+        self.setFixedHeight(int(self.document().size().height()) + 6)
+
+    def resizeEvent(self, event):
+        super().resizeEvent(event)
+        self.document().setTextWidth(self.viewport().width())
+        self._fit()
+
+
+class MessageWidget(QFrame):
+    edit_requested = Signal(int)  # message id
+    regenerate_requested = Signal(int)
+
+    def __init__(self, message: dict, theme: str, parent=None):
+        super().__init__(parent)
+        self.message = dict(message)
+        self.theme = theme
+        self.setObjectName("userMessage" if message["role"] == "user" else "assistantMessage")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(10, 6, 10, 6)
+        header = QHBoxLayout()
+        self.role_label = QLabel("You" if message["role"] == "user" else "Assistant")
+        self.role_label.setStyleSheet("font-weight: bold")
+        header.addWidget(self.role_label)
+        header.addStretch(1)
+        self.badge = QLabel()
+        self.badge.setObjectName("badge")
+        header.addWidget(self.badge)
+        self.map_button = self._tool_button("Cache map", "Show which parts of the prompt came from cache")
+        self.map_button.setCheckable(True)
+        self.map_button.toggled.connect(self.on_map_button_toggled)
+        self.copy_button = self._tool_button("Copy", "Copy this message")
+        self.copy_button.clicked.connect(self.on_copy_button_clicked)
+        self.edit_button = self._tool_button("Edit", "Edit this message and send it again")
+        self.edit_button.clicked.connect(lambda: self.edit_requested.emit(self.message["id"]))
+        self.regenerate_button = self._tool_button("Regenerate", "Answer this again")
+        self.regenerate_button.clicked.connect(lambda: self.regenerate_requested.emit(self.message["id"]))
+        for button in (self.map_button, self.copy_button, self.edit_button, self.regenerate_button):
+            header.addWidget(button)
+        layout.addLayout(header)
+        self.body = _AutoHeightBrowser()
+        layout.addWidget(self.body)
+        self.sources_row = QHBoxLayout()
+        layout.addLayout(self.sources_row)
+        self.cache_map = QTextBrowser()
+        self.cache_map.setObjectName("cacheMap")
+        self.cache_map.setMinimumHeight(220)
+        self.cache_map.hide()
+        layout.addWidget(self.cache_map)
+        self._text = message.get("content") or ""
+        self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
+        self._render_timer.timeout.connect(self._render)
+        self._answer: dict | None = None
+        is_user = message["role"] == "user"
+        self.edit_button.setVisible(is_user)
+        self.regenerate_button.setVisible(not is_user)
+        self.map_button.setVisible(False)
+        self._render()
+        if message.get("stats"):
+            self.set_answer({"stats": message["stats"], "segments": message["stats"].get("segments", []),
+                             "saved_ms": message["stats"].get("saved_ms", 0.0),
+                             "finish_reason": message["stats"].get("finish_reason")})
+        if message.get("sources"):
+            self.set_sources(message["sources"])
+        self._show_status(message.get("status", "done"))
+
+    def _tool_button(self, text: str, tip: str) -> QPushButton:
+        button = QPushButton(text)
+        button.setFlat(True)
+        button.setToolTip(tip)
+        button.setCursor(Qt.PointingHandCursor)
+        return button
+
+    # -- content -----------------------------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def append_text(self, delta: str) -> None:
+        self._text += delta
+        if not self._render_timer.isActive():
+            self._render_timer.start()
+
+    def set_text(self, text: str) -> None:
+        self._text = text
+        self._render()
+
+    def _render(self) -> None:
+        if self.message["role"] == "user":
+            self.body.setPlainText(self._text)
+        else:
+            self.body.setMarkdown(self._text or "…")
+
+    def set_status(self, status: str) -> None:
+        self.message["status"] = status
+        self._render()
+        self._show_status(status)
+
+    def _show_status(self, status: str) -> None:
+        notes = {"interrupted": "interrupted (the app closed while answering)", "cancelled": "stopped",
+                 "error": "failed"}
+        if status in notes and not self.badge.text():
+            self.badge.setText(notes[status])
+
+    def set_answer(self, answer: dict) -> None:
+        """Stats, segments and the time-saved estimate of a finished answer."""
+        self._answer = answer
+        self.badge.setText(badge_text(answer.get("stats"), answer.get("finish_reason")))
+        self.map_button.setVisible(bool(answer.get("segments")))
+        if self.map_button.isChecked():
+            self.cache_map.setHtml(cache_map_html(answer, self.theme))
+
+    def set_sources(self, sources: list[dict]) -> None:
+        while self.sources_row.count():
+            item = self.sources_row.takeAt(0)
+            if item.widget():
+                item.widget().deleteLater()
+        if not sources:
+            return
+        self.sources_row.addWidget(QLabel("Sources:"))
+        for source in sources:
+            where = f" p.{source['page']}" if source.get("page") else ""
+            button = QPushButton(f"{source['name']}{where}")
+            button.setObjectName("sourceButton")
+            button.setFlat(True)
+            button.setCursor(Qt.PointingHandCursor)
+            button.setToolTip(source.get("text", "")[:600])
+            path = source.get("path")
+            button.clicked.connect(lambda _=False, p=path: p and QDesktopServices.openUrl(QUrl.fromLocalFile(p)))
+            self.sources_row.addWidget(button)
+        self.sources_row.addStretch(1)
+
+    def set_theme(self, theme: str) -> None:
+        self.theme = theme
+        if self._answer and self.map_button.isChecked():
+            self.cache_map.setHtml(cache_map_html(self._answer, theme))
+
+    # -- slots -------------------------------------------------------------------------------------------
+    def on_map_button_toggled(self, checked: bool) -> None:
+        if checked and self._answer:
+            self.cache_map.setHtml(cache_map_html(self._answer, self.theme))
+        self.cache_map.setVisible(checked)
+
+    def on_copy_button_clicked(self) -> None:
+        QGuiApplication.clipboard().setText(self._text)
+
+
+class ChatView(QScrollArea):
+    """Messages top to bottom; follows the end while streaming unless the user scrolled up."""
+
+    edit_requested = Signal(int)
+    regenerate_requested = Signal(int)
+
+    def __init__(self, theme: str, parent=None):
+        super().__init__(parent)
+        self.theme = theme
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        inner = QWidget()
+        self._layout = QVBoxLayout(inner)
+        self._layout.setSpacing(8)
+        self._layout.addStretch(1)
+        self.setWidget(inner)
+        self.widgets: list[MessageWidget] = []
+        self.verticalScrollBar().rangeChanged.connect(self._follow_end)
+        self._at_end = True
+        self.verticalScrollBar().valueChanged.connect(
+            lambda v: setattr(self, "_at_end", v >= self.verticalScrollBar().maximum() - 8))
+
+    def _follow_end(self, _min, maximum):
+        if self._at_end:
+            self.verticalScrollBar().setValue(maximum)
+
+    def clear(self) -> None:
+        for widget in self.widgets:
+            widget.deleteLater()
+        self.widgets = []
+
+    def add_message(self, message: dict) -> MessageWidget:
+        widget = MessageWidget(message, self.theme)
+        widget.edit_requested.connect(self.edit_requested)
+        widget.regenerate_requested.connect(self.regenerate_requested)
+        self._layout.insertWidget(self._layout.count() - 1, widget)
+        self.widgets.append(widget)
+        self._at_end = True
+        return widget
+
+    def remove_from(self, message_id: int) -> None:
+        """Drops the widget of `message_id` and everything after it."""
+        ids = [w.message["id"] for w in self.widgets]
+        if message_id not in ids:
+            return
+        index = ids.index(message_id)
+        for widget in self.widgets[index:]:
+            widget.deleteLater()
+        self.widgets = self.widgets[:index]
+
+    def widget_for(self, message_id: int) -> MessageWidget | None:
+        return next((w for w in self.widgets if w.message["id"] == message_id), None)
+
+    def scroll_to(self, message_id: int) -> None:
+        widget = self.widget_for(message_id)
+        if widget is not None:
+            self._at_end = False
+            self.ensureWidgetVisible(widget)
+
+    def set_theme(self, theme: str) -> None:
+        self.theme = theme
+        for widget in self.widgets:
+            widget.set_theme(theme)

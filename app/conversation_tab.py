@@ -1,0 +1,401 @@
+"""One conversation tab: chat view, composer, documents bar; sends requests through the EngineClient.
+
+Everything the user has seen is in SQLite: the user message before the request is queued, the answer as a
+"streaming" row updated at most every SAVE_INTERVAL_S while tokens arrive and at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (
+    QFileDialog, QHBoxLayout, QInputDialog, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QVBoxLayout,
+    QWidget,
+)
+
+from . import documents, rag
+from .chat_view import ChatView
+
+log = logging.getLogger(__name__)
+
+SAVE_INTERVAL_S = 0.25
+
+
+class Composer(QPlainTextEdit):
+    """Enter sends, Shift+Enter inserts a new line."""
+
+    submitted = Signal()
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:
+        if event.key() in (Qt.Key_Return, Qt.Key_Enter) and not event.modifiers() & Qt.ShiftModifier:
+            self.submitted.emit()
+            return
+        super().keyPressEvent(event)
+
+
+class ConversationTab(QWidget):
+    title_changed = Signal(int, str)
+    error_raised = Signal(str)  # one error path: the main window's banner
+    generation_state_changed = Signal(bool)
+
+    def __init__(self, conversation: dict, db, client, theme: str, parent=None):
+        super().__init__(parent)
+        self.conversation_id = conversation["id"]
+        self.db = db
+        self.client = client
+        self._job: int | None = None  # running chat request
+        self._answer_id: int | None = None
+        self._last_save = 0.0
+        self._warm_job: int | None = None
+        self._ingest_task: asyncio.Task | None = None
+        self._pending_sources: list[dict] = []
+        self.setAcceptDrops(True)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        docs_row = QHBoxLayout()
+        self.docs_label = QLabel()
+        self.docs_label.setObjectName("documentsLabel")
+        self.docs_label.setTextFormat(Qt.RichText)
+        self.docs_label.linkActivated.connect(self.on_docs_label_link_activated)
+        self.docs_label.setWordWrap(True)
+        docs_row.addWidget(self.docs_label, 1)
+        self.progress = QProgressBar()
+        self.progress.setObjectName("documentsProgress")
+        self.progress.setMaximumWidth(220)
+        self.progress.hide()
+        docs_row.addWidget(self.progress)
+        self.cancel_docs_button = QPushButton("Cancel")
+        self.cancel_docs_button.hide()
+        self.cancel_docs_button.clicked.connect(self.on_cancel_docs_button_clicked)
+        docs_row.addWidget(self.cancel_docs_button)
+        self.add_docs_button = QPushButton("Add documents…")
+        self.add_docs_button.setToolTip("Add files or drop them (and folders) on the conversation")
+        self.add_docs_button.clicked.connect(self.on_add_docs_button_clicked)
+        docs_row.addWidget(self.add_docs_button)
+        layout.addLayout(docs_row)
+
+        self.chat_view = ChatView(theme)
+        self.chat_view.edit_requested.connect(self.on_chat_view_edit_requested)
+        self.chat_view.regenerate_requested.connect(self.on_chat_view_regenerate_requested)
+        layout.addWidget(self.chat_view, 1)
+
+        self.reason_label = QLabel()
+        self.reason_label.setObjectName("disabledReason")
+        layout.addWidget(self.reason_label)
+        row = QHBoxLayout()
+        self.composer = Composer()
+        self.composer.setPlaceholderText("Message (Enter sends, Shift+Enter new line)")
+        self.composer.setMaximumHeight(110)
+        self.composer.submitted.connect(self.send)
+        row.addWidget(self.composer, 1)
+        self.send_button = QPushButton("Send")
+        self.send_button.clicked.connect(self.send)
+        self.stop_button = QPushButton("Stop")
+        self.stop_button.setToolTip("Stop the answer (Esc)")
+        self.stop_button.clicked.connect(self.stop)
+        self.stop_button.hide()
+        row.addWidget(self.send_button)
+        row.addWidget(self.stop_button)
+        layout.addLayout(row)
+
+        client.token_generated.connect(self.on_client_token_generated)
+        client.generation_finished.connect(self.on_client_generation_finished)
+        client.generation_failed.connect(self.on_client_generation_failed)
+        client.warm_progressed.connect(self.on_client_warm_progressed)
+        client.warm_finished.connect(self.on_client_warm_finished)
+        client.warm_failed.connect(self.on_client_warm_failed)
+        for message in db.messages(self.conversation_id):
+            self.chat_view.add_message(message)
+        self.refresh_documents()
+        self.update_composer()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    @property
+    def is_generating(self) -> bool:
+        return self._job is not None
+
+    def update_composer(self) -> None:
+        reason = ""
+        if not self.client.is_loaded:
+            reason = "The model is loading; you can read and type, sending starts when it is ready."
+        elif self.is_generating:
+            reason = ""
+        self.reason_label.setText(reason)
+        self.reason_label.setVisible(bool(reason))
+        can_send = self.client.is_loaded and not self.is_generating
+        self.send_button.setEnabled(can_send)
+        self.send_button.setVisible(not self.is_generating)
+        self.stop_button.setVisible(self.is_generating)
+
+    def set_theme(self, theme: str) -> None:
+        self.chat_view.set_theme(theme)
+
+    # -- sending -------------------------------------------------------------------------------------------
+    def send(self) -> None:
+        text = self.composer.toPlainText().strip()
+        if not text or not self.client.is_loaded or self.is_generating:
+            return
+        self.composer.clear()
+        user = self.db.add_message(self.conversation_id, "user", text)
+        self.chat_view.add_message(user)
+        self._ask(user)
+
+    def _ask(self, user: dict) -> None:
+        """Requests an answer to `user` (already stored, last message) from the history before it."""
+        conversation = self.db.conversation(self.conversation_id)
+        history = [m for m in self.db.messages(self.conversation_id) if m["position"] < user["position"]]
+        layout = self._layout_for(conversation, history, user["content"])
+        if layout.user_prompt != user["content"]:
+            self.db.update_message(user["id"], prompt=layout.user_prompt)
+        answer = self.db.add_message(self.conversation_id, "assistant", "", status="streaming",
+                                     sources=layout.sources or None)
+        self._answer_id = answer["id"]
+        widget = self.chat_view.add_message(answer)
+        widget.set_sources(layout.sources)
+        self._job = self.client.chat(layout.messages, conversation["sampling"])
+        self._last_save = time.monotonic()
+        self.generation_state_changed.emit(True)
+        self.update_composer()
+
+    def _layout_for(self, conversation: dict, history: list[dict], question: str) -> rag.Layout:
+        docs = self.db.conversation_documents(self.conversation_id)
+        max_context = (self.client.model_info or {}).get("max_context", 8192)
+        mode = rag.choose_mode(docs, max_context)
+        hits = self.db.search_passages(self.conversation_id, question, limit=rag.NUM_PASSAGES) if docs else []
+        sent = {s["id"] for m in history for s in (m.get("sources") or []) if m["role"] == "assistant"}
+        with_passages = [(d, self.db.passages(d["id"])) for d in docs] if mode == "pinned" else []
+        return rag.build_prompt(conversation["system_prompt"], history, question, mode=mode,
+                                documents=with_passages, hits=hits, already_sent=sent)
+
+    def stop(self) -> None:
+        if self._job is not None:
+            self.client.cancel(self._job)
+
+    def on_client_token_generated(self, job: int, text: str) -> None:
+        if job != self._job:
+            return
+        widget = self.chat_view.widget_for(self._answer_id)
+        widget.append_text(text)
+        if time.monotonic() - self._last_save >= SAVE_INTERVAL_S:
+            self.db.update_message(self._answer_id, content=widget.text)
+            self._last_save = time.monotonic()
+
+    def on_client_generation_finished(self, job: int, answer: dict) -> None:
+        if job != self._job:
+            return
+        widget = self.chat_view.widget_for(self._answer_id)
+        status = "cancelled" if answer["finish_reason"] == "cancelled" else "done"
+        stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
+                     finish_reason=answer["finish_reason"])
+        # The engine's text is the whole answer (the widget may still hold a throttled partial render).
+        self.db.update_message(self._answer_id, content=answer["text"], status=status,
+                               stats=stats if answer["stats"] else None)
+        widget.set_text(answer["text"])
+        widget.message["status"] = status
+        if answer["stats"]:
+            widget.set_answer(dict(answer))
+        self._finish_request()
+
+    def on_client_generation_failed(self, job: int, message: str) -> None:
+        if job != self._job:
+            return
+        widget = self.chat_view.widget_for(self._answer_id)
+        self.db.update_message(self._answer_id, content=widget.text, status="error")
+        widget.set_status("error")
+        self._finish_request()
+        self.error_raised.emit(f"The answer failed: {message}")
+
+    def _finish_request(self) -> None:
+        self._job = None
+        self._answer_id = None
+        self.generation_state_changed.emit(False)
+        self.update_composer()
+
+    # -- regenerate / edit ---------------------------------------------------------------------------------
+    def on_chat_view_regenerate_requested(self, message_id: int) -> None:
+        if self.is_generating or not self.client.is_loaded:
+            return
+        answer = self.db.message(message_id)
+        users = [m for m in self.db.messages(self.conversation_id)
+                 if m["role"] == "user" and m["position"] < answer["position"]]
+        if not users:
+            return
+        self.db.delete_messages_from(self.conversation_id, answer["position"])
+        self.chat_view.remove_from(message_id)
+        self._ask(users[-1])
+
+    def on_chat_view_edit_requested(self, message_id: int) -> None:
+        if self.is_generating:
+            return
+        message = self.db.message(message_id)
+        text, ok = QInputDialog.getMultiLineText(self, "Edit message", "Send this instead:", message["content"])
+        if ok and text.strip():
+            self.resend_edited(message_id, text.strip())
+
+    def resend_edited(self, message_id: int, text: str) -> None:
+        """Replaces a user message (and drops everything after it), then asks again."""
+        if self.is_generating or not self.client.is_loaded:
+            return
+        message = self.db.message(message_id)
+        self.db.delete_messages_from(self.conversation_id, message["position"])
+        self.chat_view.remove_from(message_id)
+        user = self.db.add_message(self.conversation_id, "user", text)
+        self.chat_view.add_message(user)
+        self._ask(user)
+
+    # -- documents -----------------------------------------------------------------------------------------
+    def refresh_documents(self) -> None:
+        docs = self.db.conversation_documents(self.conversation_id)
+        if not docs:
+            self.docs_label.setText("<i>No documents. Drop files or folders here to chat about them.</i>")
+            return
+        max_context = (self.client.model_info or {}).get("max_context", 8192)
+        mode = rag.choose_mode(docs, max_context)
+        how = ("whole documents in every prompt" if mode == "pinned"
+               else "top passages per question (documents exceed half the context)")
+        chips = " · ".join(f'{d["name"]} <a href="remove:{d["id"]}">✕</a>' for d in docs)
+        self.docs_label.setText(f"<b>Documents</b> ({how}): {chips}")
+
+    def on_docs_label_link_activated(self, link: str) -> None:
+        if link.startswith("remove:"):
+            self.db.detach_document(self.conversation_id, int(link.split(":", 1)[1]))
+            self.refresh_documents()
+            self.prewarm()
+
+    def on_add_docs_button_clicked(self) -> None:
+        paths, _ = QFileDialog.getOpenFileNames(self, "Add documents")
+        if paths:
+            self.add_paths(paths)
+
+    def dragEnterEvent(self, event) -> None:
+        if event.mimeData().hasUrls():
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        paths = [u.toLocalFile() for u in event.mimeData().urls() if u.isLocalFile()]
+        if paths:
+            event.acceptProposedAction()
+            self.add_paths(paths)
+
+    def add_paths(self, paths: list[str]) -> asyncio.Task:
+        """Indexes files/folders off the UI thread, attaches them, then pre-warms their KV."""
+        self._ingest_task = asyncio.ensure_future(self.ingest(paths))
+        return self._ingest_task
+
+    async def ingest(self, paths: list[str]) -> dict:
+        loop = asyncio.get_running_loop()
+        files, skipped = documents.collect_files(paths)
+        problems = [f"{Path(p).name}: {why}" for p, why in skipped]
+        added = unchanged = 0
+        self._show_progress(f"Indexing %v of {len(files)} file(s)", len(files))
+        for i, path in enumerate(files):
+            try:
+                doc, changed = await self._index_file(loop, path)
+                attached = {d["id"] for d in self.db.conversation_documents(self.conversation_id)}
+                if doc["id"] not in attached:
+                    self.db.attach_document(self.conversation_id, doc["id"])
+                    added += 1
+                elif changed:
+                    added += 1
+                else:
+                    unchanged += 1
+            except documents.DocumentError as exc:
+                problems.append(str(exc))
+            except Exception as exc:  # a bad file never takes the app down
+                log.exception("indexing %s failed", path)
+                problems.append(f"{path.name}: {type(exc).__name__}: {exc}")
+            self.progress.setValue(i + 1)
+        self._hide_progress()
+        self.refresh_documents()
+        if problems:
+            self.error_raised.emit("Some files were not added: " + "; ".join(problems))
+        if added:
+            self.prewarm()
+        return {"added": added, "unchanged": unchanged, "problems": problems}
+
+    async def _index_file(self, loop, path: Path) -> tuple[dict, bool]:
+        """(document row, whether its content changed). Unchanged path + mtime + size: no work at all;
+        touched but same bytes (sha256): only the row's mtime is refreshed."""
+        known = self.db.find_document(str(path))
+        mtime, size = documents.file_signature(path)
+        if known and known["mtime"] == mtime and known["size"] == size:
+            return known, False
+        if known:
+            digest = await loop.run_in_executor(None, documents.sha256_file, path)
+            if digest == known["sha256"]:
+                return self.db.upsert_document_signature(known["id"], mtime, size), False
+        doc = await loop.run_in_executor(None, documents.extract, path)
+        row = self.db.upsert_document(
+            doc.path, doc.name, doc.kind, doc.sha256, doc.mtime, doc.size, len(doc.text),
+            [{"text": p.text, "page": p.page, "section": p.section, "start": p.start, "end": p.end}
+             for p in doc.passages],
+        )
+        return row, True
+
+    def prewarm(self) -> int | None:
+        """Pre-fills the documents' KV the way the next prompt will use it (see app/rag.py)."""
+        if not self.client.is_loaded:
+            return None
+        if self._warm_job is not None:
+            self.client.cancel(self._warm_job)
+        docs = self.db.conversation_documents(self.conversation_id)
+        info = self.client.model_info
+        mode = rag.choose_mode(docs, info["max_context"])
+        with_passages = [(d, self.db.passages(d["id"])) for d in docs]
+        conversation = self.db.conversation(self.conversation_id)
+        inputs = rag.warm_inputs(conversation["system_prompt"], mode, with_passages,
+                                 approximate=info["reuse"] == "approx")
+        if not inputs:
+            self._warm_job = None
+            return None
+        self._warm_job = self.client.warm(inputs)
+        self._show_progress(f"Pre-warming documents: %v/{len(inputs)}", len(inputs))
+        return self._warm_job
+
+    def on_client_warm_progressed(self, job: int, done: int, total: int) -> None:
+        if job == self._warm_job:
+            self.progress.setValue(done)
+
+    def on_client_warm_finished(self, job: int, report: dict) -> None:
+        if job == self._warm_job:
+            self._warm_job = None
+            self._hide_progress()
+            self.last_warm_report = report
+
+    def on_client_warm_failed(self, job: int, message: str) -> None:
+        if job == self._warm_job:
+            self._warm_job = None
+            self._hide_progress()
+            self.error_raised.emit(f"Pre-warming the documents failed: {message}")
+
+    def on_cancel_docs_button_clicked(self) -> None:
+        if self._warm_job is not None:
+            self.client.cancel(self._warm_job)
+        if self._ingest_task is not None and not self._ingest_task.done():
+            self._ingest_task.cancel()
+            self._hide_progress()
+
+    def _show_progress(self, fmt: str, total: int) -> None:
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(0)
+        self.progress.setFormat(fmt)
+        self.progress.show()
+        self.cancel_docs_button.show()
+
+    def _hide_progress(self) -> None:
+        self.progress.hide()
+        self.cancel_docs_button.hide()
+
+    def close_down(self) -> None:
+        """The tab is closing: stop its work (what was shown is already saved)."""
+        self.stop()
+        if self._warm_job is not None:
+            self.client.cancel(self._warm_job)
+        if self._ingest_task is not None and not self._ingest_task.done():
+            self._ingest_task.cancel()

@@ -1,0 +1,650 @@
+"""The app's one SQLite file: conversations, messages, documents and their passages, settings.
+
+Built on sqlite-utils (4.x semantics: a write outside `atomic()` is committed at once). No Qt here, so the
+storage rules are testable on their own. Every public method returns plain dicts with the JSON columns
+(`sampling`, `stats`, `sources`) already decoded.
+
+Durability: WAL journal + synchronous=NORMAL + one commit per public write means a killed or crashed app
+loses nothing it had already written; only a power cut can drop the last few commits, never corrupt the
+file. Multi-row changes (a document's passages, an import, migrations) are single transactions.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+from sqlite_utils.db import NotFoundError
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}  # SmolLM2 model card: 0.2 / 0.9
+
+ROLES = ("system", "user", "assistant")
+# "streaming": being written right now; a streaming row found at start-up means the app died mid-answer.
+STATUSES = ("done", "streaming", "interrupted", "cancelled", "error")
+
+EXPORT_FORMAT = "kvboost-conversation"
+EXPORT_VERSION = 1
+
+_JSON_COLUMNS = ("sampling", "stats", "sources")
+_UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
+
+# Dropped from document questions so "what is the eviction policy?" ranks on "eviction" and "policy".
+_STOPWORDS = frozenset(
+    """a about an and are as at be been but by can could did do does doing for from had has have how i if in
+    into is it its me my no not of on or our please should so such than that the their them then there these
+    they this those to was we were what when where which who whom why will with would you your""".split()
+)
+
+
+class DatabaseError(RuntimeError):
+    """The file cannot be used: not SQLite, not ours, or written by a newer version of the app."""
+
+
+def _migrate_to_v1(db: sqlite_utils.Database) -> None:
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE conversations (
+            id INTEGER PRIMARY KEY,
+            title TEXT NOT NULL,
+            system_prompt TEXT NOT NULL,
+            sampling TEXT NOT NULL,
+            created_at REAL NOT NULL,
+            updated_at REAL NOT NULL,
+            is_open INTEGER NOT NULL DEFAULT 1,
+            tab_order INTEGER NOT NULL DEFAULT 0
+        );
+        CREATE TABLE messages (
+            id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            position INTEGER NOT NULL,
+            role TEXT NOT NULL,
+            content TEXT NOT NULL,
+            prompt TEXT,
+            status TEXT NOT NULL DEFAULT 'done',
+            stats TEXT,
+            sources TEXT,
+            created_at REAL NOT NULL,
+            UNIQUE (conversation_id, position)
+        );
+        CREATE TABLE documents (
+            id INTEGER PRIMARY KEY,
+            path TEXT NOT NULL UNIQUE,
+            name TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            sha256 TEXT NOT NULL,
+            mtime REAL NOT NULL,
+            size INTEGER NOT NULL,
+            num_chars INTEGER NOT NULL,
+            added_at REAL NOT NULL
+        );
+        CREATE TABLE passages (
+            id INTEGER PRIMARY KEY,
+            document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+            seq INTEGER NOT NULL,
+            text TEXT NOT NULL,
+            page INTEGER,
+            section TEXT,
+            start INTEGER NOT NULL,
+            "end" INTEGER NOT NULL,
+            UNIQUE (document_id, seq)
+        );
+        CREATE TABLE conversation_documents (
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
+            added_at REAL NOT NULL,
+            position INTEGER NOT NULL,
+            PRIMARY KEY (conversation_id, document_id)
+        );
+        CREATE INDEX conversation_documents_by_document ON conversation_documents (document_id);
+        CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        """
+    )
+    # External-content FTS5 tables kept in sync by insert/update/delete triggers; porter stems so that
+    # "running" finds "runs".
+    db["messages"].enable_fts(["content"], create_triggers=True, tokenize="porter")
+    db["passages"].enable_fts(["text"], create_triggers=True, tokenize="porter")
+
+
+# MIGRATIONS[i] takes the schema from version i to i + 1. Append only: never edit a released migration.
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_to_v1]
+
+
+class Database:
+    """The app's SQLite file.
+
+    Open it on the UI thread and use it only there: the connection keeps sqlite3's same-thread check, and
+    the class holds no locks. Each call is a few milliseconds at most, so the UI never needs to wait on a
+    worker for it.
+    """
+
+    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self._clock = clock  # unix seconds; injectable so tests can order rows deterministically
+        try:
+            conn = sqlite3.connect(self.path)
+        except sqlite3.Error as exc:
+            raise DatabaseError(f"cannot open database {self.path}: {exc}") from exc
+        try:
+            self._db = sqlite_utils.Database(conn, execute_plugins=False)
+            self._open_and_migrate()
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise DatabaseError(f"{self.path} is not a usable KVBoost database: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+
+    def _open_and_migrate(self) -> None:
+        found = self._stored_schema_version()
+        latest = len(MIGRATIONS)
+        if found > latest:
+            # Checked before any pragma that writes to the file, so a newer app's data stays untouched.
+            raise DatabaseError(
+                f"{self.path} has schema version {found}, but this version of the app understands only up "
+                f"to {latest}; update KVBoost Desktop or use another data folder"
+            )
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.enable_wal()
+        self._db.execute("PRAGMA synchronous = NORMAL")
+        if found < latest:
+            with self._db.atomic():
+                for migrate in MIGRATIONS[found:]:
+                    migrate(self._db)
+                self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", [str(latest)])
+
+    def _stored_schema_version(self) -> int:
+        """0 for an empty file; refuses a SQLite file that holds someone else's tables."""
+        table_names = self._db.table_names()  # the first read: raises on a file that is not SQLite
+        if "meta" not in table_names:
+            if table_names:
+                raise DatabaseError(
+                    f"{self.path} is a SQLite file but not a KVBoost database (it has tables {table_names})"
+                )
+            return 0
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        try:
+            return int(row[0]) if row else 0
+        except ValueError:
+            raise DatabaseError(f"{self.path} has an unreadable schema_version {row[0]!r}") from None
+
+    @property
+    def schema_version(self) -> int:
+        return self._stored_schema_version()
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Database:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- conversations ------------------------------------------------------------------------------------
+
+    def create_conversation(
+        self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
+    ) -> dict:
+        """A new open tab at the end of the tab strip. `sampling` keys override DEFAULT_SAMPLING."""
+        now = self._clock()
+        table = self._db["conversations"].insert(
+            {
+                "title": title,
+                "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
+                "sampling": _encode_json(_merged_sampling(DEFAULT_SAMPLING, sampling)),
+                "created_at": now,
+                "updated_at": now,
+                "is_open": 1,
+                "tab_order": self._next_tab_order(),
+            }
+        )
+        return self.conversation(table.last_pk)
+
+    def conversation(self, cid: int) -> dict:
+        try:
+            return _decoded(self._db["conversations"].get(cid))
+        except NotFoundError:
+            raise KeyError(f"no conversation with id {cid}") from None
+
+    def conversations(self, open_only: bool = False) -> list[dict]:
+        """Open tabs in tab order, or every conversation, most recently updated first."""
+        if open_only:
+            sql = "SELECT * FROM conversations WHERE is_open = 1 ORDER BY tab_order, id"
+        else:
+            sql = "SELECT * FROM conversations ORDER BY updated_at DESC, id DESC"
+        return [_decoded(row) for row in self._db.query(sql)]
+
+    def update_conversation(self, cid: int, **fields: Any) -> dict:
+        """Change title/system_prompt/sampling/is_open/tab_order and bump updated_at; returns the new row.
+
+        `sampling` is merged over the current values. Reopening a closed conversation without a
+        `tab_order` puts its tab at the end.
+        """
+        unknown = sorted(set(fields) - set(_UPDATABLE_CONVERSATION_FIELDS))
+        if unknown:
+            raise ValueError(f"cannot update conversation fields {unknown}; allowed: {_UPDATABLE_CONVERSATION_FIELDS}")
+        current = self.conversation(cid)
+        updates = dict(fields)
+        if "sampling" in updates:
+            updates["sampling"] = _encode_json(_merged_sampling(current["sampling"], updates["sampling"]))
+        if "is_open" in updates:
+            updates["is_open"] = int(bool(updates["is_open"]))
+            if updates["is_open"] and not current["is_open"] and "tab_order" not in updates:
+                updates["tab_order"] = self._next_tab_order()
+        updates["updated_at"] = self._clock()
+        self._db["conversations"].update(cid, updates)
+        return self.conversation(cid)
+
+    def set_tab_order(self, cids: Iterable[int]) -> None:
+        """tab_order = index in `cids`, all or nothing."""
+        with self._db.atomic():
+            for index, cid in enumerate(cids):
+                cursor = self._db.execute("UPDATE conversations SET tab_order = ? WHERE id = ?", [index, cid])
+                if cursor.rowcount == 0:
+                    raise KeyError(f"no conversation with id {cid}")
+
+    def delete_conversation(self, cid: int) -> None:
+        """Deletes its messages and document attachments too (the documents themselves stay)."""
+        try:
+            self._db["conversations"].delete(cid)
+        except NotFoundError:
+            raise KeyError(f"no conversation with id {cid}") from None
+
+    def _next_tab_order(self) -> int:
+        return self._db.execute("SELECT COALESCE(MAX(tab_order), -1) + 1 FROM conversations").fetchone()[0]
+
+    # -- messages -----------------------------------------------------------------------------------------
+
+    def add_message(
+        self,
+        cid: int,
+        role: str,
+        content: str,
+        *,
+        status: str = "done",
+        stats: dict | None = None,
+        sources: list | None = None,
+    ) -> dict:
+        """Append a message (position = last + 1) and bump the conversation's updated_at."""
+        _check_role(role)
+        _check_status(status)
+        if not isinstance(content, str):
+            raise ValueError(f"message content must be a str, got {type(content).__name__}")
+        now = self._clock()
+        with self._db.atomic():
+            self.conversation(cid)
+            position = self._db.execute(
+                "SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id = ?", [cid]
+            ).fetchone()[0]
+            table = self._db["messages"].insert(
+                {
+                    "conversation_id": cid,
+                    "position": position,
+                    "role": role,
+                    "content": content,
+                    "status": status,
+                    "stats": None if stats is None else _encode_json(stats),
+                    "sources": None if sources is None else _encode_json(sources),
+                    "created_at": now,
+                }
+            )
+            self._db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", [now, cid])
+        return self.message(table.last_pk)
+
+    def update_message(
+        self,
+        mid: int,
+        *,
+        content: str | None = None,
+        status: str | None = None,
+        stats: dict | None = None,
+        sources: list | None = None,
+        prompt: str | None = None,
+    ) -> dict:
+        """Change the given fields (None = leave as is); committed before returning the new row.
+
+        `prompt` is the text actually sent to the model for a user turn when it differs from what the user
+        typed (document passages added); replaying it verbatim later keeps the engine's KV reuse exact.
+        """
+        updates: dict[str, Any] = {}
+        for name, text in (("content", content), ("prompt", prompt)):
+            if text is not None:
+                if not isinstance(text, str):
+                    raise ValueError(f"message {name} must be a str, got {type(text).__name__}")
+                updates[name] = text
+        if status is not None:
+            _check_status(status)
+            updates["status"] = status
+        if stats is not None:
+            updates["stats"] = _encode_json(stats)
+        if sources is not None:
+            updates["sources"] = _encode_json(sources)
+        try:
+            self._db["messages"].update(mid, updates)
+        except NotFoundError:
+            raise KeyError(f"no message with id {mid}") from None
+        return self.message(mid)
+
+    def message(self, mid: int) -> dict:
+        try:
+            return _decoded(self._db["messages"].get(mid))
+        except NotFoundError:
+            raise KeyError(f"no message with id {mid}") from None
+
+    def messages(self, cid: int) -> list[dict]:
+        rows = self._db.query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", [cid])
+        return [_decoded(row) for row in rows]
+
+    def delete_messages_from(self, cid: int, position: int) -> int:
+        """Delete the messages at `position` and after (regenerate, edit-and-resend); returns how many."""
+        cursor = self._db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [cid, position])
+        return cursor.rowcount
+
+    def mark_interrupted(self) -> int:
+        """Run at start-up: answers still "streaming" belong to a process that died; returns how many."""
+        return self._db.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'").rowcount
+
+    def search_messages(self, query: str, limit: int = 50) -> list[dict]:
+        """Messages containing every word of `query`, best bm25 first, with a [marked] snippet.
+
+        Any user text is safe: words are passed as quoted FTS5 strings, so operators and punctuation
+        are searched for literally (foo-bar is the phrase "foo bar").
+        """
+        words = [word for word in query.split() if any(ch.isalnum() for ch in word)]
+        if not words:
+            return []
+        rows = self._db.query(
+            """
+            SELECT m.conversation_id, c.title, m.id AS message_id, m.position, m.role,
+                   snippet(messages_fts, 0, '[', ']', '…', 12) AS snippet
+            FROM messages_fts
+            JOIN messages AS m ON m.id = messages_fts.rowid
+            JOIN conversations AS c ON c.id = m.conversation_id
+            WHERE messages_fts MATCH ?
+            ORDER BY bm25(messages_fts), m.id
+            LIMIT ?
+            """,
+            [" AND ".join(_fts_string(word) for word in words), limit],
+        )
+        return list(rows)
+
+    # -- documents ----------------------------------------------------------------------------------------
+
+    def find_document(self, path: str | Path) -> dict | None:
+        rows = list(self._db.query("SELECT * FROM documents WHERE path = ?", [str(path)]))
+        return rows[0] if rows else None
+
+    def upsert_document(
+        self,
+        path: str | Path,
+        name: str,
+        kind: str,
+        sha256: str,
+        mtime: float,
+        size: int,
+        num_chars: int,
+        passages: list[dict],
+    ) -> dict:
+        """Add a document, or re-index the one at `path`: its id (and so its attachments) and added_at stay,
+        its passages are replaced. Passages are dicts with text, page, section, start, end; seq = list order.
+        """
+        passage_rows = [_validated_passage(index, passage) for index, passage in enumerate(passages)]
+        fields = {"name": name, "kind": kind, "sha256": sha256, "mtime": mtime, "size": size, "num_chars": num_chars}
+        with self._db.atomic():
+            existing = self.find_document(path)
+            if existing is None:
+                doc_id = self._db["documents"].insert({"path": str(path), **fields, "added_at": self._clock()}).last_pk
+            else:
+                doc_id = existing["id"]
+                self._db["documents"].update(doc_id, fields)
+                self._db.execute("DELETE FROM passages WHERE document_id = ?", [doc_id])
+            self._db["passages"].insert_all({"document_id": doc_id, **row} for row in passage_rows)
+        return self.find_document(path)
+
+    def upsert_document_signature(self, doc_id: int, mtime: float, size: int) -> dict:
+        """Record a new mtime/size for a document whose bytes (sha256) did not change; passages stay."""
+        try:
+            self._db["documents"].update(doc_id, {"mtime": mtime, "size": size})
+        except NotFoundError:
+            raise KeyError(f"no document with id {doc_id}") from None
+        return self._db["documents"].get(doc_id)
+
+    def passages(self, doc_id: int) -> list[dict]:
+        return list(self._db.query("SELECT * FROM passages WHERE document_id = ? ORDER BY seq", [doc_id]))
+
+    def attach_document(self, cid: int, doc_id: int) -> None:
+        """Attach at the end of the conversation's document list; attaching twice changes nothing."""
+        with self._db.atomic():
+            self.conversation(cid)
+            if not list(self._db.query("SELECT id FROM documents WHERE id = ?", [doc_id])):
+                raise KeyError(f"no document with id {doc_id}")
+            self._db.execute(
+                """
+                INSERT OR IGNORE INTO conversation_documents (conversation_id, document_id, added_at, position)
+                VALUES (?, ?, ?, (SELECT COALESCE(MAX(position), -1) + 1 FROM conversation_documents
+                                  WHERE conversation_id = ?))
+                """,
+                [cid, doc_id, self._clock(), cid],
+            )
+
+    def detach_document(self, cid: int, doc_id: int) -> None:
+        self._db.execute(
+            "DELETE FROM conversation_documents WHERE conversation_id = ? AND document_id = ?", [cid, doc_id]
+        )
+
+    def conversation_documents(self, cid: int) -> list[dict]:
+        """Document rows plus `position` and `attached_at` of the attachment, in attachment order."""
+        rows = self._db.query(
+            """
+            SELECT d.*, cd.position, cd.added_at AS attached_at
+            FROM conversation_documents AS cd JOIN documents AS d ON d.id = cd.document_id
+            WHERE cd.conversation_id = ?
+            ORDER BY cd.position
+            """,
+            [cid],
+        )
+        return list(rows)
+
+    def search_passages(self, cid: int, query: str, limit: int = 5) -> list[dict]:
+        """Passages of the documents attached to `cid` that contain any content word of `query`.
+
+        score = -bm25, so higher is better and a passage matching more of the question's terms ranks first.
+        Stopwords and one-character words are dropped; a question made only of them finds nothing.
+        """
+        terms = list(dict.fromkeys(w for w in re.findall(r"\w+", query.lower()) if len(w) > 1 and w not in _STOPWORDS))
+        if not terms:
+            return []
+        rows = self._db.query(
+            """
+            SELECT p.id, p.document_id, d.name, d.path, p.page, p.section, p.start, p."end", p.text,
+                   -bm25(passages_fts) AS score
+            FROM passages_fts
+            JOIN passages AS p ON p.id = passages_fts.rowid
+            JOIN documents AS d ON d.id = p.document_id
+            JOIN conversation_documents AS cd ON cd.document_id = p.document_id AND cd.conversation_id = ?
+            WHERE passages_fts MATCH ?
+            ORDER BY score DESC, p.document_id, p.seq
+            LIMIT ?
+            """,
+            [cid, " OR ".join(_fts_string(term) for term in terms), limit],
+        )
+        return list(rows)
+
+    # -- settings -----------------------------------------------------------------------------------------
+
+    def get_setting(self, key: str, default: Any = None) -> Any:
+        row = self._db.execute("SELECT value FROM settings WHERE key = ?", [key]).fetchone()
+        return default if row is None else json.loads(row[0])
+
+    def set_setting(self, key: str, value: Any) -> None:
+        self._db["settings"].upsert({"key": key, "value": _encode_json(value)}, pk="key")
+
+    # -- export / import ----------------------------------------------------------------------------------
+
+    def export_json(self, cid: int) -> dict:
+        conversation = self.conversation(cid)
+        return {
+            "format": EXPORT_FORMAT,
+            "version": EXPORT_VERSION,
+            "title": conversation["title"],
+            "system_prompt": conversation["system_prompt"],
+            "sampling": conversation["sampling"],
+            "created_at": conversation["created_at"],
+            "messages": [
+                {key: message[key] for key in ("role", "content", "created_at", "stats", "sources")}
+                for message in self.messages(cid)
+            ],
+        }
+
+    def export_markdown(self, cid: int) -> str:
+        conversation = self.conversation(cid)
+        parts = [f"# {conversation['title']}"]
+        if conversation["system_prompt"]:
+            parts.append("\n".join(f"> {line}".rstrip() for line in conversation["system_prompt"].splitlines()))
+        for message in self.messages(cid):
+            parts.append(f"**{message['role'].capitalize()}**")
+            parts.append(message["content"])
+        return "\n\n".join(parts) + "\n"
+
+    def import_json(self, data: Any) -> dict:
+        """A new open conversation from an `export_json` dict. Raises ValueError, writing nothing, on bad input."""
+        conversation, messages = _validated_import(data, now=self._clock())
+        with self._db.atomic():
+            cid = self._db["conversations"].insert({**conversation, "tab_order": self._next_tab_order()}).last_pk
+            self._db["messages"].insert_all(
+                {"conversation_id": cid, "position": position, "status": "done", **message}
+                for position, message in enumerate(messages)
+            )
+        return self.conversation(cid)
+
+
+def _fts_string(word: str) -> str:
+    """`word` as an FTS5 string literal, so no character in it is read as query syntax."""
+    return '"' + word.replace('"', '""') + '"'
+
+
+def _encode_json(value: Any) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"value is not JSON-serialisable: {value!r} ({exc})") from None
+
+
+def _decoded(row: dict) -> dict:
+    for column in _JSON_COLUMNS:
+        if row.get(column) is not None:
+            row[column] = json.loads(row[column])
+    return row
+
+
+def _check_role(role: Any) -> None:
+    if role not in ROLES:
+        raise ValueError(f"message role must be one of {ROLES}, got {role!r}")
+
+
+def _check_status(status: Any) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"message status must be one of {STATUSES}, got {status!r}")
+
+
+def _merged_sampling(base: dict, overrides: Any) -> dict:
+    """`overrides` (a dict of some sampling keys, or None) over `base`, checked."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"sampling must be a dict, got {type(overrides).__name__}")
+    sampling = {**base, **(overrides or {})}
+    unknown = sorted(set(sampling) - set(DEFAULT_SAMPLING))
+    if unknown:
+        raise ValueError(f"unknown sampling keys {unknown}; allowed: {sorted(DEFAULT_SAMPLING)}")
+    for key, value in sampling.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"sampling {key} must be a number, got {value!r}")
+    if not isinstance(sampling["max_new_tokens"], int) or sampling["max_new_tokens"] < 1:
+        raise ValueError(f"sampling max_new_tokens must be a positive integer, got {sampling['max_new_tokens']!r}")
+    return sampling
+
+
+def _validated_passage(index: int, passage: Any) -> dict:
+    if not isinstance(passage, dict) or not isinstance(passage.get("text"), str):
+        raise ValueError(f"passage {index} must be a dict with a str 'text', got {passage!r:.200}")
+    try:
+        return {
+            "seq": index,
+            "text": passage["text"],
+            "page": passage.get("page"),
+            "section": passage.get("section"),
+            "start": int(passage["start"]),
+            "end": int(passage["end"]),
+        }
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"passage {index} needs integer 'start' and 'end' offsets ({exc!r})") from None
+
+
+def _validated_import(data: Any, now: float) -> tuple[dict, list[dict]]:
+    """(conversation row, message rows) from an export dict; every check runs before anything is written."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a conversation export must be a JSON object, got {type(data).__name__}")
+    if data.get("format") != EXPORT_FORMAT:
+        raise ValueError(
+            f"not a KVBoost conversation export: format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}"
+        )
+    version = data.get("version")
+    if isinstance(version, bool) or version != EXPORT_VERSION:
+        raise ValueError(
+            f"unsupported conversation export version {version!r}; this app reads version {EXPORT_VERSION}"
+        )
+    raw_messages = data.get("messages")
+    if not isinstance(raw_messages, list):
+        raise ValueError(f"a conversation export needs a 'messages' list, got {type(raw_messages).__name__}")
+    title = data.get("title", "Imported chat")
+    system_prompt = data.get("system_prompt")
+    if not isinstance(title, str):
+        raise ValueError(f"title must be a str, got {title!r}")
+    if system_prompt is not None and not isinstance(system_prompt, str):
+        raise ValueError(f"system_prompt must be a str or null, got {system_prompt!r}")
+    sampling = _merged_sampling(DEFAULT_SAMPLING, data.get("sampling"))
+    created_at = _timestamp(data.get("created_at"), now, "created_at")
+
+    messages = []
+    for index, message in enumerate(raw_messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"message {index} must be an object, got {type(message).__name__}")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise ValueError(f"message {index}: role must be one of {ROLES}, got {role!r}")
+        if not isinstance(content, str):
+            raise ValueError(f"message {index}: content must be a str, got {type(content).__name__}")
+        stats, sources = message.get("stats"), message.get("sources")
+        messages.append(
+            {
+                "role": role,
+                "content": content,
+                "stats": None if stats is None else _encode_json(stats),
+                "sources": None if sources is None else _encode_json(sources),
+                "created_at": _timestamp(message.get("created_at"), now, f"message {index} created_at"),
+            }
+        )
+    conversation = {
+        "title": title,
+        "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
+        "sampling": _encode_json(sampling),
+        "created_at": created_at,
+        "updated_at": now,
+        "is_open": 1,
+    }
+    return conversation, messages
+
+
+def _timestamp(value: Any, default: float, what: str) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a unix time in seconds, got {value!r}")
+    return float(value)

@@ -1,0 +1,323 @@
+"""Modal dialogs: per-conversation settings, model choice, rename.
+
+They only collect and validate values; the caller decides what to do with values() after exec() accepts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from PySide6.QtWidgets import (
+    QButtonGroup,
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QFormLayout,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QRadioButton,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# (mode, label) in menu order; the engine's reuse modes.
+REUSE_CHOICES = (
+    ("chunk", "Chunk: exact reuse (default)"),
+    ("prefix", "Prefix: reuse only a shared beginning"),
+    ("approx", "Approximate: also reuses moved documents, may change answers"),
+    ("off", "Off: compute every prompt in full"),
+)
+
+# Hugging Face repository ids: "owner/name", each part starting with a letter or digit.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+_SOURCE_KINDS = ("default", "folder", "gguf", "hub")
+
+
+class ConversationSettingsDialog(QDialog):
+    """Title, system prompt and sampling of one conversation."""
+
+    def __init__(
+        self,
+        parent: QWidget | None = None,
+        *,
+        title: str,
+        system_prompt: str,
+        sampling: dict,
+        defaults: dict | None = None,
+    ):
+        super().__init__(parent)
+        self.setWindowTitle("Conversation settings")
+        self._defaults = defaults
+
+        self._title_edit = QLineEdit(title)
+        self._title_edit.setObjectName("titleEdit")
+        self._system_prompt_edit = QPlainTextEdit(system_prompt)
+        self._system_prompt_edit.setObjectName("systemPromptEdit")
+        self._system_prompt_edit.setPlaceholderText("Instructions the model sees before every message")
+
+        self._temperature_spin = QDoubleSpinBox()
+        self._temperature_spin.setObjectName("temperatureSpin")
+        self._temperature_spin.setRange(0.0, 2.0)
+        self._temperature_spin.setSingleStep(0.05)
+        self._temperature_spin.setDecimals(2)
+        self._temperature_spin.setToolTip("0 always picks the most likely token")
+
+        self._top_p_spin = QDoubleSpinBox()
+        self._top_p_spin.setObjectName("topPSpin")
+        self._top_p_spin.setRange(0.05, 1.0)
+        self._top_p_spin.setSingleStep(0.05)
+        self._top_p_spin.setDecimals(2)
+
+        self._max_tokens_spin = QSpinBox()
+        self._max_tokens_spin.setObjectName("maxTokensSpin")
+        self._max_tokens_spin.setRange(1, 32768)
+
+        self._set_sampling(sampling)
+
+        self._reset_button = QPushButton("Reset to defaults")
+        self._reset_button.setObjectName("resetButton")
+        self._reset_button.setEnabled(defaults is not None)
+        self._reset_button.clicked.connect(self.on_reset_button_clicked)
+
+        self._buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        self._buttons.addButton(self._reset_button, QDialogButtonBox.ButtonRole.ResetRole)
+        self._buttons.accepted.connect(self.accept)
+        self._buttons.rejected.connect(self.reject)
+
+        form = QFormLayout()
+        form.addRow("Title", self._title_edit)
+        form.addRow("System prompt", self._system_prompt_edit)
+        form.addRow("Temperature", self._temperature_spin)
+        form.addRow("Top-p", self._top_p_spin)
+        form.addRow("Max new tokens", self._max_tokens_spin)
+        layout = QVBoxLayout(self)
+        layout.addLayout(form)
+        layout.addWidget(self._buttons)
+
+        self._title_edit.textChanged.connect(self.on_title_edit_text_changed)
+        self.on_title_edit_text_changed(self._title_edit.text())
+
+    def _set_sampling(self, sampling: dict) -> None:
+        # Keys missing from `sampling` keep the widget's current value.
+        if "temperature" in sampling:
+            self._temperature_spin.setValue(float(sampling["temperature"]))
+        if "top_p" in sampling:
+            self._top_p_spin.setValue(float(sampling["top_p"]))
+        if "max_new_tokens" in sampling:
+            self._max_tokens_spin.setValue(int(sampling["max_new_tokens"]))
+
+    def on_title_edit_text_changed(self, text: str) -> None:
+        self._buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(bool(text.strip()))
+
+    def on_reset_button_clicked(self) -> None:
+        # The title is the user's name for the conversation, not a setting, so it stays.
+        assert self._defaults is not None, "reset is disabled without defaults"
+        self._system_prompt_edit.setPlainText(self._defaults.get("system_prompt", ""))
+        self._set_sampling(self._defaults.get("sampling", {}))
+
+    def values(self) -> dict:
+        return {
+            "title": self._title_edit.text().strip(),
+            "system_prompt": self._system_prompt_edit.toPlainText(),
+            "sampling": {
+                "temperature": round(self._temperature_spin.value(), 2),
+                "top_p": round(self._top_p_spin.value(), 2),
+                "max_new_tokens": self._max_tokens_spin.value(),
+            },
+        }
+
+
+def _source_kind(source: str | None) -> str:
+    """Which radio button a saved source belongs to."""
+    if source is None:
+        return "default"
+    path = os.path.expanduser(source)
+    if path.lower().endswith(".gguf"):
+        return "gguf"
+    if os.path.isdir(path) or not _HUB_ID.match(source):
+        return "folder"
+    return "hub"
+
+
+def source_problem(kind: str, text: str) -> str | None:
+    """Why `text` is not a usable source of `kind`, or None when it is."""
+    assert kind in _SOURCE_KINDS, kind
+    text = text.strip()
+    if kind == "default":
+        return None
+    if not text:
+        return {
+            "folder": "Choose a model folder.",
+            "gguf": "Choose a .gguf file.",
+            "hub": "Enter a model id such as HuggingFaceTB/SmolLM2-360M-Instruct.",
+        }[kind]
+    path = os.path.expanduser(text)
+    if kind == "folder":
+        if not os.path.isdir(path):
+            return f"Folder not found: {path}"
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            return f"Not a Hugging Face model folder (no config.json): {path}"
+        return None
+    if kind == "gguf":
+        if not path.lower().endswith(".gguf"):
+            return f"Not a .gguf file: {path}"
+        if not os.path.isfile(path):
+            return f"File not found: {path}"
+        return None
+    if not _HUB_ID.match(text):
+        return f"A model id looks like owner/name, got {text!r}."
+    return None
+
+
+class ModelDialog(QDialog):
+    """Which model to load and how the engine reuses cached text."""
+
+    def __init__(self, parent: QWidget | None = None, *, current: dict | None, awq_unavailable: str | None):
+        super().__init__(parent)
+        self.setWindowTitle("Model")
+        current = current or {}
+        self._awq_unavailable = awq_unavailable
+
+        self._radios = {
+            "default": QRadioButton(f"Built-in {DEFAULT_MODEL_NAME}"),
+            "folder": QRadioButton("Local Hugging Face folder"),
+            "gguf": QRadioButton("GGUF file"),
+            "hub": QRadioButton("Hugging Face model id (already downloaded)"),
+        }
+        self._kind_group = QButtonGroup(self)
+        for kind, radio in self._radios.items():
+            radio.setObjectName(f"{kind}Radio")
+            self._kind_group.addButton(radio)
+
+        self._source_edit = QLineEdit()
+        self._source_edit.setObjectName("sourceEdit")
+        self._browse_button = QPushButton("Browse…")
+        self._browse_button.setObjectName("browseButton")
+
+        self._error_label = QLabel()
+        self._error_label.setObjectName("errorLabel")
+        self._error_label.setWordWrap(True)
+
+        self._reuse_combo = QComboBox()
+        self._reuse_combo.setObjectName("reuseCombo")
+        for mode, label in REUSE_CHOICES:
+            self._reuse_combo.addItem(label, mode)
+        reuse = current.get("reuse", "chunk")
+        index = self._reuse_combo.findData(reuse)
+        if index < 0:
+            raise ValueError(f"reuse must be one of {[m for m, _ in REUSE_CHOICES]}, got {reuse!r}")
+        self._reuse_combo.setCurrentIndex(index)
+
+        self._awq_check = QCheckBox("AWQ layer streaming")
+        self._awq_check.setObjectName("awqCheck")
+        self._awq_reason = QLabel(awq_unavailable or "")
+        self._awq_reason.setObjectName("awqReason")
+        self._awq_reason.setProperty("disabledReason", True)
+        self._awq_reason.setWordWrap(True)
+        if awq_unavailable is None:
+            self._awq_check.setChecked(bool(current.get("awq_streaming", False)))
+            self._awq_reason.hide()
+        else:
+            self._awq_check.setChecked(False)
+            self._awq_check.setEnabled(False)
+            self._awq_check.setToolTip(awq_unavailable)
+
+        self._buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        self._buttons.accepted.connect(self.accept)
+        self._buttons.rejected.connect(self.reject)
+
+        source_row = QHBoxLayout()
+        source_row.addWidget(self._source_edit, 1)
+        source_row.addWidget(self._browse_button)
+        awq_row = QHBoxLayout()
+        awq_row.addWidget(self._awq_check)
+        awq_row.addWidget(self._awq_reason, 1)
+        layout = QVBoxLayout(self)
+        for radio in self._radios.values():
+            layout.addWidget(radio)
+        layout.addLayout(source_row)
+        layout.addWidget(self._error_label)
+        options = QFormLayout()
+        options.addRow("Reuse", self._reuse_combo)
+        options.addRow(awq_row)
+        layout.addLayout(options)
+        layout.addWidget(self._buttons)
+
+        # Each kind keeps its own text, so flipping between radio buttons does not lose what was typed.
+        source = current.get("source")
+        self._kind = _source_kind(source)
+        self._texts = dict.fromkeys(_SOURCE_KINDS, "")
+        if source is not None:
+            self._texts[self._kind] = source
+        self._radios[self._kind].setChecked(True)
+        self._show_kind(self._kind)
+
+        self._kind_group.buttonToggled.connect(self.on_kind_group_button_toggled)
+        self._source_edit.textChanged.connect(self.on_source_edit_text_changed)
+        self._browse_button.clicked.connect(self.on_browse_button_clicked)
+        self._validate()
+
+    def _show_kind(self, kind: str) -> None:
+        self._kind = kind
+        self._source_edit.setText(self._texts[kind])
+        self._source_edit.setEnabled(kind != "default")
+        self._browse_button.setEnabled(kind in ("folder", "gguf"))
+        self._source_edit.setPlaceholderText({
+            "default": "",
+            "folder": "Folder with config.json and weights",
+            "gguf": "Path to a .gguf file",
+            "hub": "owner/name",
+        }[kind])
+
+    def _validate(self) -> None:
+        problem = source_problem(self._kind, self._source_edit.text())
+        self._error_label.setText(problem or "")
+        self._error_label.setVisible(problem is not None)
+        self._buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(problem is None)
+
+    def on_kind_group_button_toggled(self, button: QRadioButton, checked: bool) -> None:
+        if not checked:
+            return
+        self._texts[self._kind] = self._source_edit.text()
+        kind = next(k for k, radio in self._radios.items() if radio is button)
+        self._show_kind(kind)
+        self._validate()
+
+    def on_source_edit_text_changed(self, _text: str) -> None:
+        self._validate()
+
+    def on_browse_button_clicked(self) -> None:
+        start = os.path.expanduser(self._source_edit.text().strip()) or os.path.expanduser("~")
+        if self._kind == "folder":
+            chosen = QFileDialog.getExistingDirectory(self, "Choose a model folder", start)
+        else:
+            chosen, _filter = QFileDialog.getOpenFileName(self, "Choose a GGUF file", start, "GGUF files (*.gguf)")
+        if chosen:
+            self._source_edit.setText(chosen)
+
+    def values(self) -> dict:
+        text = self._source_edit.text().strip()
+        return {
+            "source": None if self._kind == "default" else os.path.expanduser(text),
+            "reuse": self._reuse_combo.currentData(),
+            "awq_streaming": self._awq_unavailable is None and self._awq_check.isChecked(),
+        }
+
+
+def ask_rename(parent: QWidget | None, current: str) -> str | None:
+    """The new title, or None when the user cancels or leaves it empty."""
+    text, ok = QInputDialog.getText(parent, "Rename conversation", "Title:", QLineEdit.EchoMode.Normal, current)
+    text = text.strip()
+    return text if ok and text else None

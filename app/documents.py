@@ -1,0 +1,527 @@
+"""Turn files a user drops on a chat into text passages for retrieval.
+
+Every failure a bad file can cause surfaces as `DocumentError`, whose message names the file and says what
+to do, so the app can show it in its one error path and carry on with the other files.
+
+Offsets are exact: for every passage, `document.text[p.start:p.end] == p.text`. Whitespace around a
+passage is trimmed by moving its offsets, never by editing the text.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import hashlib
+import io
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import pairwise
+from pathlib import Path
+
+import docx
+import pypdf
+from docx.table import Table
+from pypdf.errors import DependencyError
+
+MARKDOWN_SUFFIXES = frozenset({".md", ".markdown"})
+TEXT_SUFFIXES = MARKDOWN_SUFFIXES | frozenset({".txt", ".text", ".rst", ".log", ".csv", ".tsv"})
+CODE_SUFFIXES = frozenset({
+    ".py", ".pyi", ".js", ".mjs", ".cjs", ".ts", ".tsx", ".jsx", ".java", ".c", ".h", ".cpp", ".hpp", ".cc",
+    ".hh", ".cxx", ".cs", ".go", ".rs", ".rb", ".php", ".swift", ".kt", ".kts", ".scala", ".sh", ".bash",
+    ".zsh", ".ps1", ".bat", ".sql", ".html", ".htm", ".css", ".scss", ".json", ".yaml", ".yml", ".toml",
+    ".ini", ".cfg", ".conf", ".xml", ".lua", ".r", ".m", ".jl", ".dart", ".vue", ".svelte", ".pl", ".ex",
+    ".exs", ".erl", ".hs", ".ml", ".clj", ".zig", ".nim", ".proto", ".graphql", ".tex", ".cmake",
+})
+# Build files that are code but carry no suffix.
+CODE_FILE_NAMES = frozenset({"makefile", "dockerfile", "justfile", "gemfile", "rakefile"})
+PDF_SUFFIX = ".pdf"
+DOCX_SUFFIX = ".docx"
+
+MAX_FILE_BYTES = 50 * 1024 * 1024
+
+# Folders that hold tooling or dependencies rather than the user's documents.
+SKIPPED_DIR_NAMES = frozenset({"__pycache__", ".git", "node_modules", ".venv", "venv", ".tox", ".mypy_cache"})
+
+_HINTS_BY_SUFFIX = {".doc": "the old Word .doc format is not supported; save it as .docx and drop it again"}
+
+# A text file decoded with a legacy code page is accepted only if control characters are this rare;
+# binary data decodes "successfully" as latin-1 but is full of them.
+_MAX_CONTROL_FRACTION = 0.01
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+
+
+class DocumentError(ValueError):
+    """A file cannot be turned into passages. The message is for the user: it names the file and why."""
+
+
+@dataclass(frozen=True)
+class Passage:
+    text: str
+    start: int  # offset of the passage in ExtractedDocument.text
+    end: int
+    page: int | None  # 1-based PDF page, None for other kinds
+    section: str | None  # nearest Markdown / DOCX heading at or before `start`
+
+
+@dataclass(frozen=True)
+class ExtractedDocument:
+    path: str
+    name: str
+    kind: str  # "text" | "markdown" | "pdf" | "docx" | "code"
+    text: str
+    passages: list[Passage]
+    sha256: str  # of the file's bytes, not of `text`
+    mtime: float
+    size: int
+
+
+def document_kind(path: str | Path) -> str | None:
+    """The kind `extract` would give this file, from its name alone; None when unsupported."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in MARKDOWN_SUFFIXES:
+        return "markdown"
+    if suffix in TEXT_SUFFIXES:
+        return "text"
+    if suffix == PDF_SUFFIX:
+        return "pdf"
+    if suffix == DOCX_SUFFIX:
+        return "docx"
+    if suffix in CODE_SUFFIXES or (not suffix and path.name.lower() in CODE_FILE_NAMES):
+        return "code"
+    return None
+
+
+def is_supported(path: str | Path) -> bool:
+    return document_kind(path) is not None
+
+
+def collect_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """Expand dropped paths into supported files, and say why each other path was skipped.
+
+    Folders are walked recursively in sorted order. Hidden entries and tooling folders inside them are left
+    out silently (a project folder would otherwise report thousands of .git objects); a hidden file dropped
+    by itself is taken, since the user chose it. Each file appears once however often it was reached.
+    """
+    files: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    seen_files: set[Path] = set()
+    seen_dirs: set[Path] = set()
+
+    def add_file(path: Path) -> None:
+        if document_kind(path) is None:
+            skipped.append((path, _unsupported_reason(path)))
+            return
+        key = path.resolve()
+        if key not in seen_files:
+            seen_files.add(key)
+            files.append(path)
+
+    def walk(folder: Path) -> None:
+        key = folder.resolve()
+        if key in seen_dirs:  # a symlink loop or the same folder dropped twice
+            return
+        seen_dirs.add(key)
+        try:
+            entries = sorted(folder.iterdir(), key=lambda entry: (entry.name.casefold(), entry.name))
+        except OSError as error:
+            skipped.append((folder, f"the folder could not be read ({_os_reason(error)})"))
+            return
+        for entry in entries:
+            if entry.name.startswith(".") or entry.name in SKIPPED_DIR_NAMES:
+                continue
+            if entry.is_dir():
+                walk(entry)
+            elif entry.is_file():
+                add_file(entry)
+
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            walk(path)
+        elif path.is_file():
+            add_file(path)
+        elif path.exists():
+            skipped.append((path, "not a regular file"))
+        else:
+            skipped.append((path, "not found"))
+    return files, skipped
+
+
+def file_signature(path: str | Path) -> tuple[float, int]:
+    """(mtime, size): a cheap check of whether a file may have changed, before hashing it."""
+    stat = Path(path).stat()
+    return stat.st_mtime, stat.st_size
+
+
+def sha256_file(path: str | Path, *, block_bytes: int = 1024 * 1024) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        while block := stream.read(block_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def extract(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, passage_chars: int = 1000) -> ExtractedDocument:
+    """Read one file into text and passages, or raise DocumentError saying why it cannot be used."""
+    path = Path(path)
+    name = path.name
+    stat = _stat_file(path, max_bytes)
+    kind = document_kind(path)
+    if kind is None:
+        raise DocumentError(f"{name}: {_unsupported_reason(path)}")
+    data = _read_bytes(path, max_bytes)
+
+    pages = sections = None
+    if kind == "pdf":
+        text, pages = _pdf_text(data, name)
+    elif kind == "docx":
+        text, sections = _docx_text(data, name)
+    else:
+        text = _normalize_newlines(_decode_text(data, name))
+        if kind == "markdown":
+            sections = markdown_headings(text)
+
+    if not text.strip():
+        if kind == "pdf":
+            raise DocumentError(
+                f"{name} has no extractable text; it is probably scanned images, which need OCR before they "
+                "can be read"
+            )
+        raise DocumentError(f"{name} has no text in it (it is blank or only whitespace)")
+
+    return ExtractedDocument(
+        path=str(path.absolute()),
+        name=name,
+        kind=kind,
+        text=text,
+        passages=split_passages(text, passage_chars=passage_chars, pages=pages, sections=sections),
+        sha256=hashlib.sha256(data).hexdigest(),
+        mtime=stat.st_mtime,
+        size=len(data),
+    )
+
+
+def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
+    name = path.name
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        raise DocumentError(f"{name} was not found; it may have been moved or deleted") from None
+    except OSError as error:
+        raise DocumentError(f"{name} could not be read ({_os_reason(error)})") from None
+    if path.is_dir():
+        raise DocumentError(f"{name} is a folder, not a file")
+    _check_size(name, stat.st_size, max_bytes)
+    return stat
+
+
+def _read_bytes(path: Path, max_bytes: int) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DocumentError(f"{path.name} could not be read ({_os_reason(error)})") from None
+    _check_size(path.name, len(data), max_bytes)  # the file may have changed since it was checked
+    return data
+
+
+def _check_size(name: str, size: int, max_bytes: int) -> None:
+    if size > max_bytes:
+        raise DocumentError(f"{name} is {_human_size(size)}, over the {_human_size(max_bytes)} limit for documents")
+    if size == 0:
+        raise DocumentError(f"{name} is empty")
+
+
+def _decode_text(data: bytes, name: str) -> str:
+    binary = DocumentError(f"{name} looks like a binary file, not text")
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        try:
+            text = data.decode("utf-16")
+        except UnicodeDecodeError:
+            raise binary from None
+        if not _looks_like_text(text):
+            raise binary
+        return text
+    if b"\x00" in data:
+        raise binary
+    try:
+        return data.decode("utf-8-sig")  # also plain UTF-8; drops a leading byte-order mark
+    except UnicodeDecodeError:
+        pass
+    try:
+        text = data.decode("cp1252")
+    except UnicodeDecodeError:  # cp1252 leaves five bytes undefined; latin-1 maps every byte
+        text = data.decode("latin-1")
+    if not _looks_like_text(text):
+        raise binary
+    return text
+
+
+def _looks_like_text(text: str) -> bool:
+    return len(_CONTROL_CHARS.findall(text)) <= len(text) * _MAX_CONTROL_FRACTION
+
+
+def _normalize_newlines(text: str) -> str:
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _pdf_text(data: bytes, name: str) -> tuple[str, list[tuple[int, int]]]:
+    """Page texts joined by blank lines, and where each page starts: [(offset, page_number)]."""
+    # pypdf reports damaged files with many exception types (its own, ValueError, KeyError, struct and
+    # zlib errors...), so anything it raises while reading is taken to mean the file is damaged.
+    try:
+        reader = pypdf.PdfReader(io.BytesIO(data))
+        if reader.is_encrypted:
+            _unlock_pdf(reader, name)
+        page_texts = []
+        for number, page in enumerate(reader.pages, start=1):
+            try:
+                page_texts.append(_normalize_newlines(page.extract_text() or "").replace("\x00", "").strip())
+            except Exception as error:  # noqa: BLE001  (see above)
+                raise DocumentError(f"{name}: page {number} could not be read ({_short(error)})") from None
+    except DocumentError:
+        raise
+    except Exception as error:  # noqa: BLE001  (see above)
+        raise DocumentError(f"{name} could not be read as a PDF; the file looks damaged ({_short(error)})") from None
+
+    pieces, page_starts, offset = [], [], 0
+    for number, page_text in enumerate(page_texts, start=1):
+        page_starts.append((offset, number))
+        pieces.append(page_text)
+        offset += len(page_text) + 2
+    return "\n\n".join(pieces), page_starts
+
+
+def _unlock_pdf(reader: pypdf.PdfReader, name: str) -> None:
+    # Many PDFs are encrypted only to carry an owner password; their user password is empty.
+    try:
+        unlocked = reader.decrypt("")
+    except DependencyError:
+        raise DocumentError(
+            f"{name} is encrypted with AES, which this installation cannot decrypt; save an unprotected copy "
+            "and drop it again"
+        ) from None
+    if unlocked == pypdf.PasswordType.NOT_DECRYPTED:
+        raise DocumentError(f"{name} is encrypted (password-protected); remove the password and drop it again")
+
+
+def _docx_text(data: bytes, name: str) -> tuple[str, list[tuple[int, str]]]:
+    """Paragraphs and tables in body order, joined by blank lines; table rows one per line, cells by ' | '.
+    Headings ('Title' and 'Heading N' paragraph styles) are returned as [(offset, heading)]."""
+    try:
+        document = docx.Document(io.BytesIO(data))
+        blocks: list[tuple[str, bool]] = []  # (text, is_heading)
+        for item in document.iter_inner_content():
+            if isinstance(item, Table):
+                blocks.append((_docx_table_text(item), False))
+            else:
+                style_name = item.style.name if item.style is not None else ""
+                is_heading = style_name == "Title" or style_name.startswith("Heading")
+                blocks.append((item.text, is_heading))
+    except Exception as error:  # noqa: BLE001  (python-docx raises zip, XML, KeyError... for damaged files)
+        raise DocumentError(
+            f"{name} could not be read as a Word document; the file looks damaged ({_short(error)})"
+        ) from None
+
+    pieces, headings, offset = [], [], 0
+    for block_text, is_heading in blocks:
+        block_text = _normalize_newlines(block_text).strip()
+        if not block_text:
+            continue
+        if is_heading:
+            headings.append((offset, " ".join(block_text.split())))
+        pieces.append(block_text)
+        offset += len(block_text) + 2
+    return "\n\n".join(pieces), headings
+
+
+def _docx_table_text(table: Table) -> str:
+    rows = []
+    for row in table.rows:
+        cells, previous = [], None
+        for cell in row.cells:
+            if cell._tc is previous:  # a horizontally merged cell is listed once per grid column it spans
+                continue
+            previous = cell._tc
+            cells.append(" ".join(cell.text.split()))
+        if any(cells):
+            rows.append(" | ".join(cells))
+    return "\n".join(rows)
+
+
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+_ATX_HEADING = re.compile(r" {0,3}#{1,6}(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+_SETEXT_UNDERLINE = re.compile(r" {0,3}(?:=+|-+)[ \t]*$")
+_FRONT_MATTER = re.compile(r"---\n.*?^(?:---|\.\.\.)[ \t]*$", re.DOTALL | re.MULTILINE)
+_BLOCK_START = re.compile(r" {0,3}(?:[-+*>|]|\d+[.)])(?:\s|$)")
+
+
+def markdown_headings(text: str) -> list[tuple[int, str]]:
+    """[(offset of the heading line, heading text)] for '#' and underlined headings outside code fences
+    and YAML front matter."""
+    headings: list[tuple[int, str]] = []
+    fence: str | None = None
+    front_matter = _FRONT_MATTER.match(text)
+    front_matter_end = front_matter.end() if front_matter else 0
+    previous: tuple[int, str] | None = None  # the line before, when it could be an underlined heading's text
+    offset = 0
+    for line in text.split("\n"):
+        line_start, offset = offset, offset + len(line) + 1
+        candidate, previous = previous, None
+        if line_start < front_matter_end:
+            continue
+        fence_match = _FENCE.match(line)
+        if fence is not None:
+            closing = fence_match and fence_match.group(1)[0] == fence[0] and len(fence_match.group(1)) >= len(fence)
+            if closing and line.strip() == fence_match.group(1):
+                fence = None
+            continue
+        if fence_match:
+            fence = fence_match.group(1)
+            continue
+        heading = _ATX_HEADING.match(line)
+        if heading:
+            if heading.group(1):
+                headings.append((line_start, heading.group(1).strip()))
+            continue
+        if candidate is not None and _SETEXT_UNDERLINE.match(line):
+            headings.append(candidate)
+            continue
+        if line.strip() and not _BLOCK_START.match(line) and not line.startswith(("    ", "\t")):
+            previous = (line_start, line.strip())
+    return headings
+
+
+# Separators tried in turn on a stretch too long for one passage: blank lines, line breaks, sentence ends.
+# What is still too long is cut at the last space that fits, and a single word longer than a passage is cut
+# at the size limit.
+_SEPARATORS = (
+    re.compile(r"\n[ \t]*\n\s*"),
+    re.compile(r"\n\s*"),
+    re.compile(r"(?<=[.!?;:])\s+|(?<=[。！？])\s*"),
+)
+_WORD_GAP = re.compile(r"\s+")
+# A last passage shorter than this fraction of passage_chars joins the one before, up to 1.5x its size.
+_SMALL_TAIL_FRACTION = 0.25
+_MAX_GROWTH = 1.5
+
+
+def split_passages(
+    text: str,
+    *,
+    passage_chars: int = 1000,
+    pages: list[tuple[int, int]] | None = None,
+    sections: list[tuple[int, str]] | None = None,
+) -> list[Passage]:
+    """Split text into passages of about passage_chars (at most 1.5x), at the coarsest boundary that fits.
+
+    `pages` and `sections` are [(start_offset, label)]. A passage never spans a page start or a section
+    start, so its page and section (the last ones starting at or before it) describe all of it.
+    """
+    if passage_chars < 1:
+        raise ValueError(f"passage_chars must be at least 1, got {passage_chars}")
+    pages = sorted(pages or [])
+    sections = sorted(sections or [], key=lambda section: section[0])
+    page_offsets = [offset for offset, _ in pages]
+    section_offsets = [offset for offset, _ in sections]
+    cuts = sorted({0, len(text)} | {min(max(o, 0), len(text)) for o in page_offsets + section_offsets})
+
+    passages = []
+    for region_start, region_end in pairwise(cuts):
+        for start, end in _pack(_pieces(text, region_start, region_end, passage_chars), passage_chars):
+            passages.append(Passage(
+                text=text[start:end],
+                start=start,
+                end=end,
+                page=_label_at(pages, page_offsets, start),
+                section=_label_at(sections, section_offsets, start),
+            ))
+    return passages
+
+
+def _pieces(text: str, start: int, end: int, limit: int, level: int = 0) -> list[tuple[int, int]]:
+    """Whitespace-trimmed spans of text[start:end], each at most `limit` long, in order."""
+    while start < end and text[start].isspace():
+        start += 1
+    while end > start and text[end - 1].isspace():
+        end -= 1
+    if start == end:
+        return []
+    if end - start <= limit:
+        return [(start, end)]
+    if level == len(_SEPARATORS):
+        return _cut_between_words(text, start, end, limit)
+    spans, position = [], start
+    for separator in _SEPARATORS[level].finditer(text, start, end):
+        spans += _pieces(text, position, separator.start(), limit, level + 1)
+        position = separator.end()
+    spans += _pieces(text, position, end, limit, level + 1)
+    return spans
+
+
+def _cut_between_words(text: str, start: int, end: int, limit: int) -> list[tuple[int, int]]:
+    """Greedy spans of at most `limit`, each ending before a gap between words; text[start:end] is trimmed."""
+    spans = []
+    while end - start > limit:
+        # Looking one window ahead at a time keeps a huge unbroken paragraph linear in its length.
+        last_gap = None
+        for gap in _WORD_GAP.finditer(text, start + 1, start + limit + 1):
+            last_gap = gap
+        if last_gap is None:  # one word longer than a passage
+            spans.append((start, start + limit))
+            start += limit
+        else:
+            spans.append((start, last_gap.start()))
+            start = last_gap.end()
+        while text[start].isspace():  # a gap can run on past the window
+            start += 1
+    spans.append((start, end))
+    return spans
+
+
+def _pack(pieces: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    """Join consecutive pieces (with the text between them) while the result stays within `limit`."""
+    spans: list[tuple[int, int]] = []
+    for start, end in pieces:
+        if spans and end - spans[-1][0] <= limit:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+    if len(spans) >= 2:
+        (before_start, _), (tail_start, tail_end) = spans[-2], spans[-1]
+        if tail_end - tail_start < limit * _SMALL_TAIL_FRACTION and tail_end - before_start <= limit * _MAX_GROWTH:
+            spans[-2:] = [(before_start, tail_end)]
+    return spans
+
+
+def _label_at(labels: list[tuple[int, object]], offsets: list[int], position: int) -> object | None:
+    index = bisect.bisect_right(offsets, position) - 1
+    return labels[index][1] if index >= 0 else None
+
+
+def _unsupported_reason(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in _HINTS_BY_SUFFIX:
+        return _HINTS_BY_SUFFIX[suffix]
+    if not suffix:
+        return "files without an extension are not supported"
+    return f"{suffix} files are not supported (text, Markdown, PDF, Word .docx and source code are)"
+
+
+def _os_reason(error: OSError) -> str:
+    return error.strerror.lower() if error.strerror else str(error)
+
+
+def _short(error: Exception, limit: int = 120) -> str:
+    message = " ".join(str(error).split()) or type(error).__name__
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def _human_size(num_bytes: int) -> str:
+    if num_bytes < 1024:
+        return f"{num_bytes} bytes"
+    if num_bytes < 1024 * 1024:
+        return f"{num_bytes / 1024:.1f} KB"
+    return f"{num_bytes / (1024 * 1024):.1f} MB"

@@ -1,0 +1,225 @@
+"""The app's only door to the engine.
+
+Every torch call runs on ONE worker thread owned by EngineClient; the UI thread only enqueues jobs and
+receives Qt signals. Signals are emitted from the worker and, because EngineClient lives on the UI thread,
+Qt queues them to it: slots always run on the UI thread. `engine` (and torch) is imported on the worker, so
+the window comes up before the multi-second torch import finishes.
+
+Jobs run in the order submitted. Cancelling a job that is still queued drops it; cancelling the running one
+stops it at the next token (the engine checks a threading.Event every decode step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QObject, Signal
+
+log = logging.getLogger(__name__)
+
+# Requests whose prefill computed at least this many tokens calibrate the "time saved" estimate.
+MIN_CALIBRATION_TOKENS = 32
+
+
+@dataclass
+class _Job:
+    id: int
+    kind: str  # "load" | "chat" | "warm"
+    payload: dict
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+_STOP = _Job(0, "stop", {})
+
+
+class EngineClient(QObject):
+    model_loading = Signal(str)  # what is being loaded
+    load_stage_changed = Signal(str)
+    model_loaded = Signal(dict)  # model_info
+    model_load_failed = Signal(str)
+    generation_started = Signal(int)
+    token_generated = Signal(int, str)  # job id, visible text delta
+    generation_finished = Signal(int, dict)  # job id, answer (see _run_chat)
+    generation_failed = Signal(int, str)
+    warm_progressed = Signal(int, int, int)  # job id, texts done, texts total
+    warm_finished = Signal(int, dict)
+    warm_failed = Signal(int, str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._jobs: queue.Queue[_Job] = queue.Queue()
+        self._pending: dict[int, _Job] = {}  # submitted and not finished, by id
+        self._ids = itertools.count(1)
+        self._engine = None  # touched on the worker only, except the read-only memory()/is_loaded
+        self._info: dict | None = None
+        self._ms_per_token: float | None = None  # measured prefill cost, for the time-saved estimate
+        self._thread = threading.Thread(target=self._work, name="kvboost-engine", daemon=True)
+        self._thread.start()
+
+    # -- UI-thread API -------------------------------------------------------------------------------------
+    @property
+    def is_loaded(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def model_info(self) -> dict | None:
+        return self._info
+
+    def load_model(self, source: str | None = None, **options) -> int:
+        """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
+        return self._submit("load", {"source": source, "options": options})
+
+    def chat(self, messages: list[dict], sampling: dict | None = None) -> int:
+        return self._submit("chat", {"messages": messages, "sampling": dict(sampling or {})})
+
+    def warm(self, texts: list) -> int:
+        """Pre-fills each text (a string or a message list) so later prompts containing it reuse its KV."""
+        return self._submit("warm", {"texts": list(texts)})
+
+    def cancel(self, job_id: int) -> None:
+        job = self._pending.get(job_id)
+        if job is not None:
+            job.cancel.set()
+
+    def cancel_all(self) -> None:
+        for job in list(self._pending.values()):
+            job.cancel.set()
+
+    def is_busy(self) -> bool:
+        return bool(self._pending)
+
+    def memory(self) -> dict | None:
+        """Engine memory report (weights, KV per tier, device totals); None before a model is loaded."""
+        engine = self._engine
+        return engine.memory() if engine is not None else None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self.cancel_all()
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+
+    def _submit(self, kind: str, payload: dict) -> int:
+        job = _Job(next(self._ids), kind, payload)
+        self._pending[job.id] = job
+        self._jobs.put(job)
+        return job.id
+
+    # -- worker thread -------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        handlers = {"load": self._run_load, "chat": self._run_chat, "warm": self._run_warm}
+        failures = {"load": lambda j, m: self.model_load_failed.emit(m),
+                    "chat": lambda j, m: self.generation_failed.emit(j.id, m),
+                    "warm": lambda j, m: self.warm_failed.emit(j.id, m)}
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            try:
+                handlers[job.kind](job)
+            except Exception as exc:  # the worker must outlive any request: report and go on
+                log.error("engine job %s (%s) failed:\n%s", job.id, job.kind, traceback.format_exc())
+                failures[job.kind](job, _describe(exc))
+            finally:
+                self._pending.pop(job.id, None)
+
+    def _run_load(self, job: _Job) -> None:
+        source = job.payload["source"]
+        options = job.payload["options"]
+        self.model_loading.emit(source or "SmolLM2-135M-Instruct (built in)")
+        self.load_stage_changed.emit("Starting PyTorch and transformers…")
+        t0 = time.perf_counter()
+        from engine import KVBoost
+        from engine.cli import quiet_transformers
+
+        quiet_transformers()
+        self.load_stage_changed.emit("Reading and preparing the weights…")
+        self._engine = None  # the old model goes before the new one is read, so two never share memory
+        self._info = None
+        engine = KVBoost.from_pretrained(source, **options)
+        self.load_stage_changed.emit("Ready")
+        self._engine = engine
+        self._ms_per_token = None
+        from engine import awq_streaming_unavailable
+
+        self._info = {
+            "name": engine.name,
+            "source": source,
+            "device": str(engine.device),
+            "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
+            "max_context": engine.max_context,
+            "reuse": engine.config.reuse,
+            "awq_unavailable": awq_streaming_unavailable(engine.model.config, engine.device),
+            "load_s": time.perf_counter() - t0,
+            "model_type": engine.model.config.model_type,
+        }
+        self.model_loaded.emit(dict(self._info))
+
+    def _require_engine(self):
+        if self._engine is None:
+            raise RuntimeError("no model is loaded")
+        return self._engine
+
+    def _run_chat(self, job: _Job) -> None:
+        from engine import Result
+
+        if job.cancel.is_set():
+            self.generation_finished.emit(job.id, {"text": "", "finish_reason": "cancelled", "stats": None,
+                                                   "segments": [], "saved_ms": 0.0})
+            return
+        engine = self._require_engine()
+        ids = engine.encode(job.payload["messages"])
+        self.generation_started.emit(job.id)
+        result = None
+        for event in engine.stream(ids, cancel=job.cancel, **job.payload["sampling"]):
+            if isinstance(event, Result):
+                result = event
+            elif event.text:
+                self.token_generated.emit(job.id, event.text)
+        assert result is not None
+        stats = result.stats
+        decode = engine.tokenizer.decode
+        segments = [{"start": s, "end": e, "kind": kind, "text": decode(ids[s:e])} for s, e, kind in stats.chunks]
+        if stats.recomputed_tokens >= MIN_CALIBRATION_TOKENS:
+            rate = stats.ttft_ms / stats.recomputed_tokens
+            self._ms_per_token = rate if self._ms_per_token is None else 0.7 * self._ms_per_token + 0.3 * rate
+        rate = self._ms_per_token or (stats.ttft_ms / max(stats.recomputed_tokens, 1))
+        self.generation_finished.emit(job.id, {
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": stats.to_dict(),
+            "segments": segments,
+            # Estimate: a full prefill would also have computed the reused tokens at the measured rate.
+            "saved_ms": stats.reused_tokens * rate,
+        })
+
+    def _run_warm(self, job: _Job) -> None:
+        engine = self._require_engine()
+        texts = job.payload["texts"]
+        totals = {"tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "ms": 0.0, "done": 0,
+                  "cancelled": False}
+        for i, text in enumerate(texts):
+            if job.cancel.is_set():
+                totals["cancelled"] = True
+                break
+            report = engine.warm(text)
+            for key in ("tokens", "computed_tokens", "reused_tokens", "ms"):
+                totals[key] += report[key]
+            totals["done"] = i + 1
+            self.warm_progressed.emit(job.id, i + 1, len(texts))
+        self.warm_finished.emit(job.id, totals)
+
+
+def _describe(exc: BaseException) -> str:
+    """A message for the UI: the project's errors (all ValueErrors) already say what and why; others get
+    their type."""
+    if isinstance(exc, ValueError):
+        return str(exc)
+    if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
+        return f"Out of memory: {exc}. Try a smaller model, a shorter prompt or fewer documents."
+    return f"{type(exc).__name__}: {exc}"

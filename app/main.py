@@ -1,0 +1,167 @@
+"""`kvboost-desktop`: starts the window at once, then loads the model in the background.
+
+`kvboost-desktop --smoke OUT.png` runs the real app offscreen: loads the model, opens a tab, sends one
+message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import logging.handlers
+import os
+import sys
+import tempfile
+import time
+
+SMOKE_QUESTION = "What is the capital of France?"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvboost-desktop", description="KVBoost Desktop: private chat over your "
+                                "documents with a local model that never computes the same text twice.")
+    p.add_argument("--model", default=None, help="model to load instead of the saved choice (HF folder, .gguf "
+                   "file, or a hub id in the local HF cache)")
+    p.add_argument("--home", default=None, help="keep data, logs and caches under this folder instead of the "
+                   "per-user folders (also: KVBOOST_HOME)")
+    p.add_argument("--theme", choices=("system", "light", "dark"), default=None)
+    p.add_argument("--smoke", metavar="OUT.png", default=None,
+                   help="offscreen self-test: one message through the real app, screenshot to OUT.png")
+    p.add_argument("--timeout", type=float, default=600.0, help="smoke mode: give up after this many seconds")
+    p.add_argument("--report-startup", action="store_true",
+                   help="print how long the window took to come up (from process start) and keep running")
+    return p
+
+
+def setup_logging(log_dir) -> None:
+    handler = logging.handlers.RotatingFileHandler(log_dir / "kvboost-desktop.log", maxBytes=2_000_000,
+                                                   backupCount=3, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+        if args.home is None and "KVBOOST_HOME" not in os.environ:
+            args.home = tempfile.mkdtemp(prefix="kvboost-smoke-")  # never touches the user's conversations
+    from PySide6.QtWidgets import QApplication
+    import qasync
+
+    from .db import Database, DatabaseError
+    from .engine_client import EngineClient
+    from .main_window import MainWindow
+    from .paths import app_paths
+
+    paths = app_paths(args.home)
+    paths.ensure()
+    setup_logging(paths.log_dir)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("KVBoost Desktop")
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    try:
+        db = Database(paths.database)
+    except DatabaseError as exc:
+        print(f"kvboost-desktop: {exc}", file=sys.stderr)
+        return 2
+    interrupted = db.mark_interrupted()
+    client = EngineClient()
+    window = MainWindow(db, client, theme_choice=args.theme or "system")
+    if args.theme:
+        window.set_theme(args.theme)
+    if interrupted:
+        window.statusBar().showMessage(f"{interrupted} answer(s) were interrupted when the app last closed; "
+                                       "what was shown is kept.", 10000)
+    window.show()
+    model = db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
+    source = args.model if args.model is not None else model.get("source")
+    options = {"reuse": model.get("reuse", "chunk")}
+    if model.get("awq_streaming"):
+        options["awq_streaming"] = True
+    # Let the window paint before the worker starts importing torch.
+    from PySide6.QtCore import QTimer
+
+    QTimer.singleShot(0, lambda: window.load_model(source, **options))
+    if args.report_startup:
+        QTimer.singleShot(0, lambda: print(f"window up {startup_ms():.0f} ms after process start", flush=True))
+    try:
+        with loop:
+            if args.smoke:
+                return loop.run_until_complete(run_smoke(window, args.smoke, args.timeout))
+            app.lastWindowClosed.connect(loop.stop)
+            loop.run_forever()
+            return 0
+    finally:
+        client.shutdown()
+        db.close()
+
+
+def startup_ms() -> float:
+    import psutil
+
+    return (time.time() - psutil.Process().create_time()) * 1000
+
+
+async def wait_for(signal, timeout: float, *, failure=None):
+    """The arguments of the next emission of `signal`; RuntimeError with the message if `failure` fires
+    first; TimeoutError after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def done(*values):
+        if not future.done():
+            future.set_result(values)
+
+    def failed(*values):
+        if not future.done():
+            future.set_exception(RuntimeError(str(values[-1])))
+
+    signal.connect(done)
+    if failure is not None:
+        failure.connect(failed)
+    try:
+        return await asyncio.wait_for(future, timeout)
+    finally:
+        signal.disconnect(done)
+        if failure is not None:
+            failure.disconnect(failed)
+
+
+async def run_smoke(window, out_path: str, timeout: float) -> int:
+    client = window.client
+    t0 = time.monotonic()
+    try:
+        if not client.is_loaded:
+            await wait_for(client.model_loaded, timeout, failure=client.model_load_failed)
+        tab = window.current_tab() or window.new_conversation()
+        # Greedy and short: the smoke test checks the pipeline, not the model's creativity.
+        window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 48})
+        tab.composer.setPlainText(SMOKE_QUESTION)
+        finished = wait_for(client.generation_finished, timeout - (time.monotonic() - t0),
+                            failure=client.generation_failed)
+        task = asyncio.ensure_future(finished)
+        await asyncio.sleep(0)
+        tab.send()
+        _, answer = await task
+        window.memory_meter.update_now()
+        await asyncio.sleep(0.2)  # let the last render land before the screenshot
+        if not window.grab().save(out_path):
+            print(f"kvboost-desktop --smoke: could not write {out_path}", file=sys.stderr)
+            return 1
+        print(answer["text"])
+        stats = answer["stats"] or {}
+        print(f"[smoke ok: {stats.get('prompt_tokens', 0)} prompt tokens, TTFT {stats.get('ttft_ms', 0):.0f} ms, "
+              f"{time.monotonic() - t0:.1f} s in all]", file=sys.stderr)
+        return 0 if answer["text"].strip() else 1
+    except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:
+        print(f"kvboost-desktop --smoke failed: {exc or 'timed out'}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

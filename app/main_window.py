@@ -1,0 +1,378 @@
+"""The main window: conversation tabs, the conversations sidebar with search, menus, model status and the
+memory meter. Owns the Database (UI thread only) and the EngineClient."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QAction, QKeySequence, QShortcut
+from PySide6.QtWidgets import (
+    QApplication, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
+    QMainWindow, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget,
+)
+
+from . import dialogs, theme as themes
+from .conversation_tab import ConversationTab
+from .memory_meter import MemoryMeter
+
+log = logging.getLogger(__name__)
+
+
+class MainWindow(QMainWindow):
+    conversation_opened = Signal(int)
+
+    def __init__(self, db, client, *, theme_choice: str = "system"):
+        super().__init__()
+        self.db = db
+        self.client = client
+        self.setWindowTitle("KVBoost Desktop")
+        self.resize(1180, 780)
+        self.theme_choice = db.get_setting("theme", theme_choice)
+        self.theme = themes.apply_theme(QApplication.instance(), self.theme_choice)
+        self._load_started = 0.0
+
+        central = QWidget()
+        outer = QVBoxLayout(central)
+        outer.setContentsMargins(0, 0, 0, 0)
+        self.banner = QWidget()
+        self.banner.setObjectName("errorBanner")
+        banner_row = QHBoxLayout(self.banner)
+        self.banner_label = QLabel()
+        self.banner_label.setObjectName("errorBannerText")
+        self.banner_label.setWordWrap(True)
+        self.banner_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        close = QPushButton("Dismiss")
+        close.clicked.connect(self.banner.hide)
+        banner_row.addWidget(self.banner_label, 1)
+        banner_row.addWidget(close)
+        self.banner.setStyleSheet("#errorBanner { background: #b3261e; } #errorBanner QLabel { color: white; }")
+        self.banner.hide()
+        outer.addWidget(self.banner)
+        self.tabs = QTabWidget()
+        self.tabs.setTabsClosable(True)
+        self.tabs.setMovable(True)
+        self.tabs.setDocumentMode(True)
+        self.tabs.tabCloseRequested.connect(self.on_tabs_tab_close_requested)
+        self.tabs.tabBarDoubleClicked.connect(self.on_tabs_tab_bar_double_clicked)
+        self.tabs.tabBar().tabMoved.connect(lambda *_: self._save_tab_order())
+        outer.addWidget(self.tabs, 1)
+        self.setCentralWidget(central)
+
+        self._build_sidebar()
+        self._build_menus()
+        self._build_status_bar()
+        client.model_loading.connect(self.on_client_model_loading)
+        client.load_stage_changed.connect(self.on_client_load_stage_changed)
+        client.model_loaded.connect(self.on_client_model_loaded)
+        client.model_load_failed.connect(self.on_client_model_load_failed)
+        themes.connect_system_theme(QApplication.instance(), lambda: self.theme_choice, self._retheme_tabs)
+
+        for conversation in db.conversations(open_only=True):
+            self._add_tab(conversation)
+        if not self.tabs.count():
+            self.new_conversation()
+        self.refresh_sidebar()
+
+    # -- building ------------------------------------------------------------------------------------------
+    def _build_sidebar(self) -> None:
+        dock = QDockWidget("Conversations", self)
+        dock.setObjectName("conversationsDock")
+        dock.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetClosable)
+        inner = QWidget()
+        layout = QVBoxLayout(inner)
+        layout.setContentsMargins(4, 4, 4, 4)
+        self.search_edit = QLineEdit()
+        self.search_edit.setPlaceholderText("Search all messages…")
+        self.search_edit.setClearButtonEnabled(True)
+        self.search_edit.textChanged.connect(lambda _: self.refresh_sidebar())
+        layout.addWidget(self.search_edit)
+        self.conversation_list = QListWidget()
+        self.conversation_list.setWordWrap(True)
+        self.conversation_list.itemActivated.connect(self.on_conversation_list_item_activated)
+        self.conversation_list.itemClicked.connect(self.on_conversation_list_item_activated)
+        layout.addWidget(self.conversation_list, 1)
+        dock.setWidget(inner)
+        dock.setMinimumWidth(230)
+        self.addDockWidget(Qt.LeftDockWidgetArea, dock)
+        self.sidebar = dock
+
+    def _build_menus(self) -> None:
+        def action(menu, text, slot, shortcut=None, name=None):
+            act = QAction(text, self)
+            if shortcut:
+                act.setShortcut(QKeySequence(shortcut))
+            act.triggered.connect(slot)
+            if name:
+                act.setObjectName(name)
+            menu.addAction(act)
+            return act
+
+        bar = self.menuBar()
+        file_menu = bar.addMenu("&File")
+        self.new_action = action(file_menu, "New conversation", self.new_conversation, "Ctrl+T", "newAction")
+        self.close_action = action(file_menu, "Close conversation", self.close_current, "Ctrl+W", "closeAction")
+        action(file_menu, "Add documents…", lambda: self.current_tab() and
+               self.current_tab().on_add_docs_button_clicked(), "Ctrl+D")
+        file_menu.addSeparator()
+        action(file_menu, "Import conversation (JSON)…", self.import_conversation)
+        action(file_menu, "Export as Markdown…", lambda: self.export_current("md"))
+        action(file_menu, "Export as JSON…", lambda: self.export_current("json"))
+        file_menu.addSeparator()
+        action(file_menu, "Quit", self.close, "Ctrl+Q")
+        conv_menu = bar.addMenu("&Conversation")
+        action(conv_menu, "Rename…", lambda: self.rename_tab(self.tabs.currentIndex()), "F2")
+        action(conv_menu, "Settings (system prompt, sampling)…", self.edit_conversation_settings, "Ctrl+,")
+        action(conv_menu, "Stop answer", lambda: self.current_tab() and self.current_tab().stop())
+        model_menu = bar.addMenu("&Model")
+        action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
+        view_menu = bar.addMenu("&View")
+        for choice in themes.THEMES:
+            action(view_menu, f"Theme: {choice}", lambda _=False, c=choice: self.set_theme(c))
+        view_menu.addAction(self.sidebar.toggleViewAction())
+        # Esc stops the answer of the current tab wherever the focus is.
+        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=lambda: self.current_tab() and
+                  self.current_tab().stop())
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.model_label = QLabel("No model")
+        self.model_label.setObjectName("modelLabel")
+        self.load_bar = QProgressBar()
+        self.load_bar.setRange(0, 0)  # loading has no reliable fraction: a busy bar plus stage and time
+        self.load_bar.setMaximumWidth(120)
+        self.load_bar.hide()
+        bar.addWidget(self.model_label)
+        bar.addWidget(self.load_bar)
+        self.memory_meter = MemoryMeter(self.client)
+        bar.addPermanentWidget(self.memory_meter)
+        self._stage = ""
+        self._load_timer = QTimer(self, interval=500)
+        self._load_timer.timeout.connect(self._show_load_progress)
+
+    # -- tabs ----------------------------------------------------------------------------------------------
+    def current_tab(self) -> ConversationTab | None:
+        return self.tabs.currentWidget()
+
+    def tab_for(self, conversation_id: int) -> ConversationTab | None:
+        for i in range(self.tabs.count()):
+            if self.tabs.widget(i).conversation_id == conversation_id:
+                return self.tabs.widget(i)
+        return None
+
+    def _add_tab(self, conversation: dict) -> ConversationTab:
+        tab = ConversationTab(conversation, self.db, self.client, self.theme)
+        tab.error_raised.connect(self.show_error)
+        tab.generation_state_changed.connect(lambda _: self.refresh_sidebar())
+        self.tabs.addTab(tab, conversation["title"])
+        return tab
+
+    def new_conversation(self) -> ConversationTab:
+        conversation = self.db.create_conversation()
+        tab = self._add_tab(conversation)
+        self.tabs.setCurrentWidget(tab)
+        self._save_tab_order()
+        self.refresh_sidebar()
+        tab.composer.setFocus()
+        return tab
+
+    def open_conversation(self, conversation_id: int, message_id: int | None = None) -> ConversationTab:
+        tab = self.tab_for(conversation_id)
+        if tab is None:
+            self.db.update_conversation(conversation_id, is_open=1)
+            tab = self._add_tab(self.db.conversation(conversation_id))
+            self._save_tab_order()
+        self.tabs.setCurrentWidget(tab)
+        if message_id is not None:
+            QTimer.singleShot(0, lambda: tab.chat_view.scroll_to(message_id))
+        self.conversation_opened.emit(conversation_id)
+        return tab
+
+    def close_current(self) -> None:
+        if self.tabs.count():
+            self.on_tabs_tab_close_requested(self.tabs.currentIndex())
+
+    def on_tabs_tab_close_requested(self, index: int) -> None:
+        tab = self.tabs.widget(index)
+        tab.close_down()
+        self.db.update_conversation(tab.conversation_id, is_open=0)
+        self.tabs.removeTab(index)
+        tab.deleteLater()
+        self._save_tab_order()
+        self.refresh_sidebar()
+
+    def on_tabs_tab_bar_double_clicked(self, index: int) -> None:
+        self.rename_tab(index)
+
+    def rename_tab(self, index: int, title: str | None = None) -> None:
+        if index < 0:
+            return
+        tab = self.tabs.widget(index)
+        if title is None:
+            title = dialogs.ask_rename(self, self.tabs.tabText(index))
+        if title:
+            self.db.update_conversation(tab.conversation_id, title=title)
+            self.tabs.setTabText(index, title)
+            self.refresh_sidebar()
+
+    def _save_tab_order(self) -> None:
+        self.db.set_tab_order([self.tabs.widget(i).conversation_id for i in range(self.tabs.count())])
+
+    # -- sidebar -------------------------------------------------------------------------------------------
+    def refresh_sidebar(self) -> None:
+        self.conversation_list.clear()
+        query = self.search_edit.text().strip()
+        if query:
+            for hit in self.db.search_messages(query):
+                item = QListWidgetItem(f"{hit['title']}\n{hit['snippet']}")
+                item.setData(Qt.UserRole, (hit["conversation_id"], hit["message_id"]))
+                self.conversation_list.addItem(item)
+            return
+        open_ids = {self.tabs.widget(i).conversation_id for i in range(self.tabs.count())}
+        for conversation in self.db.conversations():
+            mark = "" if conversation["id"] in open_ids else "  (closed)"
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation["updated_at"]))
+            item = QListWidgetItem(f"{conversation['title']}{mark}\n{when}")
+            item.setData(Qt.UserRole, (conversation["id"], None))
+            self.conversation_list.addItem(item)
+
+    def on_conversation_list_item_activated(self, item: QListWidgetItem) -> None:
+        conversation_id, message_id = item.data(Qt.UserRole)
+        self.open_conversation(conversation_id, message_id)
+
+    # -- conversation settings, import/export ------------------------------------------------------------
+    def edit_conversation_settings(self) -> None:
+        tab = self.current_tab()
+        if tab is None:
+            return
+        from .db import DEFAULT_SAMPLING, DEFAULT_SYSTEM_PROMPT
+
+        conversation = self.db.conversation(tab.conversation_id)
+        dialog = dialogs.ConversationSettingsDialog(
+            self, title=conversation["title"], system_prompt=conversation["system_prompt"],
+            sampling=conversation["sampling"],
+            defaults={"system_prompt": DEFAULT_SYSTEM_PROMPT, "sampling": DEFAULT_SAMPLING})
+        if dialog.exec():
+            values = dialog.values()
+            self.db.update_conversation(tab.conversation_id, title=values["title"],
+                                        system_prompt=values["system_prompt"], sampling=values["sampling"])
+            self.tabs.setTabText(self.tabs.indexOf(tab), values["title"])
+            if values["system_prompt"] != conversation["system_prompt"]:
+                tab.prewarm()
+            self.refresh_sidebar()
+
+    def export_current(self, fmt: str, path: str | None = None) -> str | None:
+        tab = self.current_tab()
+        if tab is None:
+            return None
+        conversation = self.db.conversation(tab.conversation_id)
+        if path is None:
+            suggested = f"{conversation['title']}.{fmt}"
+            path, _ = QFileDialog.getSaveFileName(self, "Export conversation", suggested,
+                                                  "Markdown (*.md)" if fmt == "md" else "JSON (*.json)")
+            if not path:
+                return None
+        try:
+            if fmt == "md":
+                Path(path).write_text(self.db.export_markdown(tab.conversation_id), encoding="utf-8")
+            else:
+                Path(path).write_text(json.dumps(self.db.export_json(tab.conversation_id), indent=2,
+                                                 ensure_ascii=False), encoding="utf-8")
+        except OSError as exc:
+            self.show_error(f"Could not write {path}: {exc}")
+            return None
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+        return path
+
+    def import_conversation(self, path: str | None = None) -> int | None:
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Import conversation", "", "JSON (*.json)")
+            if not path:
+                return None
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            conversation = self.db.import_json(data)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            self.show_error(f"Could not import {Path(path).name}: {exc}")
+            return None
+        self.open_conversation(conversation["id"])
+        self.refresh_sidebar()
+        return conversation["id"]
+
+    # -- model ---------------------------------------------------------------------------------------------
+    def load_model(self, source: str | None = None, **options) -> int:
+        for i in range(self.tabs.count()):
+            self.tabs.widget(i).update_composer()
+        return self.client.load_model(source, **options)
+
+    def choose_model(self) -> None:
+        current = self.db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
+        info = self.client.model_info or {}
+        dialog = dialogs.ModelDialog(self, current=current,
+                                     awq_unavailable=info.get("awq_unavailable", "load a model first"))
+        if dialog.exec():
+            values = dialog.values()
+            self.db.set_setting("model", values)
+            self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"])
+
+    def on_client_model_loading(self, what: str) -> None:
+        self._load_started = time.monotonic()
+        self._loading = what
+        self.load_bar.show()
+        self._load_timer.start()
+        self._show_load_progress()
+        for i in range(self.tabs.count()):
+            self.tabs.widget(i).update_composer()
+
+    def on_client_load_stage_changed(self, stage: str) -> None:
+        self._stage = stage
+        self._show_load_progress()
+
+    def _show_load_progress(self) -> None:
+        elapsed = time.monotonic() - self._load_started
+        self.model_label.setText(f"Loading {Path(self._loading).name}: {self._stage} ({elapsed:.0f} s)")
+
+    def on_client_model_loaded(self, info: dict) -> None:
+        self._load_timer.stop()
+        self.load_bar.hide()
+        self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {info['dtype']} · "
+                                 f"{info['max_context']} ctx · reuse {info['reuse']} · "
+                                 f"loaded in {info['load_s']:.1f} s")
+        for i in range(self.tabs.count()):
+            tab = self.tabs.widget(i)
+            tab.update_composer()
+            tab.refresh_documents()
+            tab.prewarm()
+
+    def on_client_model_load_failed(self, message: str) -> None:
+        self._load_timer.stop()
+        self.load_bar.hide()
+        self.model_label.setText("No model loaded")
+        self.show_error(f"The model could not be loaded: {message} (Model ▸ Choose model… to pick another)")
+        for i in range(self.tabs.count()):
+            self.tabs.widget(i).update_composer()
+
+    # -- theme, errors, closing ----------------------------------------------------------------------------
+    def set_theme(self, choice: str) -> None:
+        self.theme_choice = choice
+        self.db.set_setting("theme", choice)
+        self._retheme_tabs(themes.apply_theme(QApplication.instance(), choice))
+
+    def _retheme_tabs(self, resolved: str) -> None:
+        self.theme = resolved
+        for i in range(self.tabs.count()):
+            self.tabs.widget(i).set_theme(resolved)
+
+    def show_error(self, message: str) -> None:
+        log.warning("shown to the user: %s", message)
+        self.banner_label.setText(message)
+        self.banner.show()
+
+    def closeEvent(self, event) -> None:
+        for i in range(self.tabs.count()):
+            self.tabs.widget(i).close_down()
+        self.memory_meter.stop()
+        super().closeEvent(event)

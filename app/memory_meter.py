@@ -1,0 +1,62 @@
+"""The status-bar memory meter: VRAM (weights / KV) on CUDA, process RAM otherwise, and KV per tier.
+
+Sampled on the UI thread every second from counters the engine keeps (no lock, no torch work)."""
+
+from __future__ import annotations
+
+import psutil
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QLabel
+
+INTERVAL_MS = 1000
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def memory_text(rss: int, engine: dict | None) -> str:
+    """One line for the status bar from the process RSS and the engine's memory() report."""
+    parts = []
+    if engine and "device_total_bytes" in engine:
+        parts.append(f"VRAM {human_bytes(engine['device_used_bytes'])} / {human_bytes(engine['device_total_bytes'])}"
+                     f" (model {human_bytes(engine['weights_bytes'])}, KV {human_bytes(sum(engine['kv_bytes'].values()))})")
+    parts.append(f"RAM {human_bytes(rss)}")
+    if engine:
+        if "device_total_bytes" not in engine:
+            parts[-1] += f" (model {human_bytes(engine['weights_bytes'])})"
+        tiers = ", ".join(f"{tier} {human_bytes(n)} / {human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
+                          for tier, n in engine["kv_bytes"].items())
+        parts.append(f"KV cache: {tiers}")
+    return " · ".join(parts)
+
+
+class MemoryMeter(QLabel):
+    def __init__(self, client, parent=None):
+        super().__init__(parent)
+        self.setObjectName("memoryMeter")
+        self.client = client
+        self._process = psutil.Process()
+        self.num_updates = 0
+        self.last_report: dict | None = None
+        self._timer = QTimer(self, interval=INTERVAL_MS)
+        self._timer.timeout.connect(self.update_now)
+        self._timer.start()
+        self.update_now()
+
+    def update_now(self) -> None:
+        rss = self._process.memory_info().rss
+        try:
+            engine = self.client.memory()
+        except RuntimeError:  # the model is being replaced under us; next tick has it
+            engine = None
+        self.last_report = {"rss": rss, "engine": engine}
+        self.setText(memory_text(rss, engine))
+        self.num_updates += 1
+
+    def stop(self) -> None:
+        self._timer.stop()

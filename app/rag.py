@@ -1,0 +1,114 @@
+"""Prompt layout for chats over dropped documents, chosen for KV reuse without hurting answers.
+
+Two layouts, picked per conversation by how much document text there is:
+
+- pinned: every attached document, whole, in the system message, in the order the documents were added.
+  The block is a stable prefix of every prompt of the conversation, so it is pre-warmed once at drop time
+  (the exact tokens the first question will send) and every question, first and follow-ups, gets EXACT hits
+  on it; the model also sees whole documents, not just retrieved snippets. Adding a document appends to the
+  block, so the documents before it stay EXACT hits. Used while the documents fit PINNED_FRACTION of the
+  model's context.
+- retrieved: larger sets. Each question's top BM25 passages are written into that question's own user
+  message, and a passage already sent earlier in the conversation is not repeated. Earlier turns never
+  change, so every follow-up reuses the whole history EXACTLY and only computes new passages + question.
+  Where passages will land is unknown at drop time, so pre-warming them only pays off with approximate
+  (position-free) reuse; with exact reuse nothing is warmed ahead in this layout.
+
+Pure functions over plain dicts (rows of app/db.py); no Qt, no engine imports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PINNED_FRACTION = 0.5  # share of the model's context that whole documents may take
+CHARS_PER_TOKEN = 3.0  # conservative for English prose and code with BPE tokenizers
+NUM_PASSAGES = 4
+
+
+@dataclass
+class Layout:
+    messages: list[dict]  # what the engine gets
+    user_prompt: str  # this turn's user message as sent (stored, so later turns resend it byte for byte)
+    sources: list[dict] = field(default_factory=list)  # passages shown under the answer
+    mode: str = "none"  # "none" | "pinned" | "retrieved"
+
+
+def document_text(passages: list[dict]) -> str:
+    return "\n\n".join(p["text"] for p in passages)
+
+
+def fits_pinned(total_chars: int, max_context: int) -> bool:
+    return total_chars <= PINNED_FRACTION * max_context * CHARS_PER_TOKEN
+
+
+def choose_mode(documents: list[dict], max_context: int) -> str:
+    """documents: rows with num_chars. "none" without documents."""
+    if not documents:
+        return "none"
+    total = sum(d["num_chars"] for d in documents)
+    return "pinned" if fits_pinned(total, max_context) else "retrieved"
+
+
+def pinned_system(system_prompt: str, documents: list[tuple[dict, list[dict]]]) -> str:
+    """The system message with every document whole. `documents`: (document row, its passages) in the
+    conversation's order; the result only grows at its end when a document is added."""
+    parts = [system_prompt.rstrip(), "", "Answer using these documents when they are relevant."]
+    for doc, passages in documents:
+        parts += ["", f'<document name="{doc["name"]}">', document_text(passages), "</document>"]
+    return "\n".join(parts)
+
+
+def passage_label(p: dict) -> str:
+    where = f", page {p['page']}" if p.get("page") else (f", {p['section']}" if p.get("section") else "")
+    return f"{p['name']}{where}"
+
+
+def retrieved_user_prompt(question: str, passages: list[dict], already_sent: set[int]) -> str:
+    new = [p for p in passages if p["id"] not in already_sent]
+    if not new:
+        return question
+    blocks = [f"[{passage_label(p)}]\n{p['text']}" for p in new]
+    return "Passages from my documents:\n\n" + "\n\n".join(blocks) + f"\n\nQuestion: {question}"
+
+
+def history_messages(history: list[dict]) -> list[dict]:
+    """Earlier turns as they were sent: a user message's stored `prompt` (with its passages) wins over
+    the text the user typed. Unfinished or failed answers are left out."""
+    out = []
+    for m in history:
+        if m["role"] == "assistant" and (m["status"] == "error" or not m["content"]):
+            continue
+        out.append({"role": m["role"], "content": m.get("prompt") or m["content"]})
+    return out
+
+
+def build_prompt(system_prompt: str, history: list[dict], question: str, *, mode: str,
+                 documents: list[tuple[dict, list[dict]]] = (), hits: list[dict] = (),
+                 already_sent: set[int] = frozenset()) -> Layout:
+    """`history`: earlier messages (db rows); `hits`: this question's retrieved passages, best first."""
+    if mode == "pinned":
+        system = pinned_system(system_prompt, list(documents))
+        user = question
+    elif mode == "retrieved":
+        system = system_prompt
+        user = retrieved_user_prompt(question, list(hits), set(already_sent))
+    else:
+        system, user = system_prompt, question
+    messages = [{"role": "system", "content": system}] + history_messages(history)
+    messages.append({"role": "user", "content": user})
+    sources = [{k: p.get(k) for k in ("id", "document_id", "name", "path", "page", "section", "text")}
+               for p in hits] if mode != "none" else []
+    return Layout(messages, user, sources, mode)
+
+
+def warm_inputs(system_prompt: str, mode: str, documents: list[tuple[dict, list[dict]]], *,
+                approximate: bool) -> list:
+    """What to pre-fill when documents change: the pinned system message exactly as the next prompt will
+    start (rendered without a generation prompt by the engine), or, for retrieved layouts with
+    approximate reuse, every passage on its own."""
+    if mode == "pinned":
+        return [[{"role": "system", "content": pinned_system(system_prompt, documents)}]]
+    if mode == "retrieved" and approximate:
+        return [p["text"] for _, passages in documents for p in passages]
+    return []

@@ -1,0 +1,396 @@
+"""Conversation settings, model choice, rename and themes, driven through real widgets offscreen."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtWidgets import (
+    QApplication,
+    QCheckBox,
+    QComboBox,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFileDialog,
+    QInputDialog,
+    QLabel,
+    QLineEdit,
+    QPlainTextEdit,
+    QPushButton,
+    QRadioButton,
+    QSpinBox,
+)
+
+from app.dialogs import ConversationSettingsDialog, ModelDialog, ask_rename
+from app.theme import KIND_COLORS, THEMES, apply_theme, connect_system_theme, system_is_dark
+
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 512}
+DEFAULTS = {"system_prompt": "You are a helpful assistant.", "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128}}
+
+
+def ok_button(dialog) -> QPushButton:
+    return dialog.findChild(QDialogButtonBox).button(QDialogButtonBox.StandardButton.Ok)
+
+
+@pytest.fixture
+def settings_dialog(qtbot):
+    dialog = ConversationSettingsDialog(
+        None, title="Trip plans", system_prompt="Be brief.", sampling=SAMPLING, defaults=DEFAULTS
+    )
+    qtbot.addWidget(dialog)
+    dialog.show()
+    return dialog
+
+
+def model_dialog(qtbot, current=None, awq_unavailable=None) -> ModelDialog:
+    dialog = ModelDialog(None, current=current, awq_unavailable=awq_unavailable)
+    qtbot.addWidget(dialog)
+    dialog.show()
+    return dialog
+
+
+# -- conversation settings ----------------------------------------------------------------------------------
+def test_settings_dialog_returns_what_it_was_given(settings_dialog):
+    assert settings_dialog.values() == {"title": "Trip plans", "system_prompt": "Be brief.", "sampling": SAMPLING}
+
+
+def test_settings_dialog_returns_edited_values(qtbot, settings_dialog):
+    title = settings_dialog.findChild(QLineEdit, "titleEdit")
+    title.clear()
+    qtbot.keyClicks(title, "  Packing list ")
+    settings_dialog.findChild(QPlainTextEdit, "systemPromptEdit").setPlainText("Answer in French.")
+    temperature = settings_dialog.findChild(QDoubleSpinBox, "temperatureSpin")
+    temperature.setValue(0.7)
+    temperature.stepUp()
+    settings_dialog.findChild(QDoubleSpinBox, "topPSpin").setValue(0.5)
+    settings_dialog.findChild(QSpinBox, "maxTokensSpin").setValue(2048)
+
+    assert settings_dialog.values() == {
+        "title": "Packing list",
+        "system_prompt": "Answer in French.",
+        "sampling": {"temperature": 0.75, "top_p": 0.5, "max_new_tokens": 2048},
+    }
+
+
+def test_sampling_spins_clamp_to_their_ranges(settings_dialog):
+    settings_dialog.findChild(QDoubleSpinBox, "temperatureSpin").setValue(5.0)
+    settings_dialog.findChild(QDoubleSpinBox, "topPSpin").setValue(0.0)
+    settings_dialog.findChild(QSpinBox, "maxTokensSpin").setValue(100_000)
+
+    assert settings_dialog.values()["sampling"] == {"temperature": 2.0, "top_p": 0.05, "max_new_tokens": 32768}
+
+
+def test_reset_restores_defaults_but_keeps_the_title(qtbot, settings_dialog):
+    qtbot.mouseClick(settings_dialog.findChild(QPushButton, "resetButton"), Qt.MouseButton.LeftButton)
+
+    assert settings_dialog.values() == {
+        "title": "Trip plans",
+        "system_prompt": DEFAULTS["system_prompt"],
+        "sampling": DEFAULTS["sampling"],
+    }
+
+
+def test_empty_title_disables_ok(qtbot, settings_dialog):
+    title = settings_dialog.findChild(QLineEdit, "titleEdit")
+    assert ok_button(settings_dialog).isEnabled()
+
+    title.setText("   ")
+    assert not ok_button(settings_dialog).isEnabled()
+
+    qtbot.keyClicks(title, "x")
+    assert ok_button(settings_dialog).isEnabled()
+
+
+def test_ok_accepts_the_settings_dialog(qtbot, settings_dialog):
+    with qtbot.waitSignal(settings_dialog.accepted, timeout=1000):
+        qtbot.mouseClick(ok_button(settings_dialog), Qt.MouseButton.LeftButton)
+
+
+# -- model dialog -------------------------------------------------------------------------------------------
+def test_model_dialog_defaults_to_the_built_in_model(qtbot):
+    dialog = model_dialog(qtbot)
+
+    assert dialog.findChild(QRadioButton, "defaultRadio").isChecked()
+    assert not dialog.findChild(QLineEdit, "sourceEdit").isEnabled()
+    assert not dialog.findChild(QPushButton, "browseButton").isEnabled()
+    assert ok_button(dialog).isEnabled()
+    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": False}
+
+
+def test_reuse_combo_offers_every_mode_with_chunk_first(qtbot):
+    dialog = model_dialog(qtbot)
+    combo = dialog.findChild(QComboBox, "reuseCombo")
+
+    assert [combo.itemData(i) for i in range(combo.count())] == ["chunk", "prefix", "approx", "off"]
+    assert "may change answers" in combo.itemText(2)
+
+
+def test_folder_is_valid_only_with_config_json(qtbot, tmp_path):
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "folderRadio").click()
+    edit = dialog.findChild(QLineEdit, "sourceEdit")
+    error = dialog.findChild(QLabel, "errorLabel")
+    assert dialog.findChild(QPushButton, "browseButton").isEnabled()
+    assert not ok_button(dialog).isEnabled()  # nothing chosen yet
+
+    edit.setText(str(tmp_path))
+    assert not ok_button(dialog).isEnabled()
+    assert "config.json" in error.text()
+
+    (tmp_path / "config.json").write_text("{}")
+    edit.setText(str(tmp_path) + "/")
+    assert ok_button(dialog).isEnabled()
+    assert error.text() == ""
+
+    edit.setText(str(tmp_path / "missing"))
+    assert not ok_button(dialog).isEnabled()
+    assert "not found" in error.text()
+
+
+def test_gguf_must_exist_and_end_in_gguf(qtbot, tmp_path):
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "ggufRadio").click()
+    edit = dialog.findChild(QLineEdit, "sourceEdit")
+
+    edit.setText(str(tmp_path / "model.gguf"))
+    assert not ok_button(dialog).isEnabled()
+
+    (tmp_path / "model.bin").write_bytes(b"GGUF")
+    edit.setText(str(tmp_path / "model.bin"))
+    assert not ok_button(dialog).isEnabled()
+    assert ".gguf" in dialog.findChild(QLabel, "errorLabel").text()
+
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    edit.setText(str(tmp_path / "model.gguf"))
+    assert ok_button(dialog).isEnabled()
+    assert dialog.values()["source"] == str(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        ("HuggingFaceTB/SmolLM2-360M-Instruct", True),
+        ("Qwen/Qwen2.5-0.5B-Instruct", True),
+        ("", False),
+        ("SmolLM2", False),
+        ("owner/", False),
+        ("owner/name/extra", False),
+        ("/absolute/path", False),
+    ],
+)
+def test_hub_id_must_look_like_owner_slash_name(qtbot, text, valid):
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "hubRadio").click()
+    dialog.findChild(QLineEdit, "sourceEdit").setText(text)
+
+    assert ok_button(dialog).isEnabled() is valid
+    assert (dialog.findChild(QLabel, "errorLabel").text() == "") is valid
+    assert not dialog.findChild(QPushButton, "browseButton").isEnabled()
+
+
+def test_switching_source_kind_keeps_each_kinds_text(qtbot, tmp_path):
+    dialog = model_dialog(qtbot)
+    edit = dialog.findChild(QLineEdit, "sourceEdit")
+    dialog.findChild(QRadioButton, "hubRadio").click()
+    edit.setText("owner/name")
+    dialog.findChild(QRadioButton, "folderRadio").click()
+    assert edit.text() == ""
+    edit.setText(str(tmp_path))
+
+    dialog.findChild(QRadioButton, "hubRadio").click()
+    assert edit.text() == "owner/name"
+    assert dialog.values()["source"] == "owner/name"
+
+    dialog.findChild(QRadioButton, "defaultRadio").click()
+    assert dialog.values()["source"] is None
+    assert ok_button(dialog).isEnabled()
+
+
+def test_current_settings_are_preselected(qtbot, tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    dialog = model_dialog(qtbot, current={"source": str(tmp_path), "reuse": "approx", "awq_streaming": True})
+
+    assert dialog.findChild(QRadioButton, "folderRadio").isChecked()
+    assert dialog.findChild(QCheckBox, "awqCheck").isChecked()
+    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True}
+
+    hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "awq_streaming": False})
+    assert hub.findChild(QRadioButton, "hubRadio").isChecked()
+    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False}
+
+
+def test_unknown_reuse_mode_is_rejected(qtbot):
+    with pytest.raises(ValueError, match="sometimes"):
+        ModelDialog(None, current={"source": None, "reuse": "sometimes", "awq_streaming": False}, awq_unavailable=None)
+
+
+def test_source_expands_home(qtbot, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "tiny.gguf").write_bytes(b"GGUF")
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "ggufRadio").click()
+    dialog.findChild(QLineEdit, "sourceEdit").setText("~/tiny.gguf")
+
+    assert ok_button(dialog).isEnabled()
+    assert dialog.values()["source"] == str(tmp_path / "tiny.gguf")
+
+
+def test_browse_fills_the_chosen_folder(qtbot, tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text("{}")
+    asked = []
+
+    def choose(parent, caption, start):
+        asked.append(caption)
+        return str(tmp_path)
+
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", staticmethod(choose))
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "folderRadio").click()
+    qtbot.mouseClick(dialog.findChild(QPushButton, "browseButton"), Qt.MouseButton.LeftButton)
+
+    assert len(asked) == 1
+    assert dialog.findChild(QLineEdit, "sourceEdit").text() == str(tmp_path)
+    assert ok_button(dialog).isEnabled()
+
+
+def test_browse_for_gguf_filters_gguf_files(qtbot, tmp_path, monkeypatch):
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    filters = []
+
+    def choose(parent, caption, start, file_filter):
+        filters.append(file_filter)
+        return str(tmp_path / "m.gguf"), file_filter
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", staticmethod(choose))
+    dialog = model_dialog(qtbot)
+    dialog.findChild(QRadioButton, "ggufRadio").click()
+    qtbot.mouseClick(dialog.findChild(QPushButton, "browseButton"), Qt.MouseButton.LeftButton)
+
+    assert filters == ["GGUF files (*.gguf)"]
+    assert dialog.values()["source"] == str(tmp_path / "m.gguf")
+
+
+def test_awq_is_disabled_with_its_reason_when_unavailable(qtbot):
+    reason = "needs a CUDA GPU and the autoawq package"
+    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "awq_streaming": True}, awq_unavailable=reason)
+    check = dialog.findChild(QCheckBox, "awqCheck")
+    label = dialog.findChild(QLabel, "awqReason")
+
+    assert not check.isEnabled()
+    assert check.toolTip() == reason
+    assert label.isVisible()
+    assert label.text() == reason
+    assert dialog.values()["awq_streaming"] is False
+
+
+def test_awq_is_enabled_when_available(qtbot):
+    dialog = model_dialog(qtbot, awq_unavailable=None)
+    check = dialog.findChild(QCheckBox, "awqCheck")
+
+    assert check.isEnabled()
+    assert not dialog.findChild(QLabel, "awqReason").isVisible()
+    check.click()
+    assert dialog.values()["awq_streaming"] is True
+
+
+# -- rename -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [(("  New name ", True), "New name"), (("   ", True), None), (("Ignored", False), None)],
+)
+def test_ask_rename_returns_the_trimmed_title_or_none(qtbot, monkeypatch, answer, expected):
+    offered = []
+
+    def get_text(parent, title, label, echo, text):
+        offered.append(text)
+        return answer
+
+    monkeypatch.setattr(QInputDialog, "getText", staticmethod(get_text))
+
+    assert ask_rename(None, "Old name") == expected
+    assert offered == ["Old name"]
+
+
+# -- themes -------------------------------------------------------------------------------------------------
+@pytest.fixture
+def app(qapp):
+    """The application, with its style, palette and stylesheet put back after the test."""
+    style, palette, sheet = qapp.style().name(), QPalette(qapp.palette()), qapp.styleSheet()
+    yield qapp
+    qapp.setStyle(style)
+    qapp.setPalette(palette)
+    qapp.setStyleSheet(sheet)
+
+
+def window_lightness(app: QApplication) -> int:
+    return app.palette().color(QPalette.ColorRole.Window).lightness()
+
+
+def test_light_and_dark_themes_change_the_window_colour(app):
+    assert apply_theme(app, "light") == "light"
+    light = window_lightness(app)
+    assert apply_theme(app, "dark") == "dark"
+    dark = window_lightness(app)
+
+    assert light > 200
+    assert dark < 60
+    text = app.palette().color(QPalette.ColorRole.Text).lightness()
+    disabled = app.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).lightness()
+    assert text > disabled > dark
+
+
+def test_theme_stylesheet_styles_chat_bubbles(app):
+    apply_theme(app, "dark")
+    sheet = app.styleSheet()
+
+    assert "QFrame#userMessage" in sheet
+    assert "QFrame#assistantMessage" in sheet
+    assert "QLabel#badge" in sheet
+    assert "italic" in sheet
+
+
+def test_system_theme_follows_the_system(app):
+    expected = "dark" if system_is_dark(app) else "light"
+
+    assert apply_theme(app, "system") == expected
+    # Applying our own palette must not change what "system" means.
+    apply_theme(app, "dark" if expected == "light" else "light")
+    assert apply_theme(app, "system") == expected
+
+
+def test_system_scheme_change_reapplies_only_when_following_the_system(app):
+    choice = ["dark"]
+    applied = []
+    slot = connect_system_theme(app, lambda: choice[0], applied.append)
+    try:
+        apply_theme(app, "dark")
+        app.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
+        assert applied == []
+
+        choice[0] = "system"
+        app.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
+        expected = "dark" if system_is_dark(app) else "light"
+        assert applied == [expected]
+        assert (window_lightness(app) < 128) is (expected == "dark")
+    finally:
+        app.styleHints().colorSchemeChanged.disconnect(slot)
+
+
+def test_unknown_theme_raises(app):
+    with pytest.raises(ValueError, match="sepia"):
+        apply_theme(app, "sepia")
+
+
+def test_kind_colors_cover_every_lookup_outcome_in_both_themes():
+    assert set(THEMES) == {"system", "light", "dark"}
+    for theme in ("light", "dark"):
+        assert set(KIND_COLORS[theme]) == {"EXACT", "PREFIX", "APPROXIMATE", "MISS"}
+        assert len(set(KIND_COLORS[theme].values())) == 4
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_kind_colors_contrast_with_the_theme_text(app, theme):
+    apply_theme(app, theme)
+    text = app.palette().color(QPalette.ColorRole.Text).lightness()
+    for color in KIND_COLORS[theme].values():
+        assert abs(QColor(color).lightness() - text) > 90, color
