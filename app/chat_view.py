@@ -81,6 +81,7 @@ class _AutoHeightBrowser(QTextBrowser):
 class MessageWidget(QFrame):
     edit_requested = Signal(int)  # message id
     regenerate_requested = Signal(int)
+    rendered = Signal(str)  # the text now on screen (saved by the tab, so what was shown survives a kill)
 
     def __init__(self, message: dict, theme: str, parent=None):
         super().__init__(parent)
@@ -157,10 +158,12 @@ class MessageWidget(QFrame):
         self._render()
 
     def _render(self) -> None:
+        self.rendered.emit(self._text)
         if self.message["role"] == "user":
             self.body.setPlainText(self._text)
         else:
             self.body.setMarkdown(self._text or "…")
+        self.shown_text = self._text
 
     def set_status(self, status: str) -> None:
         self.message["status"] = status

@@ -1,14 +1,14 @@
 """One conversation tab: chat view, composer, documents bar; sends requests through the EngineClient.
 
 Everything the user has seen is in SQLite: the user message before the request is queued, the answer as a
-"streaming" row updated at most every SAVE_INTERVAL_S while tokens arrive and at the end.
+"streaming" row written each time its widget renders new text (renders are throttled to RENDER_INTERVAL_MS)
+and at the end, so killing the app mid-answer loses nothing that was on screen.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -22,8 +22,6 @@ from . import documents, rag
 from .chat_view import ChatView
 
 log = logging.getLogger(__name__)
-
-SAVE_INTERVAL_S = 0.25
 
 
 class Composer(QPlainTextEdit):
@@ -50,7 +48,6 @@ class ConversationTab(QWidget):
         self.client = client
         self._job: int | None = None  # running chat request
         self._answer_id: int | None = None
-        self._last_save = 0.0
         self._warm_job: int | None = None
         self._ingest_task: asyncio.Task | None = None
         self._pending_sources: list[dict] = []
@@ -148,9 +145,8 @@ class ConversationTab(QWidget):
 
     def _ask(self, user: dict) -> None:
         """Requests an answer to `user` (already stored, last message) from the history before it."""
-        conversation = self.db.conversation(self.conversation_id)
-        history = [m for m in self.db.messages(self.conversation_id) if m["position"] < user["position"]]
-        layout = self._layout_for(conversation, history, user["content"])
+        layout = rag.prompt_for(self.db, self.conversation_id, user["content"], max_context=self._max_context(),
+                                before_position=user["position"])
         if layout.user_prompt != user["content"]:
             self.db.update_message(user["id"], prompt=layout.user_prompt)
         answer = self.db.add_message(self.conversation_id, "assistant", "", status="streaming",
@@ -158,20 +154,13 @@ class ConversationTab(QWidget):
         self._answer_id = answer["id"]
         widget = self.chat_view.add_message(answer)
         widget.set_sources(layout.sources)
-        self._job = self.client.chat(layout.messages, conversation["sampling"])
-        self._last_save = time.monotonic()
+        widget.rendered.connect(self.on_answer_rendered)
+        self._job = self.client.chat(layout.messages, self.db.conversation(self.conversation_id)["sampling"])
         self.generation_state_changed.emit(True)
         self.update_composer()
 
-    def _layout_for(self, conversation: dict, history: list[dict], question: str) -> rag.Layout:
-        docs = self.db.conversation_documents(self.conversation_id)
-        max_context = (self.client.model_info or {}).get("max_context", 8192)
-        mode = rag.choose_mode(docs, max_context)
-        hits = self.db.search_passages(self.conversation_id, question, limit=rag.NUM_PASSAGES) if docs else []
-        sent = {s["id"] for m in history for s in (m.get("sources") or []) if m["role"] == "assistant"}
-        with_passages = [(d, self.db.passages(d["id"])) for d in docs] if mode == "pinned" else []
-        return rag.build_prompt(conversation["system_prompt"], history, question, mode=mode,
-                                documents=with_passages, hits=hits, already_sent=sent)
+    def _max_context(self) -> int:
+        return (self.client.model_info or {}).get("max_context", 8192)
 
     def stop(self) -> None:
         if self._job is not None:
@@ -180,11 +169,11 @@ class ConversationTab(QWidget):
     def on_client_token_generated(self, job: int, text: str) -> None:
         if job != self._job:
             return
-        widget = self.chat_view.widget_for(self._answer_id)
-        widget.append_text(text)
-        if time.monotonic() - self._last_save >= SAVE_INTERVAL_S:
-            self.db.update_message(self._answer_id, content=widget.text)
-            self._last_save = time.monotonic()
+        self.chat_view.widget_for(self._answer_id).append_text(text)
+
+    def on_answer_rendered(self, text: str) -> None:
+        if self._answer_id is not None:
+            self.db.update_message(self._answer_id, content=text)
 
     def on_client_generation_finished(self, job: int, answer: dict) -> None:
         if job != self._job:
@@ -212,6 +201,9 @@ class ConversationTab(QWidget):
         self.error_raised.emit(f"The answer failed: {message}")
 
     def _finish_request(self) -> None:
+        widget = self.chat_view.widget_for(self._answer_id)
+        if widget is not None:
+            widget.rendered.disconnect(self.on_answer_rendered)
         self._job = None
         self._answer_id = None
         self.generation_state_changed.emit(False)
@@ -255,8 +247,7 @@ class ConversationTab(QWidget):
         if not docs:
             self.docs_label.setText("<i>No documents. Drop files or folders here to chat about them.</i>")
             return
-        max_context = (self.client.model_info or {}).get("max_context", 8192)
-        mode = rag.choose_mode(docs, max_context)
+        mode = rag.choose_mode(docs, self._max_context())
         how = ("whole documents in every prompt" if mode == "pinned"
                else "top passages per question (documents exceed half the context)")
         chips = " · ".join(f'{d["name"]} <a href="remove:{d["id"]}">✕</a>' for d in docs)
@@ -344,13 +335,8 @@ class ConversationTab(QWidget):
             return None
         if self._warm_job is not None:
             self.client.cancel(self._warm_job)
-        docs = self.db.conversation_documents(self.conversation_id)
-        info = self.client.model_info
-        mode = rag.choose_mode(docs, info["max_context"])
-        with_passages = [(d, self.db.passages(d["id"])) for d in docs]
-        conversation = self.db.conversation(self.conversation_id)
-        inputs = rag.warm_inputs(conversation["system_prompt"], mode, with_passages,
-                                 approximate=info["reuse"] == "approx")
+        inputs = rag.warm_for(self.db, self.conversation_id, max_context=self._max_context(),
+                              approximate=self.client.model_info["reuse"] == "approx")
         if not inputs:
             self._warm_job = None
             return None

@@ -75,6 +75,11 @@ class EngineClient(QObject):
         """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
         return self._submit("load", {"source": source, "options": options})
 
+    def use_engine(self, engine) -> int:
+        """Adopts an already loaded engine (tests share one model this way; the engine must not be used
+        elsewhere while this client runs it)."""
+        return self._submit("load", {"engine": engine})
+
     def chat(self, messages: list[dict], sampling: dict | None = None) -> int:
         return self._submit("chat", {"messages": messages, "sampling": dict(sampling or {})})
 
@@ -129,20 +134,20 @@ class EngineClient(QObject):
                 self._pending.pop(job.id, None)
 
     def _run_load(self, job: _Job) -> None:
-        source = job.payload["source"]
-        options = job.payload["options"]
-        self.model_loading.emit(source or "SmolLM2-135M-Instruct (built in)")
-        self.load_stage_changed.emit("Starting PyTorch and transformers…")
+        source = job.payload.get("source")
         t0 = time.perf_counter()
-        from engine import KVBoost
-        from engine.cli import quiet_transformers
-
-        quiet_transformers()
-        self.load_stage_changed.emit("Reading and preparing the weights…")
         self._engine = None  # the old model goes before the new one is read, so two never share memory
         self._info = None
-        engine = KVBoost.from_pretrained(source, **options)
-        self.load_stage_changed.emit("Ready")
+        engine = job.payload.get("engine")
+        if engine is None:
+            self.model_loading.emit(source or "SmolLM2-135M-Instruct (built in)")
+            self.load_stage_changed.emit("Starting PyTorch and transformers…")
+            from engine import KVBoost
+            from engine.cli import quiet_transformers
+
+            quiet_transformers()
+            self.load_stage_changed.emit("Reading and preparing the weights…")
+            engine = KVBoost.from_pretrained(source, **job.payload["options"])
         self._engine = engine
         self._ms_per_token = None
         from engine import awq_streaming_unavailable

@@ -14,7 +14,7 @@ Two layouts, picked per conversation by how much document text there is:
   Where passages will land is unknown at drop time, so pre-warming them only pays off with approximate
   (position-free) reuse; with exact reuse nothing is warmed ahead in this layout.
 
-Pure functions over plain dicts (rows of app/db.py); no Qt, no engine imports.
+Functions over plain dicts (rows of app/db.py) and the Database; no Qt, no engine imports.
 """
 
 from __future__ import annotations
@@ -108,7 +108,34 @@ def warm_inputs(system_prompt: str, mode: str, documents: list[tuple[dict, list[
     start (rendered without a generation prompt by the engine), or, for retrieved layouts with
     approximate reuse, every passage on its own."""
     if mode == "pinned":
-        return [[{"role": "system", "content": pinned_system(system_prompt, documents)}]]
+        # One input per document, each the system message up to that document: each step reuses the one
+        # before (progress and cancel per document); the last is exactly how the next prompt starts.
+        return [[{"role": "system", "content": pinned_system(system_prompt, documents[:k])}]
+                for k in range(1, len(documents) + 1)]
     if mode == "retrieved" and approximate:
         return [p["text"] for _, passages in documents for p in passages]
     return []
+
+
+def prompt_for(db, conversation_id: int, question: str, *, max_context: int, before_position: int | None = None
+               ) -> Layout:
+    """The layout for `question` in a stored conversation, from the messages before `before_position`
+    (all of them when None)."""
+    conversation = db.conversation(conversation_id)
+    history = [m for m in db.messages(conversation_id) if before_position is None or m["position"] < before_position]
+    docs = db.conversation_documents(conversation_id)
+    mode = choose_mode(docs, max_context)
+    hits = db.search_passages(conversation_id, question, limit=NUM_PASSAGES) if docs else []
+    # Passages sent before are the sources of earlier answers (sources are exactly the retrieved passages).
+    sent = {s["id"] for m in history if m["role"] == "assistant" for s in (m.get("sources") or [])}
+    with_passages = [(d, db.passages(d["id"])) for d in docs] if mode == "pinned" else []
+    return build_prompt(conversation["system_prompt"], history, question, mode=mode, documents=with_passages,
+                        hits=hits, already_sent=sent)
+
+
+def warm_for(db, conversation_id: int, *, max_context: int, approximate: bool) -> list:
+    """warm_inputs for a stored conversation's current documents."""
+    docs = db.conversation_documents(conversation_id)
+    with_passages = [(d, db.passages(d["id"])) for d in docs]
+    return warm_inputs(db.conversation(conversation_id)["system_prompt"], choose_mode(docs, max_context),
+                       with_passages, approximate=approximate)

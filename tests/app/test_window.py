@@ -1,0 +1,243 @@
+"""The main window over the real model: sending, streaming, stop, tabs, search, export/import, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from PySide6.QtCore import QTimer, Qt
+from PySide6.QtWidgets import QCheckBox, QLabel
+
+from qt_helpers import WAIT_MS, send
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
+
+
+def greedy(window, tab, **changes):
+    window.db.update_conversation(tab.conversation_id, sampling=dict(GREEDY, **changes))
+
+
+def test_window_is_usable_before_a_model_is_loaded(qtbot, db, client, aio_loop):
+    from app.main_window import MainWindow
+
+    old = db.create_conversation(title="Old notes")
+    db.add_message(old["id"], "user", "remember the blue door")
+    db.add_message(old["id"], "assistant", "I will remember the **blue door**.")
+    window = MainWindow(db, client, theme_choice="light")
+    qtbot.addWidget(window)
+    window.show()
+    tab = window.current_tab()
+    assert [w.text for w in tab.chat_view.widgets] == ["remember the blue door",
+                                                       "I will remember the **blue door**."]
+    assert not tab.send_button.isEnabled()
+    assert "loading" in tab.reason_label.text().lower()
+    # Typing works; Enter does not send without a model.
+    tab.composer.setPlainText("hello")
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    assert len(db.messages(old["id"])) == 2
+
+
+def test_send_streams_the_answer_and_saves_it(qtbot, window):
+    tab = window.current_tab()
+    greedy(window, tab)
+    tokens = []
+    window.client.token_generated.connect(lambda job, text: tokens.append(text))
+    answer = send(qtbot, tab, "What is the capital of France?")
+    assert "Paris" in answer["text"]
+    assert len(tokens) > 3  # streamed, not delivered at once
+    messages = window.db.messages(tab.conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["content"] == answer["text"] and messages[1]["status"] == "done"
+    assert messages[1]["stats"]["prompt_tokens"] == answer["stats"]["prompt_tokens"] > 0
+    widget = tab.chat_view.widgets[-1]
+    assert widget.text == answer["text"]
+    assert "reused" in widget.badge.text() and "TTFT" in widget.badge.text()
+    assert tab.composer.toPlainText() == "" and tab.send_button.isEnabled()
+
+
+def test_follow_up_reuses_the_conversation_after_switching_tabs(qtbot, window):
+    first = window.current_tab()
+    greedy(window, first)
+    send(qtbot, first, "Name three colors of the rainbow.")
+    other = window.new_conversation()
+    greedy(window, other)
+    send(qtbot, other, "What is two plus two?")
+    window.tabs.setCurrentWidget(first)
+    answer = send(qtbot, first, "And three more?")
+    stats = answer["stats"]
+    previous = window.db.messages(first.conversation_id)[1]["stats"]["prompt_tokens"]
+    # Everything up to the previous answer came from cache: only the new message was computed.
+    assert stats["reused_tokens"] >= previous
+    assert stats["recomputed_tokens"] < stats["prompt_tokens"] - previous + 8
+    kinds = {seg["kind"] for seg in answer["segments"]}
+    assert kinds & {"EXACT", "PREFIX"} and "APPROXIMATE" not in kinds
+    # The cache map shows the prompt that was sent, coloured by kind.
+    widget = first.chat_view.widgets[-1]
+    qtbot.mouseClick(widget.map_button, Qt.LeftButton)
+    html_text = widget.cache_map.toPlainText()
+    assert "And three more?" in html_text and "reused" in html_text
+
+
+def test_stop_cancels_at_the_next_token_and_keeps_the_text(qtbot, window):
+    tab = window.current_tab()
+    greedy(window, tab, max_new_tokens=400)
+    tab.composer.setPlainText("Write a long story about a dragon who learns to cook.")
+    seen = []
+    window.client.token_generated.connect(lambda job, text: seen.append(time.perf_counter()))
+    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS) as blocker:
+        qtbot.keyClick(tab.composer, Qt.Key_Return)
+        qtbot.waitUntil(lambda: len(seen) >= 5, timeout=WAIT_MS)
+        pressed = time.perf_counter()
+        qtbot.keyClick(window, Qt.Key_Escape)
+    answer = blocker.args[1]
+    assert answer["finish_reason"] == "cancelled"
+    assert answer["stats"]["generated_tokens"] < 60
+    after = [t for t in seen if t > pressed]
+    assert len(after) <= 2  # at most the token in flight
+    saved = window.db.messages(tab.conversation_id)[-1]
+    assert saved["status"] == "cancelled" and saved["content"] == answer["text"] != ""
+    assert "stopped" in tab.chat_view.widgets[-1].badge.text()
+
+
+def test_event_loop_keeps_turning_during_a_long_generation(qtbot, window, capsys):
+    tab = window.current_tab()
+    greedy(window, tab, max_new_tokens=160)
+    ticks = []
+    timer = QTimer(interval=10)
+    timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
+    tab.composer.setPlainText("Explain how a bicycle works, step by step.")
+    timer.start()
+    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS) as blocker:
+        qtbot.keyClick(tab.composer, Qt.Key_Return)
+    timer.stop()
+    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
+    worst_ms = max(gaps) * 1000
+    with capsys.disabled():
+        print(f"\n[event loop] {len(ticks)} ticks over {blocker.args[1]['stats']['generated_tokens']} tokens, "
+              f"largest stall {worst_ms:.1f} ms")
+    assert blocker.args[1]["stats"]["generated_tokens"] >= 100
+    assert worst_ms < 100
+
+
+def test_tabs_new_close_rename_reorder_and_reopen(qtbot, window):
+    db = window.db
+    first = window.current_tab()
+    qtbot.keyClick(window, Qt.Key_T, Qt.ControlModifier)
+    assert window.tabs.count() == 2
+    second = window.current_tab()
+    assert second is not first
+    window.rename_tab(window.tabs.indexOf(second), "Trip plans")
+    assert db.conversation(second.conversation_id)["title"] == "Trip plans"
+    window.tabs.tabBar().moveTab(1, 0)
+    assert [c["id"] for c in db.conversations(open_only=True)] == [second.conversation_id, first.conversation_id]
+    window.tabs.setCurrentWidget(second)
+    qtbot.keyClick(window, Qt.Key_W, Qt.ControlModifier)
+    assert window.tabs.count() == 1 and not db.conversation(second.conversation_id)["is_open"]
+    items = [window.conversation_list.item(i) for i in range(window.conversation_list.count())]
+    closed = next(i for i in items if i.text().startswith("Trip plans"))
+    assert "(closed)" in closed.text()
+    window.on_conversation_list_item_activated(closed)
+    assert window.tabs.count() == 2 and window.current_tab().conversation_id == second.conversation_id
+    assert db.conversation(second.conversation_id)["is_open"]
+
+
+def test_search_finds_messages_in_closed_conversations(qtbot, window):
+    db = window.db
+    hidden = db.create_conversation(title="Gardening")
+    db.add_message(hidden["id"], "user", "When should I plant tulip bulbs?")
+    db.add_message(hidden["id"], "assistant", "Plant tulips in autumn.")
+    db.update_conversation(hidden["id"], is_open=0)
+    qtbot.keyClicks(window.search_edit, "tulip")
+    texts = [window.conversation_list.item(i).text() for i in range(window.conversation_list.count())]
+    assert texts and all("Gardening" in t for t in texts)
+    window.on_conversation_list_item_activated(window.conversation_list.item(0))
+    assert window.current_tab().conversation_id == hidden["id"]
+    qtbot.keyClicks(window.search_edit, ' AND ("')  # FTS syntax in user text never breaks search
+    window.search_edit.clear()
+    assert window.conversation_list.count() >= 2
+
+
+def test_export_and_import_round_trip(qtbot, window, tmp_path):
+    db = window.db
+    tab = window.current_tab()
+    db.add_message(tab.conversation_id, "user", "Write `print(1)` in a code block")
+    db.add_message(tab.conversation_id, "assistant", "```python\nprint(1)\n```")
+    window.rename_tab(window.tabs.indexOf(tab), "Code")
+    md = window.export_current("md", str(tmp_path / "code.md"))
+    js = window.export_current("json", str(tmp_path / "code.json"))
+    assert "```python\nprint(1)\n```" in open(md, encoding="utf-8").read()
+    imported_id = window.import_conversation(js)
+    assert imported_id != tab.conversation_id
+    assert [(m["role"], m["content"]) for m in db.messages(imported_id)] == \
+        [(m["role"], m["content"]) for m in db.messages(tab.conversation_id)]
+    assert window.current_tab().conversation_id == imported_id
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something-else"}))
+    before = len(db.conversations())
+    assert window.import_conversation(str(bad)) is None
+    assert window.banner.isVisible() and "bad.json" in window.banner_label.text()
+    assert len(db.conversations()) == before
+
+
+def test_regenerate_and_edit_and_resend(qtbot, window):
+    db = window.db
+    tab = window.current_tab()
+    greedy(window, tab)
+    send(qtbot, tab, "What is the capital of France?")
+    first_answer = db.messages(tab.conversation_id)[1]
+    old_widget = tab.chat_view.widgets[1]
+    with qtbot.waitSignal(window.client.generation_started, timeout=WAIT_MS):
+        qtbot.mouseClick(old_widget.regenerate_button, Qt.LeftButton)
+    # The old answer is gone while the new one streams.
+    assert len(tab.chat_view.widgets) == 2 and tab.chat_view.widgets[1] is not old_widget
+    qtbot.waitUntil(lambda: not tab.is_generating, timeout=WAIT_MS)
+    messages = db.messages(tab.conversation_id)
+    assert len(messages) == 2 and messages[1]["status"] == "done"
+    assert messages[1]["content"] == first_answer["content"]  # greedy: the same answer again
+    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS):
+        tab.resend_edited(messages[0]["id"], "What is the capital of Italy?")
+    messages = db.messages(tab.conversation_id)
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[0]["content"] == "What is the capital of Italy?"
+    assert "Rom" in messages[1]["content"]  # Rome or Roma
+    assert [w.text for w in tab.chat_view.widgets] == [m["content"] for m in messages]
+
+
+def test_model_load_failure_explains_itself_and_keeps_the_window(qtbot, db, client, aio_loop, tmp_path):
+    from app.main_window import MainWindow
+
+    window = MainWindow(db, client, theme_choice="dark")
+    qtbot.addWidget(window)
+    window.show()
+    with qtbot.waitSignal(client.model_load_failed, timeout=WAIT_MS):
+        window.load_model(str(tmp_path / "missing-model"))
+    assert window.banner.isVisible() and "missing-model" in window.banner_label.text()
+    assert not window.current_tab().send_button.isEnabled()
+
+
+def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
+    meter = window.memory_meter
+    start = meter.num_updates
+    qtbot.wait(2300)
+    assert meter.num_updates - start >= 2
+    report = meter.last_report
+    assert report["rss"] > report["engine"]["weights_bytes"] > 100e6  # 135M parameters
+    assert "RAM" in meter.text() and "KV cache: cpu" in meter.text()
+
+
+def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
+    from app.dialogs import ModelDialog
+
+    info = window.client.model_info
+    assert info["awq_unavailable"]
+    dialog = ModelDialog(window, current=None, awq_unavailable=info["awq_unavailable"])
+    qtbot.addWidget(dialog)
+    assert not dialog.findChild(QCheckBox, "awqCheck").isEnabled()
+    assert info["awq_unavailable"] in dialog.findChild(QLabel, "awqReason").text()
+
+
+@pytest.mark.parametrize("choice", ["light", "dark"])
+def test_theme_switch_recolours_and_is_remembered(qtbot, window, choice):
+    window.set_theme(choice)
+    assert window.theme == choice and window.db.get_setting("theme") == choice
