@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -22,6 +23,9 @@ from . import documents, rag
 from .chat_view import ChatView
 
 log = logging.getLogger(__name__)
+
+# Reading and hashing files runs here, never on the UI thread (and never on the engine thread).
+_FILE_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvboost-files")
 
 
 class Composer(QPlainTextEdit):
@@ -305,7 +309,9 @@ class ConversationTab(QWidget):
         self._hide_progress()
         self.refresh_documents()
         if problems:
-            self.error_raised.emit("Some files were not added: " + "; ".join(problems))
+            shown = problems[:6] + ([f"and {len(problems) - 6} more (see the log)"] if len(problems) > 6 else [])
+            log.warning("files not added: %s", problems)
+            self.error_raised.emit("Some files were not added: " + "; ".join(shown))
         if added:
             self.prewarm()
         return {"added": added, "unchanged": unchanged, "problems": problems}
@@ -318,10 +324,10 @@ class ConversationTab(QWidget):
         if known and known["mtime"] == mtime and known["size"] == size:
             return known, False
         if known:
-            digest = await loop.run_in_executor(None, documents.sha256_file, path)
+            digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path)
             if digest == known["sha256"]:
                 return self.db.upsert_document_signature(known["id"], mtime, size), False
-        doc = await loop.run_in_executor(None, documents.extract, path)
+        doc = await loop.run_in_executor(_FILE_WORKERS, documents.extract, path)
         row = self.db.upsert_document(
             doc.path, doc.name, doc.kind, doc.sha256, doc.mtime, doc.size, len(doc.text),
             [{"text": p.text, "page": p.page, "section": p.section, "start": p.start, "end": p.end}
