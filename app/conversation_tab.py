@@ -253,7 +253,7 @@ class ConversationTab(QWidget):
             return
         mode = rag.choose_mode(docs, self._max_context())
         how = ("whole documents in every prompt" if mode == "pinned"
-               else "top passages per question (documents exceed half the context)")
+               else "top passages per question (documents exceed a quarter of the context)")
         chips = " · ".join(f'{d["name"]} <a href="remove:{d["id"]}">✕</a>' for d in docs)
         self.docs_label.setText(f"<b>Documents</b> ({how}): {chips}")
 
