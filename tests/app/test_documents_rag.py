@@ -129,3 +129,23 @@ def test_removing_a_document_takes_it_out_of_the_prompt(qtbot, window, tmp_path,
     assert window.db.conversation_documents(tab.conversation_id) == []
     answer = send(qtbot, tab, "What is the cat called?")
     assert all("Pixel" not in seg["text"] for seg in answer["segments"])
+
+
+def test_prewarm_shows_progress_and_can_be_cancelled(qtbot, window, tmp_path, aio_loop):
+    tab = window.current_tab()
+    paths = []
+    for i in range(4):
+        path = tmp_path / f"part{i}.md"
+        path.write_text(f"# Part {i}\n\n" + f"Section {i} talks about tides and harbours. " * 25, encoding="utf-8")
+        paths.append(path)
+    steps = []
+    window.client.warm_progressed.connect(lambda job, done, total: steps.append((done, total)))
+    with qtbot.waitSignal(window.client.warm_progressed, timeout=WAIT_MS):
+        aio_loop.run_until_complete(drop(tab, paths))
+        assert tab.progress.isVisible() and tab.cancel_docs_button.isVisible()
+    with qtbot.waitSignal(window.client.warm_finished, timeout=WAIT_MS) as finished:
+        qtbot.mouseClick(tab.cancel_docs_button, Qt.LeftButton)
+    report = finished.args[1]
+    assert report["cancelled"] and report["done"] < 4
+    assert steps[0] == (1, 4)
+    assert not tab.progress.isVisible()

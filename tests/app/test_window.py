@@ -7,6 +7,7 @@ import time
 
 import pytest
 from PySide6.QtCore import QTimer, Qt
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QCheckBox, QLabel
 
 from qt_helpers import WAIT_MS, send
@@ -53,6 +54,8 @@ def test_send_streams_the_answer_and_saves_it(qtbot, window):
     widget = tab.chat_view.widgets[-1]
     assert widget.text == answer["text"]
     assert "reused" in widget.badge.text() and "TTFT" in widget.badge.text()
+    qtbot.mouseClick(widget.copy_button, Qt.LeftButton)
+    assert QGuiApplication.clipboard().text() == answer["text"]
     assert tab.composer.toPlainText() == "" and tab.send_button.isEnabled()
 
 
