@@ -78,6 +78,7 @@ class KVBoost:
         self._rope = self._check_approx_support() if config.reuse == "approx" else None
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._weights_bytes: int | None = None
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
@@ -317,7 +318,9 @@ class KVBoost:
     def memory(self) -> dict:
         """Bytes held by the weights and by cached KV per tier, and the device's totals when it is CUDA.
         Reads counters only (no lock), so a UI can call it while a request runs."""
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        if self._weights_bytes is None:  # counted once: the UI asks every second
+            self._weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights = self._weights_bytes
         tier = "gpu" if self.device.type == "cuda" else "cpu"
         report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": {tier: self.store.num_bytes},
                   "kv_budget_bytes": {tier: self.store.budget_bytes}}
