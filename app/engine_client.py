@@ -51,8 +51,10 @@ class EngineClient(QObject):
     warm_finished = Signal(int, dict)
     warm_failed = Signal(int, str)
 
-    def __init__(self, parent=None):
+    def __init__(self, parent=None, engine_options: dict | None = None):
+        """`engine_options`: from_pretrained options applied to every load (the app's KV cache folder)."""
         super().__init__(parent)
+        self._engine_options = dict(engine_options or {})
         self._jobs: queue.Queue[_Job] = queue.Queue()
         self._pending: dict[int, _Job] = {}  # submitted and not finished, by id
         self._ids = itertools.count(1)
@@ -73,7 +75,7 @@ class EngineClient(QObject):
 
     def load_model(self, source: str | None = None, **options) -> int:
         """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
-        return self._submit("load", {"source": source, "options": options})
+        return self._submit("load", {"source": source, "options": {**self._engine_options, **options}})
 
     def use_engine(self, engine) -> int:
         """Adopts an already loaded engine (tests share one model this way; the engine must not be used
@@ -159,6 +161,8 @@ class EngineClient(QObject):
             "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
             "max_context": engine.max_context,
             "reuse": engine.config.reuse,
+            "disk_cache": engine.store.disk.folder.as_posix() if engine.store.disk is not None else None,
+            "disk_error": engine.disk_error,
             "awq_unavailable": awq_streaming_unavailable(engine.model.config, engine.device),
             "load_s": time.perf_counter() - t0,
             "model_type": engine.model.config.model_type,

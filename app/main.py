@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         print(f"kvboost-desktop: {exc}", file=sys.stderr)
         return 2
     interrupted = db.mark_interrupted()
-    client = EngineClient()
+    # KV computed in one session answers the next: the disk tier lives in the app's cache folder.
+    client = EngineClient(engine_options={"disk_cache_dir": str(paths.cache_dir / "kv")})
     window = MainWindow(db, client, theme_choice=args.theme or "system")
     if args.theme:
         window.set_theme(args.theme)

@@ -341,6 +341,8 @@ class MainWindow(QMainWindow):
         self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {info['dtype']} · "
                                  f"{info['max_context']} ctx · reuse {info['reuse']} · "
                                  f"loaded in {info['load_s']:.1f} s")
+        if info.get("disk_error"):
+            self.show_error(f"Answers still work, but KV will not be kept across restarts: {info['disk_error']}")
         for i in range(self.tabs.count()):
             tab = self.tabs.widget(i)
             tab.update_composer()

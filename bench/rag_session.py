@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     from engine.cli import quiet_transformers
 
     quiet_transformers()
-    base = KVBoost.from_pretrained(args.model, device="cpu" if args.model is None else "auto")
+    base = KVBoost.from_pretrained(args.model, device="cpu" if args.model is None else "auto",
+                                   disk_cache_bytes=0)  # a cold start every run (bench/kv_tiers.py measures disk)
     docs = needle.make_documents(num_docs=args.docs)
     questions = [needle.NeedleQuestion(tuple(range(len(docs))), t, f"What is the archive code of the "
                                        f"{docs[t].name} collection?", docs[t].code)

@@ -406,7 +406,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
         from .engine import KVBoost
 
         progress("loading model")
-        engine = KVBoost.from_pretrained()
+        engine = KVBoost.from_pretrained(disk_cache_bytes=0)  # every run starts cold: no entries from the last
     sizes = QUICK if quick else FULL
     t_start = time.perf_counter()
     meta = _meta(engine, modes, quick)
@@ -480,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     progress("loading model")
     try:
-        engine = KVBoost.from_pretrained(args.model, device=args.device)
+        engine = KVBoost.from_pretrained(args.model, device=args.device, disk_cache_bytes=0)
     except ValueError as exc:  # ModelLoadError, UnsupportedModelError, a bad device
         print(f"kvboost bench: {exc}", file=sys.stderr)
         return 1

@@ -20,7 +20,13 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repair", default="selective", choices=("none", "selective", "cacheblend"))
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
-    p.add_argument("--cache-bytes", type=int, default=None)
+    p.add_argument("--cache-bytes", "--gpu-cache-bytes", dest="cache_bytes", type=int, default=None,
+                   help="device KV tier budget (default: sized from the machine)")
+    p.add_argument("--cpu-cache-bytes", type=int, default=None, help="host RAM KV tier budget (0: off)")
+    p.add_argument("--disk-cache-bytes", type=int, default=None, help="disk KV tier budget (0: off)")
+    p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
+    p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
+                   help="how host RAM and disk keep KV (default int8)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -49,7 +55,8 @@ def _load(args):
     print("loading model ...", file=sys.stderr, flush=True)
     return KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
                                    chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
-                                   repair=args.repair)
+                                   cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
+                                   disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair)
 
 
 def _badge(stats) -> str:
@@ -136,6 +143,50 @@ def cmd_warm(args) -> int:
     return 0
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def cmd_cache(args) -> int:
+    """The disk KV tier, without loading a model: stats, clear, verify."""
+    from .disk import DiskTier, default_cache_dir
+
+    folder = Path(args.dir).expanduser() if args.dir else default_cache_dir()
+    if args.action != "clear" and not (folder / "index.sqlite3").exists():
+        print(f"no disk KV cache in {folder}")
+        return 0
+    disk = DiskTier(folder, budget_bytes=0)
+    try:
+        if args.action == "stats":
+            stats = disk.stats()
+            if args.json:
+                print(json.dumps(stats, indent=2))
+                return 0
+            print(f"{stats['folder']}: {stats['entries']} entries, {_human(stats['bytes'])} on disk "
+                  f"({_human(stats['raw_bytes'])} as computed), {stats['tokens']} tokens")
+            for ns in stats["namespaces"]:
+                settings = ", ".join(f"{k}={v}" for k, v in ns["settings"].items())
+                print(f"  {ns['model']} [{settings}]: {ns['entries']} entries, {_human(ns['bytes'])}, "
+                      f"{ns['tokens']} tokens")
+        elif args.action == "clear":
+            print(f"removed {disk.clear()} entries from {folder}")
+        else:
+            report = disk.verify(repair=not args.dry_run)
+            for bad in report["bad"]:
+                print(f"bad: {bad['file']}: {bad['problem']}")
+            verb = "found" if args.dry_run else "removed"
+            print(f"checked {report['checked']} entries: {len(report['bad'])} bad ({verb}), "
+                  f"{len(report['orphans_removed'])} orphan files removed")
+            return 1 if report["bad"] and args.dry_run else 0
+    finally:
+        disk.close()
+    return 0
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
@@ -166,6 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(p)
     p.add_argument("files", nargs="+")
     p.set_defaults(func=cmd_warm)
+
+    p = sub.add_parser("cache", help="the persistent disk KV tier: stats | clear | verify")
+    p.add_argument("action", choices=("stats", "clear", "verify"))
+    p.add_argument("--dir", default=None, help="cache folder (default: the per-user one, or $KVBOOST_CACHE_DIR)")
+    p.add_argument("--json", action="store_true", help="stats as JSON")
+    p.add_argument("--dry-run", action="store_true", help="verify: report bad entries without removing them "
+                   "(exit 1 when there are any)")
+    p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("bench", help="side-by-side reuse benchmark (see bench/README.md)", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)

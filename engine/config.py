@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 REUSE_MODES = ("off", "prefix", "chunk", "approx")
 CHUNKING_MODES = ("fixed", "semantic", "adaptive")
 REPAIR_MODES = ("none", "selective", "cacheblend")
+KV_QUANT_MODES = ("none", "int8", "int4")
+EVICTION_POLICIES = ("lru", "importance-lru")
 
 
 @dataclass(frozen=True)
@@ -61,19 +63,72 @@ class RepairConfig:
 
 
 @dataclass(frozen=True)
+class KVQuantConfig:
+    """How each tier stores KV: "none" (as computed), "int8" or "int4" (KIVI, engine.kv_quant).
+
+    Defaults from the measured quality (README, bench/kv_tiers.py): int8 KV gave the same greedy answers as
+    unquantized reuse, so host RAM and disk keep int8; the device tier keeps KV as computed."""
+
+    device: str = "none"
+    host: str = "int8"
+    disk: str = "int8"
+
+    @classmethod
+    def parse(cls, value) -> "KVQuantConfig":
+        """A KVQuantConfig, a dict {tier: mode}, or one mode string for the host and disk tiers."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            return cls(host=value, disk=value)
+        if isinstance(value, dict):
+            unknown = set(value) - {"device", "host", "disk"}
+            if unknown:
+                raise ValueError(f"kv_quant tiers are 'device', 'host', 'disk', got {sorted(unknown)}")
+            return cls(**value)
+        raise ValueError(f"kv_quant must be one of {KV_QUANT_MODES} or a dict per tier, got {value!r}")
+
+    def validate(self) -> None:
+        for tier in ("device", "host", "disk"):
+            mode = getattr(self, tier)
+            if mode not in KV_QUANT_MODES:
+                raise ValueError(f"kv_quant for the {tier} tier must be one of {KV_QUANT_MODES}, got {mode!r}")
+
+
+def _check_bytes(name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     reuse: str = "chunk"
     chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
     repair: RepairConfig = field(default_factory=RepairConfig)
-    # Byte budget of the in-memory chunk store; None sizes it from the machine (see engine.store).
+    # Byte budgets per KV tier; None sizes a tier from the machine (engine.tiers, engine.disk), 0 turns the
+    # host or disk tier off. cache_bytes is the device tier (the GPU, or RAM on a CPU-only machine).
     cache_bytes: int | None = None
+    cpu_cache_bytes: int | None = None
+    disk_cache_bytes: int | None = None
+    disk_cache_dir: str | None = None  # None: engine.disk.default_cache_dir()
+    kv_quant: KVQuantConfig = field(default_factory=KVQuantConfig)
+    eviction: str = "lru"  # chosen by bench/kv_tiers.py (README)
+    # Live KV of the request being generated kept on the device; beyond it, cold pages spill to host RAM
+    # (engine.paged). None: no limit.
+    live_kv_bytes: int | None = None
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
             raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
         self.repair.validate()
-        if self.cache_bytes is not None and (not isinstance(self.cache_bytes, int) or self.cache_bytes < 0):
-            raise ValueError(f"cache_bytes must be a non-negative integer or None, got {self.cache_bytes!r}")
+        for name in ("cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "live_kv_bytes"):
+            _check_bytes(name, getattr(self, name))
+        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str):
+            raise ValueError(f"disk_cache_dir must be a path string or None, got {self.disk_cache_dir!r}")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
+        self.kv_quant.validate()
         self.chunking.validate()
 
 

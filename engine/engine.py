@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sqlite3
 import threading
 import time
 from typing import Iterator, Sequence
@@ -14,11 +15,14 @@ from . import loader
 from .approx import BLEND_MODEL_TYPES, apply_selective, fill_approximate, merge_misses
 from .assemble import cache_kv, plan_prompt, store_new_chunks
 from .chunking import TokenBreaks, chunk_spans
-from .config import ChunkingConfig, EngineConfig, RepairConfig, SamplingConfig
+from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
+from .disk import FORMAT_VERSION, DiskTier, default_cache_dir
+from .eviction import POLICIES
 from .generate import Result, TokenEvent, generate_events
 from .keys import chain_key, root_key
 from .rope import rope_params
-from .store import ChunkStore, default_budget_bytes
+from .store import ChunkStore
+from .tiers import MemoryTier, default_device_budget, default_host_budget
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +73,8 @@ class KVBoost:
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")
-        budget = config.cache_bytes if config.cache_bytes is not None else default_budget_bytes(self.device)
-        self.store = ChunkStore(budget)
+        self.disk_error: str | None = None
+        self.store = self._make_store()
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
         self.max_context = self._find_max_context()
@@ -79,6 +83,35 @@ class KVBoost:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._weights_bytes: int | None = None
+
+    def _make_store(self) -> ChunkStore:
+        config = self.config
+        policy = POLICIES[config.eviction]()
+        budget = config.cache_bytes if config.cache_bytes is not None else default_device_budget(self.device)
+        host = None
+        host_budget = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else \
+            default_host_budget(self.device)
+        if host_budget > 0:
+            host = MemoryTier("host", host_budget, torch.device("cpu"), config.kv_quant.host,
+                              pin=self.device.type == "cuda")
+        disk = None
+        if config.disk_cache_bytes != 0 and config.reuse != "off":
+            folder = config.disk_cache_dir or str(default_cache_dir())
+            # Entries are shared only within one namespace: same weights, dtype, chunking and storage format.
+            namespace = chain_key(self._root, [FORMAT_VERSION]).hex() + f"-{config.kv_quant.disk}"
+            try:
+                disk = DiskTier(folder, config.disk_cache_bytes, config.kv_quant.disk, namespace, policy,
+                                model_name=self.name)
+                disk.describe_namespace({"chunking": self.config.chunking.mode,
+                                         "chunk_size": self.config.chunking.size,
+                                         "kv_quant": config.kv_quant.disk, "dtype": str(self.model.dtype)})
+            except (ValueError, OSError, sqlite3.Error) as exc:
+                # The engine still works from memory; the reason is in memory() and cache_stats().
+                self.disk_error = f"disk KV tier off: {exc}"
+                log.warning(self.disk_error)
+                disk = None
+        return ChunkStore(budget, policy, device=self.device, device_quant=config.kv_quant.device, host=host,
+                          disk=disk)
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
@@ -103,13 +136,27 @@ class KVBoost:
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
-                        chunking="fixed", repair="selective", cache_bytes=None,
+                        chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
+                        cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
+                        eviction="lru", live_kv_bytes=None,
                         repair_options: dict | None = None, awq_streaming: bool = False) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
+        KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
+        `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
+        machine, 0 turns host or disk off. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
+        per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
+        being generated, beyond which cold pages spill to host RAM.
         `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
         awq_streaming_unavailable)."""
+        if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
+            raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
-                              repair=RepairConfig(mode=repair, **(repair_options or {})), cache_bytes=cache_bytes)
+                              repair=RepairConfig(mode=repair, **(repair_options or {})),
+                              cache_bytes=gpu_cache_bytes if gpu_cache_bytes is not None else cache_bytes,
+                              cpu_cache_bytes=cpu_cache_bytes, disk_cache_bytes=disk_cache_bytes,
+                              disk_cache_dir=str(disk_cache_dir) if disk_cache_dir is not None else None,
+                              kv_quant=KVQuantConfig.parse(kv_quant), eviction=eviction,
+                              live_kv_bytes=live_kv_bytes)
         config.validate()
         src = loader.resolve_source(source)
         dev = loader.pick_device(device)
@@ -130,8 +177,9 @@ class KVBoost:
         return cls(model, tokenizer, config, name=src.describe())
 
     def with_options(self, **changes) -> "KVBoost":
-        """Another engine over the same loaded model, with its own empty store (e.g. reuse="off").
-        Takes reuse, chunking, chunk_size, cache_bytes, repair and the RepairConfig fields."""
+        """Another engine over the same loaded model, with its own empty memory tiers (e.g. reuse="off"); with
+        the same disk folder it sees the disk entries. Takes every from_pretrained option but the model's own
+        (source, device, dtype, awq_streaming), and the RepairConfig fields."""
         chunking = self.config.chunking
         if "chunk_size" in changes or "chunking" in changes:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
@@ -142,7 +190,16 @@ class KVBoost:
         if "repair" in changes:
             repair = RepairConfig(mode=changes.pop("repair"))
         repair = dataclasses.replace(repair, **repair_fields)
-        fields = {"reuse": self.config.reuse, "repair": repair, "cache_bytes": self.config.cache_bytes}
+        if "gpu_cache_bytes" in changes:
+            changes["cache_bytes"] = changes.pop("gpu_cache_bytes")
+        if "kv_quant" in changes:
+            changes["kv_quant"] = KVQuantConfig.parse(changes["kv_quant"])
+        if changes.get("disk_cache_dir") is not None:
+            changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
+        inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir", "kv_quant",
+                     "eviction", "live_kv_bytes")
+        fields = {name: getattr(self.config, name) for name in inherited}
+        fields["repair"] = repair
         fields.update(changes)
         return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
                        fingerprint=self.fingerprint, name=self.name)
@@ -240,12 +297,7 @@ class KVBoost:
         self._owner = threading.get_ident()
         try:
             reuse = self.config.reuse
-            plan = self._plan(ids, reuse)
-            self.store.counters.misses += sum(1 for s in plan.segments if s.kind == "MISS")
-            for seg in plan.segments:
-                if seg.record is not None:
-                    self.store.acquire(seg.record)
-                    self.store.touch(seg.record, seg.kind)
+            plan, reused_by_tier = self._plan_and_fetch(ids, reuse)
             storing = reuse != "off"
             try:
                 yield from generate_events(
@@ -253,7 +305,8 @@ class KVBoost:
                     eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
                     cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
                     batch_repair=self._batch_repair,
-                    return_logits=return_logits,
+                    return_logits=return_logits, reused_by_tier=reused_by_tier,
+                    live_kv_bytes=self.config.live_kv_bytes,
                     on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
                     if storing else None,
                     on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))
@@ -266,6 +319,36 @@ class KVBoost:
         finally:
             self._owner = None
             self._lock.release()
+
+    def _plan_and_fetch(self, ids: list[int], reuse: str):
+        """The plan, with every entry it reuses acquired and its payload on the device. An entry whose disk
+        payload turns out missing or corrupt is dropped and the prompt planned again without it (its text
+        becomes a MISS and is computed and stored afresh). Returns the plan and reused tokens per tier."""
+        if reuse != "off":
+            self.store.sync_disk()  # entries other processes wrote since the last request
+        while True:
+            plan = self._plan(ids, reuse)
+            records = {id(s.record): s.record for s in plan.segments if s.record is not None}.values()
+            tiers = {r.key: r.tier for r in records}
+            for seg in plan.segments:
+                if seg.record is not None:
+                    self.store.acquire(seg.record)
+            bad = [r for r in records if not self.store.fetch(r)]
+            if not bad:
+                break
+            for seg in plan.segments:
+                if seg.record is not None:
+                    self.store.release(seg.record)
+            for record in bad:
+                self.store.drop(record)
+        self.store.counters.misses += sum(1 for s in plan.segments if s.kind == "MISS")
+        reused_by_tier: dict[str, int] = {}
+        for seg in plan.segments:
+            if seg.record is not None:
+                self.store.touch(seg.record, seg.kind, tiers[seg.record.key])
+                reused_by_tier[tiers[seg.record.key]] = reused_by_tier.get(tiers[seg.record.key], 0) + seg.num_tokens
+        self.store.touch_disk(records)
+        return plan, reused_by_tier
 
     def _store_tail(self, plan, cache, all_ids: list[int]) -> None:
         """The KV after the last complete chunk (partial chunk + answer), for the next turn's token-level
@@ -316,14 +399,15 @@ class KVBoost:
         }
 
     def memory(self) -> dict:
-        """Bytes held by the weights and by cached KV per tier, and the device's totals when it is CUDA.
-        Reads counters only (no lock), so a UI can call it while a request runs."""
+        """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), and the device's
+        totals when it is CUDA. Reads counters only (no lock), so a UI can call it while a request runs."""
         if self._weights_bytes is None:  # counted once: the UI asks every second
             self._weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         weights = self._weights_bytes
-        tier = "gpu" if self.device.type == "cuda" else "cpu"
-        report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": {tier: self.store.num_bytes},
-                  "kv_budget_bytes": {tier: self.store.budget_bytes}}
+        report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": self.store.tier_bytes(),
+                  "kv_budget_bytes": self.store.tier_budgets()}
+        if self.disk_error:
+            report["disk_error"] = self.disk_error
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             report["device_used_bytes"] = total - free
@@ -333,6 +417,8 @@ class KVBoost:
     def cache_stats(self) -> dict:
         stats = self.store.stats()
         stats["reuse"] = self.config.reuse
+        if self.disk_error:
+            stats["disk_error"] = self.disk_error
         stats["chunking"] = {"mode": self.config.chunking.mode, "size": self.config.chunking.size}
         return stats
 

@@ -43,6 +43,7 @@ class Stats:
     repair: str = "none"
     chunks: list[tuple[int, int, str]] = field(default_factory=list)
     reuse: str = "off"
+    reused_by_tier: dict[str, int] = field(default_factory=dict)  # reused tokens per tier served from
 
     @property
     def reused_fraction(self) -> float:
@@ -257,14 +258,16 @@ class Detokenizer:
 def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
                     device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
                     cancel: threading.Event | None = None, rope=None, repair=None, batch_repair=True,
-                    return_logits=False,
+                    return_logits=False, reused_by_tier: dict[str, int] | None = None,
+                    live_kv_bytes: int | None = None,
                     on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
     """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
     token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
     and consumer close included, so the store stays consistent."""
     stats = Stats(prompt_tokens=len(plan.ids), reused_tokens=plan.reused_tokens,
                   recomputed_tokens=len(plan.ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=reuse,
-                  repair=repair.mode if repair is not None and plan.first_approximate < len(plan.ids) else "none")
+                  repair=repair.mode if repair is not None and plan.first_approximate < len(plan.ids) else "none",
+                  reused_by_tier=dict(reused_by_tier or {}))
     generator = None
     if params.temperature > 0:
         generator = torch.Generator()

@@ -17,7 +17,8 @@ clipped and |x - x_hat| <= scale / 2 up to float arithmetic. A constant group ha
 whenever its value is representable in the stats dtype.
 
 Stats are float16 for float16 input (that is what makes the storage ratio worthwhile) and float32 otherwise
-(bfloat16's range does not fit float16).
+(bfloat16's range does not fit float16), unless the caller picks `stats_dtype` (the KV tiers store float16 stats
+for float32 KV whose range fits float16).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _to_grouped_layout(x: torch.Tensor, axis: str) -> torch.Tensor:
     return x.transpose(-1, -2) if axis == "channel" else x
 
 
-def quantize(x: torch.Tensor, *, bits: int, axis: str, group_size: int = 32) -> QuantizedTensor:
+def quantize(x: torch.Tensor, *, bits: int, axis: str, group_size: int = 32,
+             stats_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Quantize x: [B, H, T, D] with groups of group_size along T ("channel") or D ("token")."""
     _check(bits, axis, group_size)
     if x.dim() != 4:
@@ -87,7 +89,7 @@ def quantize(x: torch.Tensor, *, bits: int, axis: str, group_size: int = 32) -> 
     if not x.is_floating_point():
         raise ValueError(f"expected a floating-point tensor, got {x.dtype}")
     levels = 2**bits - 1
-    stats_dtype = _stats_dtype(x.dtype)
+    stats_dtype = stats_dtype or _stats_dtype(x.dtype)
     work_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
 
     g = _to_grouped_layout(x, axis)  # [B, H, X, L]
@@ -133,12 +135,14 @@ def dequantize(q: QuantizedTensor) -> torch.Tensor:
 
 
 def quantize_kv(
-    k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int = 32
+    k: torch.Tensor, v: torch.Tensor, bits: int, group_size: int = 32, value_group_size: int | None = None,
+    stats_dtype: torch.dtype | None = None,
 ) -> tuple[QuantizedTensor, QuantizedTensor]:
-    """Keys per channel, values per token (KIVI)."""
+    """Keys per channel (groups of `group_size` tokens), values per token (groups of `value_group_size`
+    channels, default `group_size`) (KIVI)."""
     return (
-        quantize(k, bits=bits, axis="channel", group_size=group_size),
-        quantize(v, bits=bits, axis="token", group_size=group_size),
+        quantize(k, bits=bits, axis="channel", group_size=group_size, stats_dtype=stats_dtype),
+        quantize(v, bits=bits, axis="token", group_size=value_group_size or group_size, stats_dtype=stats_dtype),
     )
 
 

@@ -7,21 +7,27 @@ Two kinds of entries:
          conversation reuses the longest common token prefix of a tail (token-granular reuse).
 
 A payload is the KV of a real prefill in the entry's true context: per layer (k, v), each [1, H_kv, T, D].
-The store never computes anything; it holds, finds, counts and evicts.
+The store never computes anything; it holds, finds, counts, moves between tiers and evicts.
+
+Tiers (engine.tiers, engine.disk): every record lives in the fastest tier holding its payload (`record.tier`):
+"device" (where the model runs), "host" (RAM; pinned under a GPU), "disk" (files shared by processes, kept
+across restarts). A tier over its budget demotes its policy's first victims one tier down (device -> host ->
+disk -> gone); a hit promotes the entry back to the device (engine.engine fetches before computing). With a
+disk tier every new entry is also written through to disk, so what was computed survives a restart. Entries
+in use (ref_count > 0) never move or leave.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .eviction import LRU, EvictionPolicy
-
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+from .tiers import KV, MemoryTier, decode_kv, default_device_budget, encode_kv
 
 # Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
 # contains a whole anchor of it.
@@ -44,6 +50,8 @@ class ChunkRecord:
     # False for KV computed after an APPROXIMATE segment: usable only for approximate reuse (anchors), never
     # under its chained key.
     exact: bool = True
+    tier: str = "device"  # the fastest tier holding the payload
+    on_disk: bool = False  # a copy is in the disk tier (as well, or only: tier == "disk")
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +64,11 @@ class StoreCounters:
     misses: int = 0
     stored: int = 0
     evicted: int = 0
-    rejected: int = 0  # entries larger than the whole budget
+    rejected: int = 0  # entries no tier could take
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    demoted: int = 0
+    promoted: int = 0
+    disk_misses: int = 0  # entries whose disk payload turned out missing/corrupt (served as MISS, recomputed)
 
 
 def kv_nbytes(kv: KV) -> int:
@@ -64,29 +76,29 @@ def kv_nbytes(kv: KV) -> int:
 
 
 def kv_importance(kv: KV) -> float:
-    """Mean L2 norm of the value vectors over layers, heads and tokens (a cheap energy measure)."""
-    norms = [v.float().norm(dim=-1).mean() for _, v in kv]
+    """Mean L2 norm of the key and value vectors over layers, heads and tokens (a cheap energy measure)."""
+    norms = [t.float().norm(dim=-1).mean() for k, v in kv for t in (k, v)]
     return float(torch.stack(norms).mean()) if norms else 0.0
 
 
 def default_budget_bytes(device: torch.device) -> int:
-    """A quarter of free device memory on CUDA; on CPU a quarter of physical RAM, capped at 4 GiB."""
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return int(free * 0.25)
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        ram = 8 << 30
-    return min(ram // 4, 4 << 30)
+    return default_device_budget(device)
 
 
 class ChunkStore:
-    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None):
-        self.budget_bytes = budget_bytes
+    def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, *,
+                 device: torch.device | str = "cpu", device_quant: str = "none", host: MemoryTier | None = None,
+                 disk=None):
+        """`budget_bytes`: the device tier's budget. `host` (MemoryTier) and `disk` (engine.disk.DiskTier) are
+        the optional lower tiers."""
+        self.device = torch.device(device)
         self.policy = policy or LRU()
+        self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant)
+        self.host_tier = host
+        self.memory_tiers = [t for t in (self.device_tier, host) if t is not None]
+        self.disk = disk
         self.records: dict[bytes, ChunkRecord] = {}
-        self._payloads: dict[bytes, KV] = {}
+        self._staged: dict[bytes, KV] = {}  # payloads fetched for requests in flight that no tier could keep
         self._by_content: dict[bytes, set[bytes]] = {}
         self._tails_by_parent: dict[bytes, set[bytes]] = {}
         self._chunks_by_parent: dict[bytes, set[bytes]] = {}
@@ -94,8 +106,17 @@ class ChunkStore:
         # tuple's hash, -> (chunk key, offset inside the chunk).
         self._anchors: dict[int, list[tuple[bytes, int]]] = {}
         self._clock = itertools.count(1)
-        self.num_bytes = 0
+        self._disk_seen = 0  # highest disk index row id loaded
         self.counters = StoreCounters()
+        self.sync_disk()
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.device_tier.budget_bytes
+
+    @property
+    def num_bytes(self) -> int:
+        return self.device_tier.num_bytes
 
     # -- lookup -------------------------------------------------------------------------------------------
     def get_chunk(self, key: bytes) -> ChunkRecord | None:
@@ -122,13 +143,22 @@ class ChunkStore:
         return [self.records[k] for k in self._by_content.get(content_key, ())]
 
     def payload(self, key: bytes) -> KV:
-        return self._payloads[key]
+        """The entry's KV on the device. For an entry below the device tier, call fetch() first."""
+        if key in self.device_tier:
+            return self.device_tier.get(key, self.device)
+        if key in self._staged:
+            return self._staged[key]
+        record = self.records[key]
+        assert record.tier == "host", f"payload of a {record.tier} entry without fetch()"
+        return self.host_tier.get(key, self.device)
 
-    def touch(self, record: ChunkRecord, kind: str) -> None:
-        """Counts a hit of `kind` on `record` and refreshes its recency."""
+    def touch(self, record: ChunkRecord, kind: str, tier: str | None = None) -> None:
+        """Counts a hit of `kind` on `record`, served from `tier` (default: where it is), and refreshes its
+        recency."""
         record.hits += 1
         record.last_access = next(self._clock)
         self.counters.hits[kind] += 1
+        self.counters.tier_hits[tier or record.tier] += 1
 
     def acquire(self, record: ChunkRecord) -> None:
         record.ref_count += 1
@@ -136,6 +166,71 @@ class ChunkStore:
     def release(self, record: ChunkRecord) -> None:
         assert record.ref_count > 0, "release without acquire"
         record.ref_count -= 1
+        if record.ref_count == 0:
+            self._staged.pop(record.key, None)
+
+    # -- tiers ----------------------------------------------------------------------------------------------
+    def fetch(self, record: ChunkRecord) -> bool:
+        """Makes an acquired entry's payload available on the device, promoting it there when the device tier
+        has room. False when its disk payload is missing or corrupt: the caller releases it, drop()s it and
+        plans again (its text is then a MISS, and computing it again stores a good copy)."""
+        assert record.ref_count > 0, "fetch of an entry not acquired"
+        if record.tier == "device" or record.key in self._staged:
+            return True
+        if record.tier == "host":
+            kv = self.host_tier.get(record.key, self.device)
+        else:
+            stored = self.disk.load(record.key)
+            if stored is None:  # the disk tier already dropped its row; the caller drops the record
+                self.counters.disk_misses += 1
+                record.on_disk = False
+                return False
+            kv = decode_kv(stored, self.device)
+        stored = self.device_tier.encode(kv)
+        if self._make_room(0, stored.nbytes):
+            if record.tier == "host":
+                self.host_tier.remove(record.key)
+            self.device_tier.put(record.key, stored)
+            record.tier = "device"
+            self.counters.promoted += 1
+        else:  # no room next to the entries in use: this request keeps its own copy until release
+            self._staged[record.key] = kv
+        return True
+
+    def drop(self, record: ChunkRecord) -> None:
+        """Forgets an entry whose payload could not be fetched (not in use any more)."""
+        if record.key in self.records:
+            self._remove(record.key)
+
+    def tier_of(self, name: str):
+        return {"device": self.device_tier, "host": self.host_tier, "disk": self.disk}[name]
+
+    def sync_disk(self) -> int:
+        """Loads the records of disk entries added since the last sync (by this or another process)."""
+        if self.disk is None:
+            return 0
+        added = 0
+        for row in self.disk.rows_since(self._disk_seen):
+            self._disk_seen = max(self._disk_seen, row["id"])
+            key = bytes.fromhex(row["key"])
+            known = self.records.get(key)
+            if known is not None:
+                known.on_disk = True
+                continue
+            tokens = tuple(int(t) for t in np.frombuffer(row["tokens"], dtype="<i4"))
+            record = ChunkRecord(key, bytes.fromhex(row["parent"]),
+                                 bytes.fromhex(row["content_key"]) if row["content_key"] else None, row["kind"],
+                                 row["start"], tokens, row["raw_bytes"], importance=row["importance"],
+                                 last_access=next(self._clock), hits=row["hits"], exact=bool(row["exact"]),
+                                 tier="disk", on_disk=True)
+            self._index(record)
+            added += 1
+        return added
+
+    def touch_disk(self, records) -> None:
+        """Recency and hit counts of entries used by a request, in the shared disk index (one transaction)."""
+        if self.disk is not None:
+            self.disk.touch([r.key for r in records if r.on_disk])
 
     # -- insertion ----------------------------------------------------------------------------------------
     def put_chunk(self, key: bytes, parent: bytes, content_key: bytes, start: int, tokens: Sequence[int],
@@ -144,11 +239,7 @@ class ChunkStore:
             self.records[key].last_access = next(self._clock)
             return True
         record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact)
-        if not self._insert(record, kv):
-            return False
-        self._by_content.setdefault(content_key, set()).add(key)
-        self._chunks_by_parent.setdefault(parent, set()).add(key)
-        return True
+        return self._insert(record, kv)
 
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV) -> bool:
         """Stores a tail; tails under the same parent whose tokens are a prefix of this one are dropped,
@@ -157,52 +248,127 @@ class ChunkStore:
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
+        dropped = []
         for other in self.tails_under(parent):
             if other.ref_count == 0 and tokens[: other.num_tokens] == other.tokens:
+                dropped.append(other)
                 self._remove(other.key)
+        if self.disk is not None:
+            self.disk.remove([r.key for r in dropped if r.on_disk])
         record = ChunkRecord(key, parent, None, "tail", start, tokens, kv_nbytes(kv))
-        if not self._insert(record, kv):
-            return False
-        self._tails_by_parent.setdefault(parent, set()).add(key)
-        return True
+        return self._insert(record, kv)
 
     def _insert(self, record: ChunkRecord, kv: KV) -> bool:
-        if record.num_bytes > self.budget_bytes or not self._make_room(record.num_bytes):
-            self.counters.rejected += 1
-            return False
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
+        placed = False
+        for level, tier in enumerate(self.memory_tiers):
+            stored = tier.encode(kv)
+            if stored.nbytes <= tier.budget_bytes and self._make_room(level, stored.nbytes):
+                tier.put(record.key, stored)
+                record.tier = tier.name
+                placed = True
+                break
+        if self.disk is not None:
+            self._write_disk(record, kv)
+            if not placed and record.on_disk:
+                record.tier = "disk"
+                placed = True
+        if not placed:
+            self.counters.rejected += 1
+            return False
+        self._index(record)
+        self.counters.stored += 1
+        return True
+
+    def _write_disk(self, record: ChunkRecord, kv: KV) -> None:
+        stored = self.disk_encode(kv)
+        in_use = {k for k, r in self.records.items() if r.ref_count > 0}
+        lost = self.disk.put(record, stored, in_use)
+        if lost is None:
+            return
+        record.on_disk = True
+        for key in lost:
+            other = self.records.get(key)
+            if other is None:
+                continue
+            other.on_disk = False
+            if other.tier == "disk":
+                self._remove(key)
+                self.counters.evicted += 1
+
+    def disk_encode(self, kv: KV):
+        return encode_kv(kv, self.disk.quant, torch.device("cpu"))
+
+    def _index(self, record: ChunkRecord) -> None:
         self.records[record.key] = record
         # Python's hash of an int tuple is deterministic; the anchor index lives in memory only.
         for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
             anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
             self._anchors.setdefault(anchor, []).append((record.key, offset))
-        self._payloads[record.key] = kv
-        self.num_bytes += record.num_bytes
-        self.counters.stored += 1
-        return True
+        if record.kind == "chunk":
+            self._by_content.setdefault(record.content_key, set()).add(record.key)
+            self._chunks_by_parent.setdefault(record.parent, set()).add(record.key)
+        else:
+            self._tails_by_parent.setdefault(record.parent, set()).add(record.key)
 
-    def _make_room(self, num_bytes: int) -> bool:
-        if self.num_bytes + num_bytes <= self.budget_bytes:
+    def _make_room(self, level: int, num_bytes: int) -> bool:
+        """Frees memory tier `level` for `num_bytes` by demoting its policy's first victims one tier down."""
+        tier = self.memory_tiers[level]
+        if tier.fits(num_bytes):
             return True
-        candidates = sorted((r for r in self.records.values() if r.ref_count == 0), key=self.policy.sort_key)
+        if num_bytes > tier.budget_bytes:
+            return False
+        candidates = sorted((r for r in self.records.values() if r.ref_count == 0 and r.tier == tier.name),
+                            key=self.policy.sort_key)
         for record in candidates:
-            self._remove(record.key)
-            self.counters.evicted += 1
-            if self.num_bytes + num_bytes <= self.budget_bytes:
+            self._demote(record, level)
+            if tier.fits(num_bytes):
                 return True
         return False
 
+    def _demote(self, record: ChunkRecord, level: int) -> None:
+        tier = self.memory_tiers[level]
+        stored = tier.remove(record.key)
+        self.counters.demoted += 1
+        if level + 1 < len(self.memory_tiers):
+            lower = self.memory_tiers[level + 1]
+            if stored.quant == lower.quant and lower.device == tier.device and not lower.pin:
+                moved = stored  # same form, same memory: the payload just changes owner
+            else:
+                moved = lower.encode(decode_kv(stored, lower.device))
+            if moved.nbytes <= lower.budget_bytes and self._make_room(level + 1, moved.nbytes):
+                lower.put(record.key, moved)
+                record.tier = lower.name
+                return
+        if record.on_disk:
+            record.tier = "disk"
+            return
+        if self.disk is not None:
+            self._write_disk(record, decode_kv(stored, torch.device("cpu")))
+            if record.on_disk:
+                record.tier = "disk"
+                return
+        self._unindex(record.key)
+        self.counters.evicted += 1
+
     def eviction_order(self) -> list[bytes]:
-        """Keys in the order they would be evicted now (entries in use excluded)."""
-        evictable = (r for r in self.records.values() if r.ref_count == 0)
+        """Device-tier keys in the order they would leave it now (entries in use excluded)."""
+        evictable = (r for r in self.records.values() if r.ref_count == 0 and r.tier == "device")
         return [r.key for r in sorted(evictable, key=self.policy.sort_key)]
 
     def _remove(self, key: bytes) -> None:
-        record = self.records.pop(key)
+        """Drops the entry from memory (every tier but disk) and from the indexes."""
+        record = self.records[key]
         assert record.ref_count == 0, "evicting an entry in use"
-        del self._payloads[key]
-        self.num_bytes -= record.num_bytes
+        for tier in self.memory_tiers:
+            if key in tier:
+                tier.remove(key)
+        self._unindex(key)
+
+    def _unindex(self, key: bytes) -> None:
+        record = self.records.pop(key)
+        self._staged.pop(key, None)
         for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
             anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
             remaining = [entry for entry in self._anchors.get(anchor, ()) if entry[0] != key]
@@ -222,11 +388,38 @@ class ChunkStore:
                     del index[bucket_key]
 
     def clear(self) -> None:
-        for key in [k for k, r in self.records.items() if r.ref_count == 0]:
+        """Forgets every entry not in use, in every tier (this model's disk entries too)."""
+        keys = [k for k, r in self.records.items() if r.ref_count == 0]
+        on_disk = [k for k in keys if self.records[k].on_disk]
+        for key in keys:
             self._remove(key)
+        if self.disk is not None:
+            self.disk.remove(on_disk)
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes per tier from counters (no index query: a UI thread calls this every second)."""
+        sizes = {t.name: t.num_bytes for t in self.memory_tiers}
+        if self.disk is not None:
+            sizes["disk"] = self.disk.used_bytes
+        return sizes
+
+    def tier_budgets(self) -> dict[str, int]:
+        budgets = {t.name: t.budget_bytes for t in self.memory_tiers}
+        if self.disk is not None:
+            budgets["disk"] = self.disk.budget_bytes
+        return budgets
 
     def stats(self) -> dict:
         num_chunks = sum(1 for r in self.records.values() if r.kind == "chunk")
+        tiers = {}
+        for tier in self.memory_tiers:
+            tiers[tier.name] = {"entries": len(tier), "bytes": tier.num_bytes, "budget_bytes": tier.budget_bytes,
+                                "kv_quant": tier.quant}
+        if self.disk is not None:
+            tiers["disk"] = {"entries": sum(1 for r in self.records.values() if r.on_disk),
+                             "bytes": self.disk.num_bytes(), "budget_bytes": self.disk.budget_bytes,
+                             "kv_quant": self.disk.quant, "folder": str(self.disk.folder),
+                             **{k: v for k, v in vars(self.disk.counters).items()}}
         return {
             "entries": len(self.records),
             "chunks": num_chunks,
@@ -235,9 +428,14 @@ class ChunkStore:
             "budget_bytes": self.budget_bytes,
             "tokens": sum(r.num_tokens for r in self.records.values()),
             "hits": dict(self.counters.hits),
+            "tier_hits": dict(self.counters.tier_hits),
             "misses": self.counters.misses,
             "stored": self.counters.stored,
             "evicted": self.counters.evicted,
+            "demoted": self.counters.demoted,
+            "promoted": self.counters.promoted,
+            "disk_misses": self.counters.disk_misses,
             "rejected": self.counters.rejected,
             "policy": self.policy.name,
+            "tiers": tiers,
         }

@@ -11,13 +11,21 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def _own_disk_cache_dir(tmp_path, monkeypatch):
+    """Engines built with the default disk folder write into this test's own folder, never the user's."""
+    monkeypatch.setenv("KVBOOST_CACHE_DIR", str(tmp_path / "kv-cache"))
+
+
 @pytest.fixture(scope="session")
 def smollm():
-    """KVBoost over the real default model with reuse="chunk". Tests that need another setting call
-    `smollm.with_options(...)`, which shares the loaded weights and starts an empty store."""
+    """KVBoost over the real default model with reuse="chunk" and no disk tier (it lives for the whole session;
+    entries on disk would outlive the test that made them). Tests that need another setting call
+    `smollm.with_options(...)` (e.g. disk_cache_dir=tmp_path, disk_cache_bytes=None), which shares the loaded
+    weights and starts empty memory tiers."""
     from engine import KVBoost
 
-    return KVBoost.from_pretrained(device="cpu")
+    return KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0)
 
 
 def pytest_collection_modifyitems(config, items):

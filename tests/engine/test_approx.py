@@ -23,7 +23,8 @@ def parts():
 
 
 def engine(parts, arch="llama", reuse="approx", **repair):
-    config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(size=CHUNK), repair=RepairConfig(**repair))
+    config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(size=CHUNK), repair=RepairConfig(**repair),
+                          disk_cache_bytes=0)  # memory only: the disk tier has its own tests
     return KVBoost(parts[arch], parts["tokenizer"], config, name=f"tiny-{arch}")
 
 

@@ -41,7 +41,8 @@ def tiny_models():
 
 def make_engine(tiny_models, tokenizer, arch: str) -> KVBoost:
     # window: the adaptive-chunking window must be under size/2 even for fixed chunking (validated always).
-    config = EngineConfig(reuse="chunk", chunking=ChunkingConfig(size=CHUNK, window=4))
+    config = EngineConfig(reuse="chunk", chunking=ChunkingConfig(size=CHUNK, window=4),
+                          disk_cache_bytes=0)  # memory only: the disk tier has its own tests
     eng = KVBoost(tiny_models(arch), tokenizer, config, name=f"tiny-{arch}")
     assert eng._eos_ids == {EOS}
     return eng
@@ -102,7 +103,10 @@ def test_corrupted_reused_kv_changes_logits(engine):
     engine.warm(prefix)
     plan = engine._plan(ids, "chunk")
     key = [s for s in plan.segments if s.kind == "EXACT"][-1].record.key
-    engine.store._payloads[key] = tuple((k, 2 * v) for k, v in engine.store.payload(key))
+    tier = engine.store.device_tier
+    doubled = tuple((k, 2 * v) for k, v in engine.store.payload(key))
+    tier.remove(key)
+    tier.put(key, tier.encode(doubled))
     _, logits = reused_logits(engine, ids)
     assert max_diff(logits, engine.full_prefill_logits(ids)) > 100 * ATOL
 

@@ -1,0 +1,543 @@
+"""The persistent disk tier: one payload file per entry, an index in SQLite, shared by processes.
+
+Folder layout (default: platformdirs' per-user cache folder, see default_cache_dir):
+
+    index.sqlite3          entries (bookkeeping, one row per payload file), WAL mode
+    payloads/<ab>/<key>-<nonce>.kv
+    tmp/                   files being written
+
+A payload file is a fixed header, a JSON description, then the tensors' raw bytes, each at a 64-byte aligned
+offset, so a reader can memory-map it:
+
+    MAGIC (8 bytes) | header length (uint32 LE) | header JSON | padding | data
+    header: {"namespace", "key", "quant", "num_tokens", "data_bytes", "checksum" (blake2b-128 of data),
+             "tensors": [{"dtype", "shape", "offset", "nbytes"}, ...], "layers": [[k_desc, v_desc], ...]}
+
+Safety, in the order things happen:
+- Writes are atomic: the file is written under tmp/, fsynced, renamed into payloads/ (a unique name per write,
+  so two processes writing the same key never clobber each other's file), the folder fsynced, and only then
+  the row is committed. A crash leaves at most an orphan file (`verify` removes it), never a row without data.
+- Every read checks the size, the namespace and key in the header and the data checksum. Anything wrong (a
+  truncated, corrupt or missing file, a row another process evicted) is reported as None: a MISS. The caller
+  drops the entry and computes the text again, which writes a good file.
+- Rows carry the namespace of the engine that wrote them (model fingerprint, chunking, kv_quant, format
+  version); a store only ever loads rows of its own namespace.
+- The byte budget is enforced inside one write transaction (BEGIN IMMEDIATE), so two processes sharing the
+  folder never overshoot it together. Files of evicted rows are unlinked after the commit; a reader that had
+  the file open keeps reading it (POSIX), one that had not gets a MISS.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import os
+import secrets
+import shutil
+import sqlite3
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import platformdirs
+import sqlite_utils
+import torch
+
+from .kv_quant import QuantizedTensor
+from .tiers import QUANT_MODES, StoredKV
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"KVBKV\x00\x01\x00"
+FORMAT_VERSION = 1
+ALIGN = 64
+CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
+INDEX_FILENAME = "index.sqlite3"
+ORPHAN_AGE_S = 3600  # a file without a row older than this is debris of a crash (a writer renames then commits)
+
+_DTYPES = {str(dt): dt for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.uint8)}
+_NUMPY = {"torch.uint8": np.uint8, "torch.float16": np.float16, "torch.float32": np.float32,
+          "torch.float64": np.float64, "torch.bfloat16": np.uint16}
+
+
+def default_cache_dir() -> Path:
+    """$KVBOOST_CACHE_DIR when set (documented override), else platformdirs' per-user cache folder."""
+    override = os.environ.get(CACHE_DIR_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kv"
+
+
+def default_disk_budget(folder: Path) -> int:
+    """A fifth of the free space where the folder lives, at most 20 GiB."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        free = 10 << 30
+    return min(free // 5, 20 << 30)
+
+
+# -- payload files --------------------------------------------------------------------------------------------
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().to("cpu").contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint16) if hasattr(torch, "uint16") else t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def _describe(part, add) -> dict:
+    if isinstance(part, QuantizedTensor):
+        return {"quantized": True, "bits": part.bits, "axis": part.axis, "group_size": part.group_size,
+                "shape": list(part.shape), "dtype": str(part.dtype),
+                "data": add(part.data), "scale": add(part.scale), "zero": add(part.zero)}
+    return {"quantized": False, "tensor": add(part)}
+
+
+def encode_file(stored: StoredKV, namespace: str, key: bytes) -> bytes:
+    """The bytes of a payload file for `stored`."""
+    blobs: list[bytes] = []
+    tensors: list[dict] = []
+    offset = 0
+
+    def add(t: torch.Tensor) -> int:
+        nonlocal offset
+        raw = _tensor_bytes(t)
+        pad = -offset % ALIGN
+        if pad:
+            blobs.append(b"\0" * pad)
+            offset += pad
+        tensors.append({"dtype": str(t.dtype), "shape": list(t.shape), "offset": offset, "nbytes": len(raw)})
+        blobs.append(raw)
+        offset += len(raw)
+        return len(tensors) - 1
+
+    layers = [[_describe(k, add), _describe(v, add)] for k, v in stored.layers]
+    data = b"".join(blobs)
+    header = {"format": FORMAT_VERSION, "namespace": namespace, "key": key.hex(), "quant": stored.quant,
+              "num_tokens": stored.num_tokens, "data_bytes": len(data),
+              "checksum": hashlib.blake2b(data, digest_size=16).hexdigest(), "tensors": tensors, "layers": layers}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    prefix = MAGIC + struct.pack("<I", len(head)) + head
+    return prefix + b"\0" * (-len(prefix) % ALIGN) + data
+
+
+class PayloadError(Exception):
+    """A payload file that cannot be trusted (missing, truncated, corrupt, someone else's)."""
+
+
+def read_header(mm) -> tuple[dict, int]:
+    if len(mm) < len(MAGIC) + 4 or mm[:len(MAGIC)] != MAGIC:
+        raise PayloadError("not a KVBoost payload file (bad magic)")
+    (head_len,) = struct.unpack_from("<I", mm, len(MAGIC))
+    start = len(MAGIC) + 4
+    if start + head_len > len(mm):
+        raise PayloadError("truncated header")
+    try:
+        header = json.loads(bytes(mm[start:start + head_len]))
+    except ValueError:
+        raise PayloadError("unreadable header") from None
+    data_start = start + head_len
+    data_start += -data_start % ALIGN
+    return header, data_start
+
+
+def decode_file(path: Path, namespace: str | None, key: bytes | None, verify: bool = True) -> StoredKV:
+    """Reads and checks a payload file; PayloadError says what is wrong with it."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise PayloadError("empty file")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise PayloadError("file missing") from None
+    try:
+        header, data_start = read_header(mm)
+        if header.get("format") != FORMAT_VERSION:
+            raise PayloadError(f"format {header.get('format')!r}, expected {FORMAT_VERSION}")
+        if namespace is not None and header.get("namespace") != namespace:
+            raise PayloadError("written by another model or engine setting")
+        if key is not None and header.get("key") != key.hex():
+            raise PayloadError("holds another entry")
+        if data_start + header["data_bytes"] != len(mm):
+            raise PayloadError(f"size {len(mm)} bytes, header says {data_start + header['data_bytes']}")
+        view = memoryview(mm)[data_start:]
+        try:
+            if verify and hashlib.blake2b(view, digest_size=16).hexdigest() != header["checksum"]:
+                raise PayloadError("checksum mismatch")
+            tensors = [_load_tensor(mm, data_start, desc) for desc in header["tensors"]]
+        finally:
+            view.release()
+        layers = tuple((_part(k, tensors), _part(v, tensors)) for k, v in header["layers"])
+        return StoredKV(layers, header["quant"], header["num_tokens"])
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise PayloadError(f"malformed header ({exc})") from None
+    finally:
+        mm.close()
+
+
+def _load_tensor(mm, data_start: int, desc: dict) -> torch.Tensor:
+    dtype = desc["dtype"]
+    if dtype not in _NUMPY:
+        raise PayloadError(f"unknown dtype {dtype!r}")
+    arr = np.frombuffer(mm, dtype=_NUMPY[dtype], count=desc["nbytes"] // np.dtype(_NUMPY[dtype]).itemsize,
+                        offset=data_start + desc["offset"]).copy()  # owned: the map closes after reading
+    t = torch.from_numpy(arr).reshape(desc["shape"])
+    return t.view(torch.bfloat16) if dtype == "torch.bfloat16" else t
+
+
+def _part(desc: dict, tensors: list[torch.Tensor]):
+    if not desc["quantized"]:
+        return tensors[desc["tensor"]]
+    return QuantizedTensor(tensors[desc["data"]], tensors[desc["scale"]], tensors[desc["zero"]], desc["bits"],
+                           desc["axis"], desc["group_size"], tuple(desc["shape"]), _DTYPES[desc["dtype"]])
+
+
+# -- the index ------------------------------------------------------------------------------------------------
+@dataclass
+class DiskCounters:
+    writes: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    read_ms: float = 0.0
+    bad: int = 0  # missing / truncated / corrupt files found on read (served as MISS)
+    evicted: int = 0
+    rejected: int = 0
+
+
+class DiskTier:
+    """Payload files + SQLite index in `folder`. `namespace` None opens it for maintenance only
+    (stats / clear / verify across namespaces)."""
+
+    name = "disk"
+
+    def __init__(self, folder: str | Path, budget_bytes: int | None = None, quant: str = "int8",
+                 namespace: str | None = None, policy=None, model_name: str = ""):
+        if quant not in QUANT_MODES:
+            raise ValueError(f"kv_quant for the disk tier must be one of {QUANT_MODES}, got {quant!r}")
+        self.folder = Path(folder).expanduser()
+        try:
+            (self.folder / "payloads").mkdir(parents=True, exist_ok=True)
+            (self.folder / "tmp").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"disk cache folder {self.folder} cannot be created: {exc}") from None
+        self.budget_bytes = budget_bytes if budget_bytes is not None else default_disk_budget(self.folder)
+        self.quant = quant
+        self.namespace = namespace
+        self.policy = policy
+        self.model_name = model_name
+        self.counters = DiskCounters()
+        self.used_bytes = 0  # bytes in the folder at the last index access (read without a lock by memory())
+        self._lock = threading.Lock()
+        # One connection, used under self._lock from whichever thread runs the engine.
+        conn = sqlite3.connect(self.folder / INDEX_FILENAME, timeout=30, isolation_level=None,
+                               check_same_thread=False)
+        self.db = sqlite_utils.Database(conn)
+        self._create_schema()
+
+    def _create_schema(self) -> None:
+        with self._lock:
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                self.db.execute(
+                    "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, "
+                    "namespace TEXT NOT NULL, kind TEXT NOT NULL, parent TEXT NOT NULL, content_key TEXT, "
+                    "start INTEGER NOT NULL, tokens BLOB NOT NULL, exact INTEGER NOT NULL, num_bytes INTEGER NOT NULL, "
+                    "raw_bytes INTEGER NOT NULL, importance REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0, "
+                    "last_access INTEGER NOT NULL, file TEXT NOT NULL, created REAL NOT NULL, "
+                    "UNIQUE(namespace, key))")
+                self.db.execute("CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access)")
+                self.db.execute(
+                    "CREATE TABLE IF NOT EXISTS namespaces (namespace TEXT PRIMARY KEY, model TEXT, settings TEXT, "
+                    "last_used REAL)")
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+            self._refresh_used()
+
+    def _refresh_used(self) -> int:
+        self.used_bytes = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
+        return self.used_bytes
+
+    def describe_namespace(self, settings: dict) -> None:
+        """Remembers which model/settings a namespace stands for (shown by `kvboost cache stats`)."""
+        with self._lock:
+            self.db.execute("INSERT OR REPLACE INTO namespaces VALUES (?, ?, ?, ?)",
+                            [self.namespace, self.model_name, json.dumps(settings, sort_keys=True), time.time()])
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def rows_since(self, last_id: int) -> list[dict]:
+        """This namespace's entries added after row id `last_id` (by any process), oldest first."""
+        assert self.namespace is not None
+        with self._lock:
+            cursor = self.db.execute(
+                "SELECT id, key, kind, parent, content_key, start, tokens, exact, num_bytes, raw_bytes, importance, "
+                "hits FROM entries WHERE namespace = ? AND id > ? ORDER BY id", [self.namespace, last_id])
+            names = [d[0] for d in cursor.description]
+            return [dict(zip(names, row)) for row in cursor.fetchall()]
+
+    def load(self, key: bytes) -> StoredKV | None:
+        """The entry's payload, checked; None (and the row removed) when it is missing or cannot be trusted."""
+        t0 = time.perf_counter()
+        with self._lock:
+            row = self.db.execute("SELECT file FROM entries WHERE namespace = ? AND key = ?",
+                                  [self.namespace, key.hex()]).fetchone()
+        if row is None:
+            return None
+        path = self.folder / row[0]
+        try:
+            stored = decode_file(path, self.namespace, key)
+        except PayloadError as exc:
+            log.warning("disk cache entry %s dropped: %s", key.hex()[:12], exc)
+            self.counters.bad += 1
+            self._delete_rows([(key.hex(), row[0])])
+            return None
+        self.counters.reads += 1
+        self.counters.read_bytes += path.stat().st_size if path.exists() else 0
+        self.counters.read_ms += (time.perf_counter() - t0) * 1000
+        return stored
+
+    def touch(self, keys: Iterable[bytes]) -> None:
+        """Counts a hit and refreshes recency (a logical clock shared by every process on this folder)."""
+        keys = [k.hex() for k in keys]
+        if not keys:
+            return
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                clock = self._clock()
+                for i, key in enumerate(keys):
+                    self.db.execute("UPDATE entries SET hits = hits + 1, last_access = ? WHERE namespace = ? "
+                                    "AND key = ?", [clock + 1 + i, self.namespace, key])
+                self.db.execute("COMMIT")
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+
+    def _clock(self) -> int:
+        return self.db.execute("SELECT COALESCE(MAX(last_access), 0) FROM entries").fetchone()[0]
+
+    # -- writing ------------------------------------------------------------------------------------------
+    def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset()) -> list[bytes] | None:
+        """Writes `record`'s payload and indexes it, evicting by the policy to stay within the budget (never
+        an entry of this process in use). Returns the keys this namespace lost to eviction, or None when the
+        entry does not fit (or the write failed: disk full, permissions), in which case nothing is left behind."""
+        assert self.namespace is not None
+        blob = encode_file(stored, self.namespace, record.key)
+        if len(blob) > self.budget_bytes:
+            self.counters.rejected += 1
+            return None
+        rel = Path("payloads") / record.key.hex()[:2] / f"{record.key.hex()}-{secrets.token_hex(4)}.kv"
+        try:
+            self._write_atomic(rel, blob)
+        except OSError as exc:
+            log.warning("disk cache write failed: %s", exc)
+            self.counters.rejected += 1
+            return None
+        removed: list[tuple[str, str]] = []
+        evicted_here: list[bytes] = []
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                old = self.db.execute("SELECT key, file FROM entries WHERE namespace = ? AND key = ?",
+                                      [self.namespace, record.key.hex()]).fetchone()
+                if old is not None:  # a repaired entry or another process's copy: this one replaces it
+                    self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ?",
+                                    [self.namespace, record.key.hex()])
+                    removed.append(old)
+                used = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
+                if used + len(blob) > self.budget_bytes:
+                    victims = self._victims(used + len(blob) - self.budget_bytes, in_use)
+                    if victims is None:
+                        self.db.execute("ROLLBACK")  # the old row (if any) stays, with its file
+                        self._unlink([str(rel)])
+                        self.counters.rejected += 1
+                        return None
+                    for row_id, key, file, namespace in victims:
+                        self.db.execute("DELETE FROM entries WHERE id = ?", [row_id])
+                        removed.append((key, file))
+                        if namespace == self.namespace:
+                            evicted_here.append(bytes.fromhex(key))
+                    self.counters.evicted += len(victims)
+                clock = self._clock()
+                self.db.execute(
+                    "INSERT INTO entries (key, namespace, kind, parent, content_key, start, tokens, exact, "
+                    "num_bytes, raw_bytes, importance, hits, last_access, file, created) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [record.key.hex(), self.namespace, record.kind, record.parent.hex(),
+                     record.content_key.hex() if record.content_key else None, record.start,
+                     np.asarray(record.tokens, dtype="<i4").tobytes(), int(record.exact), len(blob),
+                     record.num_bytes, record.importance, record.hits, clock + 1, str(rel), time.time()])
+                self.db.execute("COMMIT")
+                self._refresh_used()
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                self._unlink([str(rel)])
+                raise
+        self._unlink([f for _, f in removed])
+        self.counters.writes += 1
+        return evicted_here
+
+    def _victims(self, need: int, in_use: set[bytes]) -> list[tuple] | None:
+        """Rows to drop, in the policy's order, freeing at least `need` bytes; None when impossible."""
+        from .store import ChunkRecord  # bookkeeping shape the policies sort
+
+        rows = self.db.execute("SELECT id, key, file, namespace, num_bytes, importance, hits, last_access "
+                               "FROM entries").fetchall()
+        scored = []
+        for row_id, key, file, namespace, num_bytes, importance, hits, last_access in rows:
+            if namespace == self.namespace and bytes.fromhex(key) in in_use:
+                continue
+            probe = ChunkRecord(b"", b"", None, "chunk", 0, (), num_bytes, importance=importance,
+                                last_access=last_access, hits=hits)
+            scored.append((self.policy.sort_key(probe) if self.policy else (last_access,), row_id, key, file,
+                           namespace, num_bytes))
+        scored.sort(key=lambda s: s[0])
+        victims, freed = [], 0
+        for _, row_id, key, file, namespace, num_bytes in scored:
+            if freed >= need:
+                break
+            victims.append((row_id, key, file, namespace))
+            freed += num_bytes
+        return victims if freed >= need else None
+
+    def _write_atomic(self, rel: Path, blob: bytes) -> None:
+        final = self.folder / rel
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / "tmp" / f"{final.name}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(final.parent)
+
+    def remove(self, keys: Iterable[bytes]) -> None:
+        keys = [k.hex() for k in keys]
+        with self._lock:
+            rows = [self.db.execute("SELECT key, file FROM entries WHERE namespace = ? AND key = ?",
+                                    [self.namespace, k]).fetchone() for k in keys]
+        self._delete_rows([r for r in rows if r is not None])
+
+    def _delete_rows(self, rows: list[tuple[str, str]]) -> None:
+        with self._lock:
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                for key, file in rows:
+                    self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
+                                    [self.namespace, key, file])
+                self.db.execute("COMMIT")
+                self._refresh_used()
+            except BaseException:
+                self.db.execute("ROLLBACK")
+                raise
+        self._unlink([file for _, file in rows])
+
+    def _unlink(self, files: Iterable[str]) -> None:
+        for file in files:
+            try:
+                (self.folder / file).unlink(missing_ok=True)
+            except OSError as exc:
+                log.warning("could not remove %s: %s", file, exc)
+
+    # -- maintenance ----------------------------------------------------------------------------------------
+    def num_bytes(self) -> int:
+        with self._lock:
+            return self._refresh_used()
+
+    def stats(self) -> dict:
+        with self._lock:
+            total = self.db.execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
+                                    "COALESCE(SUM(LENGTH(tokens)) / 4, 0) FROM entries").fetchone()
+            per_ns = self.db.execute(
+                "SELECT e.namespace, n.model, n.settings, COUNT(*), SUM(e.num_bytes), SUM(LENGTH(e.tokens)) / 4 "
+                "FROM entries e LEFT JOIN namespaces n ON n.namespace = e.namespace GROUP BY e.namespace "
+                "ORDER BY SUM(e.num_bytes) DESC").fetchall()
+        return {
+            "folder": str(self.folder), "entries": total[0], "bytes": total[1], "raw_bytes": total[2],
+            "tokens": total[3], "budget_bytes": self.budget_bytes,
+            "namespaces": [{"namespace": ns, "model": model or "?", "settings": json.loads(settings or "{}"),
+                            "entries": n, "bytes": b, "tokens": t} for ns, model, settings, n, b, t in per_ns],
+        }
+
+    def clear(self, namespace: str | None = None) -> int:
+        """Removes every entry (of `namespace` when given); returns how many."""
+        with self._lock:
+            where, args = ("WHERE namespace = ?", [namespace]) if namespace else ("", [])
+            rows = self.db.execute(f"SELECT key, file FROM entries {where}", args).fetchall()
+            self.db.execute(f"DELETE FROM entries {where}", args)
+            self._refresh_used()
+        self._unlink([file for _, file in rows])
+        if namespace is None:
+            self._remove_unreferenced(min_age_s=0)
+        return len(rows)
+
+    def verify(self, repair: bool = True) -> dict:
+        """Reads every file against its row: missing, truncated or corrupt ones are reported (and with
+        `repair` their rows dropped); files no row points to (a crash between rename and commit) are removed
+        when older than ORPHAN_AGE_S."""
+        with self._lock:
+            rows = self.db.execute("SELECT namespace, key, file FROM entries").fetchall()
+        bad = []
+        for namespace, key, file in rows:
+            try:
+                decode_file(self.folder / file, namespace, bytes.fromhex(key))
+            except PayloadError as exc:
+                bad.append({"key": key, "file": file, "problem": str(exc), "namespace": namespace})
+        if repair and bad:
+            with self._lock:
+                self.db.execute("BEGIN IMMEDIATE")
+                for b in bad:
+                    self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
+                                    [b["namespace"], b["key"], b["file"]])
+                self.db.execute("COMMIT")
+            self._unlink([b["file"] for b in bad])
+        orphans = self._remove_unreferenced(min_age_s=ORPHAN_AGE_S) if repair else []
+        return {"checked": len(rows), "bad": bad, "orphans_removed": orphans}
+
+    def _remove_unreferenced(self, min_age_s: float) -> list[str]:
+        with self._lock:
+            referenced = {row[0] for row in self.db.execute("SELECT file FROM entries").fetchall()}
+        now = time.time()
+        removed = []
+        for path in list((self.folder / "payloads").rglob("*.kv")) + list((self.folder / "tmp").glob("*")):
+            rel = str(path.relative_to(self.folder))
+            try:
+                old = now - path.stat().st_mtime >= min_age_s
+            except FileNotFoundError:
+                continue
+            if rel not in referenced and old:
+                path.unlink(missing_ok=True)
+                removed.append(rel)
+        return removed
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.conn.close()
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # not possible on every platform (Windows); the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,169 @@
+"""KV payloads as the tiers hold them, and the two in-memory tiers (device, host).
+
+A payload is the KV of one store entry: per layer (k, v), each [1, H_kv, T, D]. A tier holds it either as
+computed (kv_quant "none") or KIVI-quantized ("int8" / "int4", engine.kv_quant): keys per channel in groups of
+KEY_GROUP tokens, values per token in groups of the head dim, float16 scales/zeros when the KV's range fits
+float16 (that is what makes int8 about 1.9x and int4 about 3.6x smaller than float16 KV).
+
+The disk tier (engine.disk) writes the same StoredKV to files. Which entry lives in which tier, and when it
+moves, is the store's business (engine.store); a tier only holds, measures and hands back payloads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+from .kv_quant import QuantizedTensor, dequantize, quantize_kv
+
+KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
+QUANT_MODES = ("none", "int8", "int4")
+TIER_NAMES = ("device", "host", "disk")
+BITS = {"int8": 8, "int4": 4}
+KEY_GROUP = 128  # tokens per key group: one group per channel for a default-size chunk
+FP16_SAFE = 60000.0  # largest |x| whose quantization stats still fit float16
+
+Part = Union[torch.Tensor, QuantizedTensor]
+
+
+@dataclass(frozen=True)
+class StoredKV:
+    layers: tuple[tuple[Part, Part], ...]
+    quant: str
+    num_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for k, v in self.layers:
+            for part in (k, v):
+                total += part.nbytes if isinstance(part, QuantizedTensor) else part.numel() * part.element_size()
+        return total
+
+
+def encode_kv(kv: KV, quant: str, device: torch.device, pin: bool = False) -> StoredKV:
+    """`kv` as a tier on `device` keeps it. Views are copied (a view would pin the whole source cache in
+    memory); contiguous tensors already on `device` are kept as they are, so do not modify them later."""
+    if quant not in QUANT_MODES:
+        raise ValueError(f"kv_quant must be one of {QUANT_MODES}, got {quant!r}")
+    num_tokens = kv[0][0].shape[2]
+    layers = []
+    for k, v in kv:
+        if quant == "none":
+            parts = (_own(k, device), _own(v, device))
+        else:
+            peak = max(float(k.abs().max()), float(v.abs().max())) if k.numel() else 0.0
+            stats = torch.float16 if peak < FP16_SAFE or k.dtype == torch.float16 else None
+            qk, qv = quantize_kv(k, v, BITS[quant], group_size=KEY_GROUP, value_group_size=v.shape[-1],
+                                 stats_dtype=stats)
+            parts = (_move(qk, device), _move(qv, device))
+        if pin:
+            parts = tuple(_pin(p) for p in parts)
+        layers.append(parts)
+    return StoredKV(tuple(layers), quant, num_tokens)
+
+
+def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.device == device and t.is_contiguous() and t.storage_offset() == 0 \
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return t.to(device).contiguous().clone() if t.device == device else t.to(device).contiguous()
+
+
+def decode_kv(stored: StoredKV, device: torch.device) -> KV:
+    """The payload as per-layer (k, v) tensors on `device`, in the dtype it was computed in."""
+    out = []
+    for k, v in stored.layers:
+        out.append((_materialize(k, device), _materialize(v, device)))
+    return tuple(out)
+
+
+def _materialize(part: Part, device: torch.device) -> torch.Tensor:
+    if isinstance(part, QuantizedTensor):
+        return dequantize(_move(part, device))
+    return part.to(device, non_blocking=True)
+
+
+def _move(q: QuantizedTensor, device: torch.device) -> QuantizedTensor:
+    if q.data.device == device:
+        return q
+    return QuantizedTensor(q.data.to(device), q.scale.to(device), q.zero.to(device), q.bits, q.axis, q.group_size,
+                           q.shape, q.dtype)
+
+
+def _pin(part: Part) -> Part:
+    if isinstance(part, QuantizedTensor):
+        return QuantizedTensor(part.data.pin_memory(), part.scale.pin_memory(), part.zero.pin_memory(), part.bits,
+                               part.axis, part.group_size, part.shape, part.dtype)
+    return part.pin_memory()
+
+
+class MemoryTier:
+    """Payloads in memory on one device, within a byte budget (the store decides what to evict)."""
+
+    def __init__(self, name: str, budget_bytes: int, device: torch.device, quant: str = "none", pin: bool = False):
+        if quant not in QUANT_MODES:
+            raise ValueError(f"kv_quant for the {name} tier must be one of {QUANT_MODES}, got {quant!r}")
+        self.name = name
+        self.budget_bytes = budget_bytes
+        self.device = device
+        self.quant = quant
+        self.pin = pin
+        self.num_bytes = 0
+        self._payloads: dict[bytes, StoredKV] = {}
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._payloads
+
+    def __len__(self) -> int:
+        return len(self._payloads)
+
+    def fits(self, num_bytes: int) -> bool:
+        return self.num_bytes + num_bytes <= self.budget_bytes
+
+    def encode(self, kv: KV) -> StoredKV:
+        return encode_kv(kv, self.quant, self.device, self.pin)
+
+    def put(self, key: bytes, stored: StoredKV) -> None:
+        assert key not in self._payloads, "a key is put once per tier"
+        self._payloads[key] = stored
+        self.num_bytes += stored.nbytes
+
+    def get(self, key: bytes, device: torch.device) -> KV:
+        return decode_kv(self._payloads[key], device)
+
+    def stored(self, key: bytes) -> StoredKV:
+        return self._payloads[key]
+
+    def size_of(self, key: bytes) -> int:
+        return self._payloads[key].nbytes
+
+    def remove(self, key: bytes) -> StoredKV:
+        stored = self._payloads.pop(key)
+        self.num_bytes -= stored.nbytes
+        return stored
+
+
+def physical_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def default_device_budget(device: torch.device) -> int:
+    """A quarter of free device memory on CUDA; on CPU a quarter of physical RAM, capped at 4 GiB."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * 0.25)
+    return min(physical_ram_bytes() // 4, 4 << 30)
+
+
+def default_host_budget(device: torch.device) -> int:
+    """Host RAM behind the device: a quarter of RAM up to 16 GiB under a GPU; on a CPU-only machine (where
+    the device tier is RAM already) an eighth, up to 4 GiB."""
+    ram = physical_ram_bytes()
+    return min(ram // 4, 16 << 30) if device.type == "cuda" else min(ram // 8, 4 << 30)

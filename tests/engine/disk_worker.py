@@ -1,0 +1,51 @@
+"""A separate process for the disk-tier tests. Builds the tiny Llama (the same weights in every process, hence
+the same model fingerprint), warms and asks about documents over a shared cache folder, prints JSON.
+
+    python disk_worker.py FOLDER DISK_BUDGET_BYTES KV_QUANT MODE SEED [SEED ...]
+
+MODE: "warm" (prefill the documents), "ask" (a question after each document, greedy), "warm+ask", or
+"warm+ask-disk-only" (no device tier: every hit is read from the folder, while the other process evicts).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine.config import KVQuantConfig
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
+
+DOC_TOKENS = 10 * CHUNK
+QUESTION = random_ids(7, seed=999)
+NEW_TOKENS = 12
+
+
+def document(seed: int) -> list[int]:
+    return random_ids(DOC_TOKENS, seed=seed)
+
+
+def make_engine(folder: str, budget: int, quant: str, device_bytes: int | None = None) -> KVBoost:
+    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cache_bytes=device_bytes, cpu_cache_bytes=0,
+                          disk_cache_dir=folder, disk_cache_bytes=budget, kv_quant=KVQuantConfig(disk=quant))
+    return KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny-llama")
+
+
+def main(argv: list[str]) -> int:
+    folder, budget, quant, mode, *seeds = argv
+    engine = make_engine(folder, int(budget), quant, 0 if mode.endswith("disk-only") else None)
+    out = {"answers": {}, "reused_by_tier": {}}
+    if mode.startswith("warm"):
+        for seed in seeds:
+            engine.warm(document(int(seed)))
+    for seed in seeds if "ask" in mode else ():
+        result = engine.generate(document(int(seed)) + QUESTION, max_new_tokens=NEW_TOKENS)
+        out["answers"][seed] = result.token_ids
+        out["reused_by_tier"][seed] = result.stats.reused_by_tier
+    out["stats"] = engine.cache_stats()
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
