@@ -115,7 +115,7 @@ def bench_restart(print_) -> dict:
 # -- trace: eviction policies on a skewed document trace -----------------------------------------------------
 def zipf_trace(num_hot: int, num_cold: int, length: int, hot_share: float, seed: int) -> list[int]:
     """Document ids: `hot_share` of the requests go to `num_hot` documents (Zipf-weighted among them), the rest
-    to a stream of `num_cold` documents each asked about once or twice (one-off lookups)."""
+    uniformly to `num_cold` long-tail documents."""
     rng = random.Random(seed)
     weights = [1 / (i + 1) for i in range(num_hot)]
     cold = [num_hot + i for i in range(num_cold)]
@@ -128,7 +128,7 @@ def zipf_trace(num_hot: int, num_cold: int, length: int, hot_share: float, seed:
     return trace
 
 
-def bench_trace(engine, print_) -> dict:
+def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) -> dict:
     """Replays the trace against the real chunk store (device tier only) under a tight budget, with real KV
     (each document's chunks computed once by the model): a request looks up its document's chunks by chained
     key, counts hits, and stores the misses, as the engine does."""
@@ -154,10 +154,10 @@ def bench_trace(engine, print_) -> dict:
     budget = chunk_bytes * 2 * (num_hot + 2)  # the hot set and a little more
     results = {}
     for hot_share in (0.5, 0.7, 0.9):
-        trace = zipf_trace(num_hot, num_cold, 600, hot_share, seed=11)
+        trace = zipf_trace(num_hot, num_cold, 600, hot_share, seed=seed)
         row = {}
-        for name, policy_cls in POLICIES.items():
-            store = ChunkStore(budget, policy_cls())
+        for name, make_policy in (policies or POLICIES).items():
+            store = ChunkStore(budget, make_policy())
             hits = lookups = 0
             for d in trace:
                 parent = scratch._root
@@ -173,8 +173,9 @@ def bench_trace(engine, print_) -> dict:
             row[name] = hits / lookups
         results[hot_share] = row
     print_("## Eviction: skewed document trace under a tight budget\n")
-    print_(f"{num_hot} hot documents (Zipf-weighted) and {num_cold} one-off documents, {doc_tokens} tokens each, "
-           f"600 requests; device-tier budget = {budget // chunk_bytes} chunks (the hot set is "
+    print_(f"{num_hot} hot documents (Zipf-weighted) and {num_cold} long-tail documents (the rest of the requests, "
+           f"uniformly), {doc_tokens} tokens each, 600 requests (trace seed {seed}; importance-LRU's hit_weight "
+           f"was picked on seed 11); device-tier budget = {budget // chunk_bytes} chunks (the hot set is "
            f"{2 * num_hot}). Hit rate = chunks found / chunks looked up.\n")
     print_("| share of requests to hot documents | LRU hit rate | importance-LRU hit rate | relative |")
     print_("|---|---|---|---|")
@@ -209,7 +210,7 @@ def bench_memory(engine, print_) -> dict:
         files = sum(len(encode_file(s, "ns", b"k" * 16)) for s in stored)
         results[quant] = {"bytes": sum(s.nbytes for s in stored) * per_1k, "file_bytes": files * per_1k}
     print_("## Memory per 1k tokens of cached context\n")
-    print_(f"{engine.name}: {engine.model.config.num_hidden_layers} layers, "
+    print_(f"{Path(engine.name).name}: {engine.model.config.num_hidden_layers} layers, "
            f"{engine.model.config.num_key_value_heads} KV heads of {kv[0][0].shape[-1]}; chunks of 128 tokens.\n")
     print_("| kv_quant | in memory | on disk (with headers) | vs float16 |")
     print_("|---|---|---|---|")

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from .chunking import Span
 from .keys import chain_key, content_key
+from .paged import kv_range
 from .store import KV, ChunkRecord, ChunkStore
 
 EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
@@ -187,10 +188,8 @@ def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
 
 def cache_kv(cache: DynamicCache, start: int, end: int) -> KV:
     """An independent copy of positions [start, end) of every layer of `cache` (a view would pin the whole
-    cache tensor in memory and defeat the byte budget)."""
-    return tuple(
-        (layer.keys[:, :, start:end].clone(), layer.values[:, :, start:end].clone()) for layer in cache.layers
-    )
+    cache tensor in memory and defeat the byte budget), spilled pages included (engine.paged)."""
+    return kv_range(cache, start, end)
 
 
 def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerprint: str) -> int:

@@ -27,6 +27,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
                    help="how host RAM and disk keep KV (default int8)")
+    p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
+    p.add_argument("--live-kv-bytes", type=int, default=None,
+                   help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -56,7 +59,8 @@ def _load(args):
     return KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
                                    chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
-                                   disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair)
+                                   disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
+                                   eviction=args.eviction, live_kv_bytes=args.live_kv_bytes)
 
 
 def _badge(stats) -> str:

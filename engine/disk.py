@@ -49,6 +49,7 @@ import platformdirs
 import sqlite_utils
 import torch
 
+from .eviction import LRU, rank
 from .kv_quant import QuantizedTensor
 from .tiers import QUANT_MODES, StoredKV
 
@@ -396,21 +397,19 @@ class DiskTier:
 
         rows = self.db.execute("SELECT id, key, file, namespace, num_bytes, importance, hits, last_access "
                                "FROM entries").fetchall()
-        scored = []
+        probes = {}
         for row_id, key, file, namespace, num_bytes, importance, hits, last_access in rows:
             if namespace == self.namespace and bytes.fromhex(key) in in_use:
                 continue
             probe = ChunkRecord(b"", b"", None, "chunk", 0, (), num_bytes, importance=importance,
                                 last_access=last_access, hits=hits)
-            scored.append((self.policy.sort_key(probe) if self.policy else (last_access,), row_id, key, file,
-                           namespace, num_bytes))
-        scored.sort(key=lambda s: s[0])
+            probes[id(probe)] = (probe, (row_id, key, file, namespace))
         victims, freed = [], 0
-        for _, row_id, key, file, namespace, num_bytes in scored:
+        for probe in rank(self.policy or LRU(), [p for p, _ in probes.values()]):
             if freed >= need:
                 break
-            victims.append((row_id, key, file, namespace))
-            freed += num_bytes
+            victims.append(probes[id(probe)][1])
+            freed += probe.num_bytes
         return victims if freed >= need else None
 
     def _write_atomic(self, rel: Path, blob: bytes) -> None:

@@ -20,6 +20,7 @@ from .disk import FORMAT_VERSION, DiskTier, default_cache_dir
 from .eviction import POLICIES
 from .generate import Result, TokenEvent, generate_events
 from .keys import chain_key, root_key
+from .paged import spill_unsupported
 from .rope import rope_params
 from .store import ChunkStore
 from .tiers import MemoryTier, default_device_budget, default_host_budget
@@ -80,6 +81,10 @@ class KVBoost:
         self.max_context = self._find_max_context()
         self._batch_repair = False
         self._rope = self._check_approx_support() if config.reuse == "approx" else None
+        if config.live_kv_bytes is not None:
+            reason = spill_unsupported(model)
+            if reason is not None:
+                raise UnsupportedModelError(f"live_kv_bytes (spilling the live KV to host RAM): {reason}")
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._weights_bytes: int | None = None
@@ -138,14 +143,14 @@ class KVBoost:
     def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
                         chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
                         cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
-                        eviction="lru", live_kv_bytes=None,
+                        eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
                         repair_options: dict | None = None, awq_streaming: bool = False) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
         machine, 0 turns host or disk off. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
         per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
-        being generated, beyond which cold pages spill to host RAM.
+        being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
         `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
         awq_streaming_unavailable)."""
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
@@ -156,7 +161,7 @@ class KVBoost:
                               cpu_cache_bytes=cpu_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                               disk_cache_dir=str(disk_cache_dir) if disk_cache_dir is not None else None,
                               kv_quant=KVQuantConfig.parse(kv_quant), eviction=eviction,
-                              live_kv_bytes=live_kv_bytes)
+                              live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens)
         config.validate()
         src = loader.resolve_source(source)
         dev = loader.pick_device(device)
@@ -197,7 +202,7 @@ class KVBoost:
         if changes.get("disk_cache_dir") is not None:
             changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
         inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir", "kv_quant",
-                     "eviction", "live_kv_bytes")
+                     "eviction", "live_kv_bytes", "live_page_tokens")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)
@@ -306,7 +311,7 @@ class KVBoost:
                     cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
                     batch_repair=self._batch_repair,
                     return_logits=return_logits, reused_by_tier=reused_by_tier,
-                    live_kv_bytes=self.config.live_kv_bytes,
+                    live_kv=(self.config.live_kv_bytes, self.config.live_page_tokens),
                     on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
                     if storing else None,
                     on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))

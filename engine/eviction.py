@@ -6,7 +6,7 @@ An entry in use (ref_count > 0) is never evicted; the store enforces that, polic
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 if TYPE_CHECKING:
     from .store import ChunkRecord
@@ -16,6 +16,15 @@ class EvictionPolicy(Protocol):
     name: str
 
     def sort_key(self, record: ChunkRecord) -> tuple: ...
+
+
+def rank(policy: EvictionPolicy, records: Sequence[ChunkRecord]) -> list[ChunkRecord]:
+    """`records` in eviction order (first out first). Policies with a `rescale(records)` see the competitors
+    first."""
+    records = list(records)
+    if hasattr(policy, "rescale"):
+        policy.rescale(records)
+    return sorted(records, key=policy.sort_key)
 
 
 class LRU:
@@ -28,18 +37,28 @@ class LRU:
 
 
 class ImportanceLRU:
-    """Recency weighted by importance and hit count: an entry that many requests hit, or whose KV carries
-    more energy, survives longer than one touched as recently. `last_access` is a logical clock (one tick per
-    store operation), so the weight is in units of "how many operations later it is worth keeping"."""
+    """Recency, extended by hit count and importance: an entry hit h times is kept as if it had been touched
+    `hit_weight * log1p(h) * N` store operations later, N being the number of entries competing for the tier
+    (so the bonus means the same in a store of 16 entries and of 16,000), scaled by its importance relative to
+    the mean of the competitors (importance = mean L2 norm of the entry's key and value vectors, so KV with
+    more energy survives longer). `last_access` is a logical clock, one tick per store operation.
+    hit_weight was picked on a skewed trace (bench/kv_tiers.py, README)."""
 
     name = "importance-lru"
 
-    def __init__(self, hit_weight: float = 4.0, importance_weight: float = 2.0):
+    def __init__(self, hit_weight: float = 2.0):
         self.hit_weight = hit_weight
-        self.importance_weight = importance_weight
+        self._scale = 1.0
+        self._mean_importance = 0.0
+
+    def rescale(self, records: Sequence[ChunkRecord]) -> None:
+        """Called by the store with the entries about to be ranked, before sort_key."""
+        self._scale = float(len(records))
+        self._mean_importance = sum(r.importance for r in records) / len(records) if records else 0.0
 
     def sort_key(self, record: ChunkRecord) -> tuple:
-        bonus = self.hit_weight * math.log1p(record.hits) + self.importance_weight * record.importance
+        relative = record.importance / self._mean_importance if self._mean_importance > 0 else 1.0
+        bonus = self.hit_weight * math.log1p(record.hits) * self._scale * relative
         return (record.last_access + bonus, record.last_access)
 
 

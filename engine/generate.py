@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from .approx import blend_forward
 from .assemble import APPROXIMATE, MISS, Plan, append_kv, slice_kv
+from .paged import SpillingCache, kv_range, make_cache, spill_stats, spilling
 from .rope import rerotate_kv
 from .config import SamplingConfig
 from .store import ChunkStore
@@ -41,6 +42,7 @@ class Stats:
     store_ms: float = 0.0  # storing chunk/tail KV, inside the call, after the first token
     repaired_tokens: int = 0  # reused tokens recomputed by seam repair (cacheblend, past the probe layer)
     repair: str = "none"
+    spilled_tokens: int = 0  # live KV positions moved to host RAM (live_kv_bytes) by the end
     chunks: list[tuple[int, int, str]] = field(default_factory=list)
     reuse: str = "off"
     reused_by_tier: dict[str, int] = field(default_factory=dict)  # reused tokens per tier served from
@@ -134,11 +136,13 @@ def _blend(model, plan, segments, store, cache, rope, repair, device):
             pieces.append(_segment_kv(seg, store, rope, device))
             reused[seg.start - start:seg.end - start] = True
     layers_k, layers_v = [], []
+    spilled = isinstance(cache, SpillingCache)
+    prefix = kv_range(cache, 0, start) if spilled and start > 0 else None  # pages included
     for layer in range(num_layers):
         ks, vs = [], []
         if start > 0:
-            ks.append(cache.layers[layer].keys)
-            vs.append(cache.layers[layer].values)
+            ks.append(prefix[layer][0] if prefix else cache.layers[layer].keys)
+            vs.append(prefix[layer][1] if prefix else cache.layers[layer].values)
         for seg, kv in zip(segments, pieces):
             if kv is None:
                 ks.append(_zeros_kv(model, seg.num_tokens, device))
@@ -150,9 +154,11 @@ def _blend(model, plan, segments, store, cache, rope, repair, device):
         layers_v.append(torch.cat(vs, dim=2).contiguous())
     logits = blend_forward(model, plan.ids, start, layers_k, layers_v, reused, repair, device)
     for layer in range(num_layers):
-        if layer < len(cache.layers) and start > 0:
+        if layer < len(cache.layers) and start > 0 and not spilled:
             cache.layers[layer].keys, cache.layers[layer].values = layers_k[layer], layers_v[layer]
         else:
+            if layer < len(cache.layers) and start > 0:
+                cache.layers[layer].reset()  # refilled whole below; the layer spills again by its budget
             cache.update(layers_k[layer], layers_v[layer], layer)
     repaired = int(round(repair.blend_ratio * int(reused.sum()))) if repair.mode == "cacheblend" else 0
     return logits, repaired
@@ -171,7 +177,8 @@ def _to_device(kv, device):
 
 
 def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch.Tensor:
-    out = model(input_ids=torch.tensor([[token_id]], device=device), past_key_values=cache, use_cache=True)
+    with spilling(cache):  # one block per forward: nothing stays active across the generator's yields
+        out = model(input_ids=torch.tensor([[token_id]], device=device), past_key_values=cache, use_cache=True)
     return out.logits[0, -1]
 
 
@@ -259,7 +266,7 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
                     device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
                     cancel: threading.Event | None = None, rope=None, repair=None, batch_repair=True,
                     return_logits=False, reused_by_tier: dict[str, int] | None = None,
-                    live_kv_bytes: int | None = None,
+                    live_kv: tuple[int | None, int] = (None, 128),
                     on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
     """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
     token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
@@ -273,7 +280,7 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
     detok = Detokenizer(tokenizer, params.stop)
-    cache = DynamicCache()
+    cache = make_cache(model, live_kv[0], page_tokens=live_kv[1])  # live_kv: (device bytes, page tokens)
     generated: list[int] = []
     finish_reason = "length"
     first_logits = None
@@ -281,8 +288,9 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     prefill_stored = False
     try:
         with torch.inference_mode():
-            logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair,
-                                                         batch_repair)
+            with spilling(cache):
+                logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair,
+                                                             batch_repair)
             first_logits = logits.float().cpu().clone() if return_logits else None
             while True:
                 token = sample(logits, params, plan.ids + generated, generator)
@@ -326,6 +334,7 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     if tail:
         yield TokenEvent(tail, generated[-1])
     t_end = time.perf_counter()
+    stats.spilled_tokens = spill_stats(cache)["spilled_tokens"]
     stats.generated_tokens = len(generated)
     stats.total_ms = (t_end - t_enter) * 1000
     if t_first is not None and len(generated) > 1:

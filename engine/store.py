@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .eviction import LRU, EvictionPolicy
+from .eviction import LRU, EvictionPolicy, rank
 from .tiers import KV, MemoryTier, decode_kv, default_device_budget, encode_kv
 
 # Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
@@ -319,8 +319,7 @@ class ChunkStore:
             return True
         if num_bytes > tier.budget_bytes:
             return False
-        candidates = sorted((r for r in self.records.values() if r.ref_count == 0 and r.tier == tier.name),
-                            key=self.policy.sort_key)
+        candidates = rank(self.policy, [r for r in self.records.values() if r.ref_count == 0 and r.tier == tier.name])
         for record in candidates:
             self._demote(record, level)
             if tier.fits(num_bytes):
@@ -354,8 +353,8 @@ class ChunkStore:
 
     def eviction_order(self) -> list[bytes]:
         """Device-tier keys in the order they would leave it now (entries in use excluded)."""
-        evictable = (r for r in self.records.values() if r.ref_count == 0 and r.tier == "device")
-        return [r.key for r in sorted(evictable, key=self.policy.sort_key)]
+        evictable = [r for r in self.records.values() if r.ref_count == 0 and r.tier == "device"]
+        return [r.key for r in rank(self.policy, evictable)]
 
     def _remove(self, key: bytes) -> None:
         """Drops the entry from memory (every tier but disk) and from the indexes."""

@@ -251,3 +251,34 @@ def test_an_unwritable_folder_is_a_clear_error(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ValueError, match="cannot be created"):
         DiskTier(blocker / "kv", 1 << 20, "int8", namespace="ns")
+
+
+def test_cache_command_reports_verifies_and_clears_a_folder(tmp_path, capsys):
+    from engine.cli import main
+
+    disk = DiskTier(tmp_path, 1 << 30, "int8", namespace="ns", model_name="tiny")
+    disk.describe_namespace({"chunk_size": 128, "kv_quant": "int8"})
+    store = ChunkStore(0, LRU(), disk=disk)
+    put(store, b"A", 0)
+    put(store, b"B", 1)
+    assert main(["cache", "stats", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and "tiny [chunk_size=128, kv_quant=int8]" in out and f"{2 * TOKENS} tokens" in out
+
+    path = sorted((tmp_path / "payloads").rglob("*.kv"))[0]
+    path.write_bytes(path.read_bytes()[:-1])
+    assert main(["cache", "verify", "--dir", str(tmp_path), "--dry-run"]) == 1
+    assert "1 bad (found)" in capsys.readouterr().out
+    assert main(["cache", "verify", "--dir", str(tmp_path)]) == 0
+    assert "1 bad (removed)" in capsys.readouterr().out
+    assert main(["cache", "clear", "--dir", str(tmp_path)]) == 0
+    assert "removed 1 entries" in capsys.readouterr().out
+    assert main(["cache", "stats", "--dir", str(tmp_path), "--json"]) == 0
+    assert '"entries": 0' in capsys.readouterr().out
+
+
+def test_cache_command_on_a_folder_without_a_cache(tmp_path, capsys):
+    from engine.cli import main
+
+    assert main(["cache", "stats", "--dir", str(tmp_path / "nothing")]) == 0
+    assert "no disk KV cache" in capsys.readouterr().out

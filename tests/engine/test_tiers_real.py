@@ -95,3 +95,20 @@ def test_memory_report_lists_every_tier(smollm, tmp_path):
     report = engine.memory()
     assert set(report["kv_bytes"]) == {"device", "host", "disk"}
     assert report["kv_bytes"]["disk"] > 0 and report["kv_budget_bytes"]["disk"] > 0
+
+
+def test_a_long_generation_over_the_live_budget_spills_pages_and_matches_an_unbounded_run(smollm):
+    config = smollm.model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * \
+        (config.hidden_size // config.num_attention_heads) * smollm.model.dtype.itemsize
+    bounded = smollm.with_options(live_kv_bytes=48 * per_token, live_page_tokens=32)  # 48 positions on the device
+    unbounded = smollm.with_options()
+    history = [{"role": "user", "content": "Write a short story about a lighthouse keeper and a storm."}]
+    for turn in range(2):
+        a = bounded.chat(history, max_new_tokens=80)
+        b = unbounded.chat(history, max_new_tokens=80)
+        assert a.token_ids == b.token_ids, f"turn {turn}"
+        assert a.stats.spilled_tokens > 0 and b.stats.spilled_tokens == 0
+        if turn:  # the first turn's KV, stored from the spilled cache, is reused exactly
+            assert a.stats.reused_tokens == b.stats.reused_tokens > 0
+        history += [{"role": "assistant", "content": a.text}, {"role": "user", "content": "Continue."}]
