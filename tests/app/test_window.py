@@ -226,7 +226,8 @@ def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
     assert meter.num_updates - start >= 2
     report = meter.last_report
     assert report["rss"] > report["engine"]["weights_bytes"] > 100e6  # 135M parameters
-    assert "RAM" in meter.text() and "KV cache: cpu" in meter.text()
+    assert set(report["engine"]["kv_bytes"]) == {"device", "host"}  # the test engine has no disk tier
+    assert "KV cache: RAM " in meter.text() and "RAM (compressed)" in meter.text()
 
 
 def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
@@ -244,3 +245,42 @@ def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
 def test_theme_switch_recolours_and_is_remembered(qtbot, window, choice):
     window.set_theme(choice)
     assert window.theme == choice and window.db.get_setting("theme") == choice
+
+
+def test_the_window_serves_its_model_over_the_openai_api(window, qtbot):
+    import socket
+
+    import openai
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    window.db.set_setting("api_server", {"enabled": False, "port": port})
+    with qtbot.waitSignal(window.client.server_started, timeout=20000) as started:
+        window.serve_action.trigger()
+    url = started.args[0]
+    assert url == f"http://127.0.0.1:{port}/v1" and window.api_label.text() == f"API: {url}"
+    client = openai.OpenAI(base_url=url, api_key="-", max_retries=0, timeout=120)
+    (model,) = client.models.list().data
+    resp = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content":
+                                          "What is the capital of France?"}], temperature=0, max_tokens=12)
+    assert "Paris" in resp.choices[0].message.content
+    assert window.db.get_setting("api_server")["enabled"] is True
+    with qtbot.waitSignal(window.client.server_stopped, timeout=20000):
+        window.serve_action.trigger()
+    assert window.api_label.isHidden() and window.client.server_url is None
+    assert window.db.get_setting("api_server")["enabled"] is False
+
+
+def test_serving_on_a_port_in_use_is_reported_and_switched_off(window, qtbot):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        window.db.set_setting("api_server", {"enabled": False, "port": busy.getsockname()[1]})
+        with qtbot.waitSignal(window.client.server_failed, timeout=20000) as failed:
+            window.serve_action.trigger()
+    assert "in use" in failed.args[0]
+    assert not window.serve_action.isChecked()
+    assert "could not start" in window.banner_label.text()

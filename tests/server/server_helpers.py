@@ -1,0 +1,42 @@
+"""A real server on a free loopback port, over a real engine, in a thread of this process."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, engine, model_id="smollm2", api_key=None):
+        import uvicorn
+
+        from engine.server import create_app
+
+        self.engine = engine
+        self.app = create_app(engine, model_id=model_id, api_key=api_key)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.05)
+
+    @property
+    def scheduler(self):
+        return self.app.state.scheduler
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self.scheduler.close()

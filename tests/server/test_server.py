@@ -1,0 +1,190 @@
+"""The OpenAI-compatible server, through the real `openai` client and raw HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import RunningServer
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    assert client.models.retrieve("smollm2").id == "smollm2"
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == "smollm2"
+
+
+def test_chat_answers_like_the_engine_with_usage_and_cache_stats(client, server):
+    resp = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=24)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    direct = server.engine.with_options(reuse="off").chat(FRANCE, max_new_tokens=24)
+    assert choice.message.content == direct.text
+    assert resp.usage.prompt_tokens == len(server.engine.encode(FRANCE))
+    assert resp.usage.completion_tokens == direct.stats.generated_tokens
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    stats = resp.model_extra["kvboost"]
+    assert stats["prompt_tokens"] == resp.usage.prompt_tokens and stats["ttft_ms"] > 0
+    assert sum(stats["tokens_by_kind"].values()) == stats["prompt_tokens"]
+
+
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(client):
+    kwargs = dict(model="smollm2", messages=FRANCE, temperature=0, max_tokens=24)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["kvboost"]["prompt_tokens"] > 0
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_raw_stream_ends_with_done(server):
+    body = {"model": "smollm2", "messages": FRANCE, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    assert all(json.loads(d)["object"] == "chat.completion.chunk" for d in data[:-1])
+
+
+def test_a_follow_up_turn_reuses_the_conversation(client):
+    first = client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=0, max_tokens=16)
+    history = FRANCE + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "And of Italy?"}]
+    second = client.chat.completions.create(model="smollm2", messages=history, temperature=0, max_tokens=16)
+    stats = second.model_extra["kvboost"]
+    assert stats["reused_tokens"] >= 0.7 * stats["prompt_tokens"]
+
+
+def test_completions_with_max_tokens_and_stop(client):
+    resp = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8,
+                                     temperature=0)
+    assert resp.choices[0].text.strip() and resp.usage.completion_tokens <= 8
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    stopped = client.completions.create(model="smollm2", prompt="Count: one, two, three, four, five, six,",
+                                        max_tokens=30, temperature=0, stop=[","])
+    assert "," not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == resp.choices[0].text
+
+
+def test_a_seed_makes_sampling_repeatable(client):
+    kwargs = dict(model="smollm2", messages=[{"role": "user", "content": "Tell me a story."}], temperature=0.9,
+                  top_p=0.95, max_tokens=20)
+    a = client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    b = client.chat.completions.create(seed=7, **kwargs).choices[0].message.content
+    assert a == b
+
+
+def test_openai_errors_carry_the_right_status_and_code(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-4", messages=FRANCE)
+    assert err.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 9000}])
+    assert err.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model="smollm2", messages=FRANCE, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="smollm2", messages=FRANCE, temperature=3)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (b"{not json", 400, None),
+    (b'{"model": "smollm2"}', 400, "messages"),
+    (b'{"model": "smollm2", "messages": []}', 400, "messages"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}', 400,
+     "max_tokens"),
+    (b'{"model": "smollm2", "messages": [{"role": "wizard", "content": "hi"}]}', 400, "messages.0.role"),
+    (b'{"model": "smollm2", "messages": "hi"}', 400, "messages"),
+    (b'[1, 2]', 400, None),
+])
+def test_malformed_requests_get_openai_error_json(server, body, status, param):
+    resp = httpx.post(server.url + "/v1/chat/completions", content=body,
+                      headers={"content-type": "application/json"})
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_oversized_bodies_and_unknown_routes(server):
+    big = b'{"model": "smollm2", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    resp = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+    resp = httpx.get(server.url + "/v1/files")
+    assert resp.status_code == 404 and "error" in resp.json()
+    resp = httpx.get(server.url + "/v1/chat/completions")
+    assert resp.status_code == 405 and "error" in resp.json()
+
+
+def test_api_key_is_required_when_set(smollm):
+    running = RunningServer(smollm.with_options(), api_key="s3cret")
+    try:
+        resp = httpx.get(running.url + "/v1/models")
+        assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        resp = httpx.get(running.url + "/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert resp.status_code == 401
+        good = openai.OpenAI(base_url=running.url + "/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list().data] == ["smollm2"]
+        bad = openai.OpenAI(base_url=running.url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    finally:
+        running.stop()
+
+
+def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(client, server):
+    questions = [f"Name a {thing}." for thing in ("color", "fruit", "planet")]
+    alone = {q: client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                               temperature=0, max_tokens=12).choices[0].message.content
+             for q in questions}
+    results: dict[str, tuple] = {}
+
+    def ask(q):
+        text, stats = "", None
+        for c in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
+                                                temperature=0, max_tokens=12, stream=True):
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                if c.choices[0].finish_reason:
+                    stats = c.model_extra["kvboost"]
+        results[q] = (text, stats)
+
+    threads = []
+    for q in questions:
+        threads.append(threading.Thread(target=ask, args=(q,)))
+        threads[-1].start()
+        time.sleep(0.3)  # a known arrival order
+    for t in threads:
+        t.join(timeout=300)
+    assert {q: r[0] for q, r in results.items()} == alone
+    waits = [results[q][1]["queue_ms"] for q in questions]
+    assert waits[1] > 0 and waits[2] > waits[1] * 0.5  # later arrivals waited for the earlier ones
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_its_generation(server):
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a very long essay."}],
+            "max_tokens": 4000, "temperature": 0, "stream": True}
+    served = server.scheduler.num_served
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            if '"content"' in line and '""' not in line:
+                break  # one real token arrived; leave
+    deadline = time.monotonic() + 30
+    while server.scheduler.num_served == served:  # 4000 tokens would take minutes
+        assert time.monotonic() < deadline, "the generation went on after the client left"
+        time.sleep(0.1)
+    assert server.scheduler.num_running == 0
