@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -237,17 +236,6 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
     async def on_api_error(_request, exc: APIError):
         return exc.response()
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid(_request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON in the request body: {first.get('ctx', {}).get('error', '')}"
-                                  .rstrip(": "), code="invalid_json")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid request"))
-        return error_response(400, message, param=param, code=first.get("type"))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request, exc: StarletteHTTPException):
@@ -286,7 +274,8 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
         return {"id": model_id, "object": "model", "created": created, "owned_by": "kvboost"}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody, request: Request):
+    async def chat_completions(request: Request):
+        body = await parse(request, ChatBody)
         check_model(body.model)
         ids = encode(_chat_messages(body), chat=True)
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_context - len(ids)
@@ -302,7 +291,8 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
                 "usage": _usage(result), "kvboost": kvboost_stats(result, job)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
+    async def completions(request: Request):
+        body = await parse(request, CompletionBody)
         check_model(body.model)
         if body.echo or body.logprobs is not None:
             raise APIError(400, "echo and logprobs are not supported", param="echo" if body.echo else "logprobs")
@@ -414,6 +404,26 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
                                                  "code": exc.code}})}
 
     return app
+
+
+async def parse(request: Request, model: type[BaseModel]):
+    """The body as `model`, whatever the Content-Type says (curl -d sends form encoding), or an APIError
+    naming the first problem and the field it is in."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise APIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param,
+                       code=first.get("type")) from None
 
 
 def _engine_error(exc: Exception) -> APIError:

@@ -120,6 +120,27 @@ def test_malformed_requests_get_openai_error_json(server, body, status, param):
         assert error["param"] == param
 
 
+def test_a_json_body_is_read_whatever_the_content_type(server):
+    body = b'{"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}'
+    resp = httpx.post(server.url + "/v1/completions", content=body,
+                      headers={"content-type": "application/x-www-form-urlencoded"})  # what curl -d sends
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+
+
+def test_chunked_bodies_are_read_and_limited(server):
+    def pieces(total, step=1 << 16):
+        yield b'{"model": "smollm2", "prompt": "'
+        for _ in range(total // step):
+            yield b"a" * step
+        yield b'", "max_tokens": 1}'
+
+    resp = httpx.post(server.url + "/v1/completions", content=pieces(6 << 20))  # no Content-Length
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "body_too_large"
+    small = httpx.post(server.url + "/v1/completions", content=(p for p in [b'{"model": "smollm2", "prompt": "Hi",',
+                                                                            b' "max_tokens": 1}']))
+    assert small.status_code == 200, small.text
+
+
 def test_oversized_bodies_and_unknown_routes(server):
     big = b'{"model": "smollm2", "prompt": "' + b"a" * (5 << 20) + b'"}'
     resp = httpx.post(server.url + "/v1/completions", content=big, headers={"content-type": "application/json"})

@@ -1,0 +1,55 @@
+"""`kvboost-server` as users start it: a real process on a free loopback port, stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import free_port
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.mark.slow
+def test_kvboost_server_serves_the_default_model_with_an_api_key():
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "kvboost-server"), "--port", str(port), "--api-key", "k1",
+                             "--model-name", "smol", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-2000:]
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
+        resp = client.chat.completions.create(model="smol", temperature=0, max_tokens=12,
+                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in resp.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k2", max_retries=0).models.list()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert proc.returncode in (0, -signal.SIGINT)
+
+
+def test_kvboost_server_refuses_a_bad_model_with_the_reason(tmp_path):
+    proc = subprocess.run([str(BIN / "kvboost-server"), "--model", str(tmp_path / "missing"), "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "kvboost-server: error:" in proc.stderr
