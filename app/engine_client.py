@@ -135,7 +135,8 @@ class EngineClient(QObject):
 
         model_id = Path(engine.name).name.removesuffix(".gguf")
         app = create_app(engine, model_id=model_id, api_key=api_key)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               timeout_graceful_shutdown=2))
         thread = threading.Thread(target=_serve_until_stopped, args=(server,), name="kvboost-api", daemon=True)
         url = f"http://127.0.0.1:{port}/v1"
         self._server = (server, thread, app.state.scheduler, url)
@@ -156,14 +157,20 @@ class EngineClient(QObject):
         QTimer.singleShot(50, wait_until_up)
 
     def stop_server(self) -> None:
+        """Cancels the API's running and waiting requests and stops it; server_stopped follows once its thread
+        has exited (never blocks the UI thread)."""
         if self._server is None:
             return
         server, thread, scheduler, _url = self._server
         self._server = None
-        server.should_exit = True
         scheduler.close()
-        thread.join(timeout=5)
-        self.server_stopped.emit()
+        server.should_exit = True
+
+        def join_then_report():
+            thread.join(timeout=30)
+            self.server_stopped.emit()  # queued to the UI thread
+
+        threading.Thread(target=join_then_report, name="kvboost-api-stop", daemon=True).start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self.stop_server()

@@ -70,8 +70,8 @@ def main(argv=None) -> int:
         print(f"kvboost-desktop: {exc}", file=sys.stderr)
         return 2
     interrupted = db.mark_interrupted()
-    # KV computed in one session answers the next: the disk tier lives in the app's cache folder.
-    client = EngineClient(engine_options={"disk_cache_dir": str(paths.cache_dir / "kv")})
+    # KV computed in one session answers the next (the engine's disk tier; shared with kvboost-server).
+    client = EngineClient(engine_options={"disk_cache_dir": str(paths.kv_cache_dir)} if paths.kv_cache_dir else {})
     window = MainWindow(db, client, theme_choice=args.theme or "system")
     if args.theme:
         window.set_theme(args.theme)
@@ -173,7 +173,8 @@ async def run_smoke(window, out_path: str, timeout: float) -> int:
             return 1
         print(answer["text"])
         stats = answer["stats"] or {}
-        print(f"[smoke ok: {stats.get('prompt_tokens', 0)} prompt tokens, TTFT {stats.get('ttft_ms', 0):.0f} ms, "
+        print(f"[smoke ok: {stats.get('prompt_tokens', 0)} prompt tokens, {stats.get('reused_tokens', 0)} reused "
+              f"({stats.get('reused_by_tier', {}).get('disk', 0)} from disk), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
               f"{time.monotonic() - t0:.1f} s in all]", file=sys.stderr)
         return 0 if answer["text"].strip() else 1
     except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:

@@ -23,6 +23,9 @@ class AppPaths:
     data_dir: Path  # the database and anything the user would be sad to lose
     log_dir: Path
     cache_dir: Path  # safe to delete at any time
+    # The engine's disk KV tier: None for the engine's own per-user folder, which `kvboost-server` and the CLI
+    # use too, so KV computed by one is served to the others; under a home folder, inside it.
+    kv_cache_dir: Path | None = None
 
     @property
     def database(self) -> Path:
@@ -44,7 +47,8 @@ def app_paths(home: str | Path | None = None) -> AppPaths:
         home = os.environ.get(HOME_ENV_VAR) or None
     if home:
         root = Path(home).expanduser()
-        return AppPaths(data_dir=root / "data", log_dir=root / "logs", cache_dir=root / "cache")
+        return AppPaths(data_dir=root / "data", log_dir=root / "logs", cache_dir=root / "cache",
+                        kv_cache_dir=root / "cache" / "kv")
     return AppPaths(
         data_dir=Path(platformdirs.user_data_dir(APP_NAME, APP_AUTHOR)),
         log_dir=Path(platformdirs.user_log_dir(APP_NAME, APP_AUTHOR)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -270,7 +271,9 @@ def build_server_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every request (default: $KVBOOST_API_KEY; the "
+                        "environment keeps the key out of the process list)")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: from --model)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser

@@ -9,8 +9,9 @@ Folder layout (default: platformdirs' per-user cache folder, see default_cache_d
 A payload file is a fixed header, a JSON description, then the tensors' raw bytes, each at a 64-byte aligned
 offset, so a reader can memory-map it:
 
-    MAGIC (8 bytes) | header length (uint32 LE) | header JSON | padding | data
-    header: {"namespace", "key", "quant", "num_tokens", "data_bytes", "checksum" (blake2b-128 of data),
+    MAGIC (8 bytes) | header length (uint32 LE) | checksum (16 bytes) | header JSON | padding | data
+    checksum: blake2b-128 of the header JSON and the data (a changed shape or offset is caught like a changed value)
+    header: {"namespace", "key", "quant", "num_tokens", "data_bytes",
              "tensors": [{"dtype", "shape", "offset", "nbytes"}, ...], "layers": [[k_desc, v_desc], ...]}
 
 Safety, in the order things happen:
@@ -29,6 +30,7 @@ Safety, in the order things happen:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -55,8 +57,9 @@ from .tiers import QUANT_MODES, StoredKV
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVBKV\x00\x01\x00"
-FORMAT_VERSION = 1
+MAGIC = b"KVBKV\x00\x02\x00"
+FORMAT_VERSION = 2
+DIGEST_BYTES = 16
 ALIGN = 64
 CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
 INDEX_FILENAME = "index.sqlite3"
@@ -124,10 +127,11 @@ def encode_file(stored: StoredKV, namespace: str, key: bytes) -> bytes:
     layers = [[_describe(k, add), _describe(v, add)] for k, v in stored.layers]
     data = b"".join(blobs)
     header = {"format": FORMAT_VERSION, "namespace": namespace, "key": key.hex(), "quant": stored.quant,
-              "num_tokens": stored.num_tokens, "data_bytes": len(data),
-              "checksum": hashlib.blake2b(data, digest_size=16).hexdigest(), "tensors": tensors, "layers": layers}
+              "num_tokens": stored.num_tokens, "data_bytes": len(data), "tensors": tensors, "layers": layers}
     head = json.dumps(header, separators=(",", ":")).encode()
-    prefix = MAGIC + struct.pack("<I", len(head)) + head
+    digest = hashlib.blake2b(head, digest_size=DIGEST_BYTES)
+    digest.update(data)
+    prefix = MAGIC + struct.pack("<I", len(head)) + digest.digest() + head
     return prefix + b"\0" * (-len(prefix) % ALIGN) + data
 
 
@@ -135,20 +139,24 @@ class PayloadError(Exception):
     """A payload file that cannot be trusted (missing, truncated, corrupt, someone else's)."""
 
 
-def read_header(mm) -> tuple[dict, int]:
-    if len(mm) < len(MAGIC) + 4 or mm[:len(MAGIC)] != MAGIC:
-        raise PayloadError("not a KVBoost payload file (bad magic)")
+def read_header(mm) -> tuple[dict, bytes, int, int]:
+    """(header, checksum, header start, data start) of a mapped payload file."""
+    if len(mm) < len(MAGIC) + 4 + DIGEST_BYTES or mm[:len(MAGIC)] != MAGIC:
+        raise PayloadError("not a KVBoost payload file of this version (bad magic)")
     (head_len,) = struct.unpack_from("<I", mm, len(MAGIC))
-    start = len(MAGIC) + 4
+    checksum = bytes(mm[len(MAGIC) + 4:len(MAGIC) + 4 + DIGEST_BYTES])
+    start = len(MAGIC) + 4 + DIGEST_BYTES
     if start + head_len > len(mm):
         raise PayloadError("truncated header")
     try:
         header = json.loads(bytes(mm[start:start + head_len]))
     except ValueError:
         raise PayloadError("unreadable header") from None
+    if not isinstance(header, dict):
+        raise PayloadError("unreadable header")
     data_start = start + head_len
     data_start += -data_start % ALIGN
-    return header, data_start
+    return header, checksum, start, data_start
 
 
 def decode_file(path: Path, namespace: str | None, key: bytes | None, verify: bool = True) -> StoredKV:
@@ -161,8 +169,10 @@ def decode_file(path: Path, namespace: str | None, key: bytes | None, verify: bo
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         raise PayloadError("file missing") from None
+    except (OSError, ValueError) as exc:
+        raise PayloadError(f"unreadable ({exc})") from None
     try:
-        header, data_start = read_header(mm)
+        header, checksum, head_start, data_start = read_header(mm)
         if header.get("format") != FORMAT_VERSION:
             raise PayloadError(f"format {header.get('format')!r}, expected {FORMAT_VERSION}")
         if namespace is not None and header.get("namespace") != namespace:
@@ -171,19 +181,30 @@ def decode_file(path: Path, namespace: str | None, key: bytes | None, verify: bo
             raise PayloadError("holds another entry")
         if data_start + header["data_bytes"] != len(mm):
             raise PayloadError(f"size {len(mm)} bytes, header says {data_start + header['data_bytes']}")
-        view = memoryview(mm)[data_start:]
-        try:
-            if verify and hashlib.blake2b(view, digest_size=16).hexdigest() != header["checksum"]:
-                raise PayloadError("checksum mismatch")
-            tensors = [_load_tensor(mm, data_start, desc) for desc in header["tensors"]]
-        finally:
-            view.release()
+        if verify:
+            head = memoryview(mm)[head_start:head_start + _head_len(mm)]
+            data = memoryview(mm)[data_start:]
+            try:
+                digest = hashlib.blake2b(head, digest_size=DIGEST_BYTES)
+                digest.update(data)
+                if digest.digest() != checksum:
+                    raise PayloadError("checksum mismatch")
+            finally:
+                head.release()
+                data.release()
+        tensors = [_load_tensor(mm, data_start, desc) for desc in header["tensors"]]
         layers = tuple((_part(k, tensors), _part(v, tensors)) for k, v in header["layers"])
         return StoredKV(layers, header["quant"], header["num_tokens"])
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise PayloadError(f"malformed header ({exc})") from None
+    except PayloadError:
+        raise
+    except Exception as exc:  # a header that passed the checksum but still does not describe tensors
+        raise PayloadError(f"malformed header ({type(exc).__name__}: {exc})") from None
     finally:
         mm.close()
+
+
+def _head_len(mm) -> int:
+    return struct.unpack_from("<I", mm, len(MAGIC))[0]
 
 
 def _load_tensor(mm, data_start: int, desc: dict) -> torch.Tensor:
@@ -204,6 +225,24 @@ def _part(desc: dict, tensors: list[torch.Tensor]):
 
 
 # -- the index ------------------------------------------------------------------------------------------------
+def _degrades(default):
+    """A runtime failure of the folder or the index (disk full, I/O error, a lock held past the timeout) must
+    not take the engine down: the method logs it, counts it and answers `default` (a MISS, nothing stored)."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def inner(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except (sqlite3.Error, OSError) as exc:
+                self._failed(method.__name__, exc)
+                return default(self) if callable(default) else default
+
+        return inner
+
+    return wrap
+
+
 @dataclass
 class DiskCounters:
     writes: int = 0
@@ -211,6 +250,7 @@ class DiskCounters:
     read_bytes: int = 0
     read_ms: float = 0.0
     bad: int = 0  # missing / truncated / corrupt files found on read (served as MISS)
+    errors: int = 0  # index or folder failures (disk full, I/O errors): the operation did nothing
     evicted: int = 0
     rejected: int = 0
 
@@ -231,13 +271,14 @@ class DiskTier:
             (self.folder / "tmp").mkdir(exist_ok=True)
         except OSError as exc:
             raise ValueError(f"disk cache folder {self.folder} cannot be created: {exc}") from None
-        self.budget_bytes = budget_bytes if budget_bytes is not None else default_disk_budget(self.folder)
+        self.budget_bytes = budget_bytes  # None until the index is open: the folder's own default, see below
         self.quant = quant
         self.namespace = namespace
         self.policy = policy
         self.model_name = model_name
         self.counters = DiskCounters()
         self.used_bytes = 0  # bytes in the folder at the last index access (read without a lock by memory())
+        self.last_error: str | None = None
         self._lock = threading.Lock()
         # One connection, used under self._lock from whichever thread runs the engine.
         conn = sqlite3.connect(self.folder / INDEX_FILENAME, timeout=30, isolation_level=None,
@@ -262,6 +303,15 @@ class DiskTier:
                 self.db.execute(
                     "CREATE TABLE IF NOT EXISTS namespaces (namespace TEXT PRIMARY KEY, model TEXT, settings TEXT, "
                     "last_used REAL)")
+                self.db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value)")
+                if self.budget_bytes is None:
+                    # The default budget is the folder's, fixed by the first process that opened it, so the app
+                    # and the server (each sizing it from free space at its own start) agree.
+                    row = self.db.execute("SELECT value FROM meta WHERE name = 'default_budget_bytes'").fetchone()
+                    if row is None:
+                        row = (default_disk_budget(self.folder),)
+                        self.db.execute("INSERT INTO meta VALUES ('default_budget_bytes', ?)", row)
+                    self.budget_bytes = int(row[0])
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")
@@ -272,6 +322,18 @@ class DiskTier:
         self.used_bytes = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
         return self.used_bytes
 
+    def _failed(self, what: str, exc: Exception) -> None:
+        self.counters.errors += 1
+        self.last_error = f"{what}: {exc}"
+        log.warning("disk KV tier: %s failed: %s", what, exc)
+        with self._lock:
+            try:
+                if self.db.conn.in_transaction:
+                    self.db.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+
+    @_degrades(None)
     def describe_namespace(self, settings: dict) -> None:
         """Remembers which model/settings a namespace stands for (shown by `kvboost cache stats`)."""
         with self._lock:
@@ -279,6 +341,7 @@ class DiskTier:
                             [self.namespace, self.model_name, json.dumps(settings, sort_keys=True), time.time()])
 
     # -- reading ------------------------------------------------------------------------------------------
+    @_degrades([])
     def rows_since(self, last_id: int) -> list[dict]:
         """This namespace's entries added after row id `last_id` (by any process), oldest first."""
         assert self.namespace is not None
@@ -289,6 +352,7 @@ class DiskTier:
             names = [d[0] for d in cursor.description]
             return [dict(zip(names, row)) for row in cursor.fetchall()]
 
+    @_degrades(None)
     def load(self, key: bytes) -> StoredKV | None:
         """The entry's payload, checked; None (and the row removed) when it is missing or cannot be trusted."""
         t0 = time.perf_counter()
@@ -306,10 +370,11 @@ class DiskTier:
             self._delete_rows([(key.hex(), row[0])])
             return None
         self.counters.reads += 1
-        self.counters.read_bytes += path.stat().st_size if path.exists() else 0
+        self.counters.read_bytes += stored.nbytes
         self.counters.read_ms += (time.perf_counter() - t0) * 1000
         return stored
 
+    @_degrades(None)
     def touch(self, keys: Iterable[bytes]) -> None:
         """Counts a hit and refreshes recency (a logical clock shared by every process on this folder)."""
         keys = [k.hex() for k in keys]
@@ -331,6 +396,7 @@ class DiskTier:
         return self.db.execute("SELECT COALESCE(MAX(last_access), 0) FROM entries").fetchone()[0]
 
     # -- writing ------------------------------------------------------------------------------------------
+    @_degrades(None)
     def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset()) -> list[bytes] | None:
         """Writes `record`'s payload and indexes it, evicting by the policy to stay within the budget (never
         an entry of this process in use). Returns the keys this namespace lost to eviction, or None when the
@@ -427,6 +493,7 @@ class DiskTier:
             raise
         _fsync_dir(final.parent)
 
+    @_degrades(None)
     def remove(self, keys: Iterable[bytes]) -> None:
         keys = [k.hex() for k in keys]
         with self._lock:
@@ -456,6 +523,7 @@ class DiskTier:
                 log.warning("could not remove %s: %s", file, exc)
 
     # -- maintenance ----------------------------------------------------------------------------------------
+    @_degrades(lambda self: self.used_bytes)
     def num_bytes(self) -> int:
         with self._lock:
             return self._refresh_used()
@@ -502,10 +570,14 @@ class DiskTier:
         if repair and bad:
             with self._lock:
                 self.db.execute("BEGIN IMMEDIATE")
-                for b in bad:
-                    self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
-                                    [b["namespace"], b["key"], b["file"]])
-                self.db.execute("COMMIT")
+                try:
+                    for b in bad:
+                        self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
+                                        [b["namespace"], b["key"], b["file"]])
+                    self.db.execute("COMMIT")
+                except BaseException:
+                    self.db.execute("ROLLBACK")
+                    raise
             self._unlink([b["file"] for b in bad])
         orphans = self._remove_unreferenced(min_age_s=ORPHAN_AGE_S) if repair else []
         return {"checked": len(rows), "bad": bad, "orphans_removed": orphans}

@@ -338,7 +338,13 @@ class KVBoost:
             for seg in plan.segments:
                 if seg.record is not None:
                     self.store.acquire(seg.record)
-            bad = [r for r in records if not self.store.fetch(r)]
+            try:
+                bad = [r for r in records if not self.store.fetch(r)]
+            except BaseException:  # e.g. out of device memory while promoting: nothing stays acquired
+                for seg in plan.segments:
+                    if seg.record is not None:
+                        self.store.release(seg.record)
+                raise
             if not bad:
                 break
             for seg in plan.segments:

@@ -17,6 +17,7 @@ Nothing in a request names a file: the model is matched by id against the one lo
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import queue
@@ -28,10 +29,12 @@ from typing import Any, Literal, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .config import SamplingConfig
 from .generate import Result, TokenEvent
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,7 @@ class _Body(BaseModel):
     n: int = Field(1, ge=1)
     stream: bool = False
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch's generator takes
     stream_options: dict | None = None
 
 
@@ -116,22 +119,40 @@ class Scheduler:
         self.engine = engine
         self.max_queue = max_queue
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        self._count_lock = threading.Lock()
-        self.num_waiting = 0
-        self.num_running = 0
-        self.num_served = 0
+        self._lock = threading.Lock()
+        self._waiting: list[Job] = []
+        self._current: Job | None = None
+        self._closed = False
+        self.num_served = 0  # jobs that ran (to the end, or cancelled part way)
+        self.num_cancelled = 0  # of those, stopped by a cancel (client gone, server closing)
+        self.num_skipped = 0  # cancelled before they ran
         self._thread = threading.Thread(target=self._work, name="kvboost-server-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return int(self._current is not None)
+
     def submit(self, job: Job) -> None:
-        with self._count_lock:
-            if self.num_waiting >= self.max_queue:
-                raise APIError(429, f"the server is busy: {self.num_waiting} requests are waiting; retry later",
+        with self._lock:
+            if self._closed:
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+            if len(self._waiting) >= self.max_queue:
+                raise APIError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                                "rate_limit_error", code="queue_full")
-            self.num_waiting += 1
+            self._waiting.append(job)
         self._jobs.put(job)
 
     def close(self) -> None:
+        """Stops taking jobs and cancels the running and waiting ones (each gets an error or its partial end)."""
+        with self._lock:
+            self._closed = True
+            for job in self._waiting + ([self._current] if self._current else []):
+                job.cancel.set()
         self._jobs.put(None)
 
     def _emit(self, job: Job, item) -> None:
@@ -145,20 +166,25 @@ class Scheduler:
             job = self._jobs.get()
             if job is None:
                 return
-            with self._count_lock:
-                self.num_waiting -= 1
-            if job.cancel.is_set():  # its client went away while it waited
-                continue
-            self.num_running += 1
+            with self._lock:
+                self._waiting.remove(job)
+                if job.cancel.is_set():  # its client went away while it waited, or the server is closing
+                    self.num_skipped += 1
+                    self._emit(job, APIError(499, "the request was cancelled before it ran", code="cancelled"))
+                    continue
+                self._current = job
             job.started = time.perf_counter()
             try:
                 for event in self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling):
                     self._emit(job, event)
+                    if isinstance(event, Result) and event.finish_reason == "cancelled":
+                        self.num_cancelled += 1
             except Exception as exc:  # reported to the one request; the server goes on
                 log.exception("request failed")
                 self._emit(job, exc)
             finally:
-                self.num_running -= 1
+                with self._lock:
+                    self._current = None
                 self.num_served += 1
 
 
@@ -205,37 +231,25 @@ def _finish_reason(result: Result) -> str:
 
 # -- the app ------------------------------------------------------------------------------------------------------
 def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_queue: int = MAX_QUEUE) -> FastAPI:
+               max_queue: int = MAX_QUEUE, loopback_only: bool = True) -> FastAPI:
     """The HTTP app over `engine`, served under `model_id`. The engine must not be used by anyone else
-    without its own lock (the desktop app shares it: the engine's lock serialises the two)."""
+    without its own lock (the desktop app shares it: the engine's lock serialises the two). `loopback_only`:
+    the server listens on 127.0.0.1, so requests naming another Host are refused (DNS rebinding)."""
     app = FastAPI(title="KVBoost", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, loopback_only=loopback_only)
     scheduler = Scheduler(engine, max_queue)
     app.state.scheduler = scheduler
     created = int(time.time())
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                return error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
-                                      "invalid_request_error", code="invalid_api_key")
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
-        if request.method == "POST" and length is None:
-            body = b""
-            async for piece in request.stream():
-                body += piece
-                if len(body) > max_body_bytes:
-                    return error_response(413, f"request body over {max_body_bytes} bytes", code="body_too_large")
-            request._body = body  # read once: the handler parses it from here
-        return await call_next(request)
 
     @app.exception_handler(APIError)
     async def on_api_error(_request, exc: APIError):
         return exc.response()
 
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request, exc: Exception):
+        log.exception("unexpected server error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request, exc: StarletteHTTPException):
@@ -250,8 +264,9 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
     def encode(prompt, chat: bool) -> list[int]:
         try:
             ids = engine.encode(prompt)
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="messages" if chat else "prompt") from None
+        except (ValueError, TemplateError) as exc:  # the chat template refuses (roles must alternate, ...)
+            raise APIError(400, f"{type(exc).__name__ if isinstance(exc, TemplateError) else 'invalid input'}: {exc}",
+                           param="messages" if chat else "prompt") from None
         if len(ids) >= engine.max_context:
             raise APIError(400, f"this model's maximum context length is {engine.max_context} tokens; the prompt "
                            f"is {len(ids)} tokens", param="messages" if chat else "prompt",
@@ -319,8 +334,6 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
 
     def start(ids: list[int], sampling: dict) -> Job:
         try:
-            from .config import SamplingConfig
-
             SamplingConfig.from_kwargs(**sampling)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
@@ -329,19 +342,26 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
         return job
 
     async def collect(job: Job, request: Request) -> Result:
-        """The job's Result; cancels it when the client disconnects first."""
-        while True:
-            try:
-                item = await asyncio.wait_for(job.events.get(), timeout=0.5)
-            except asyncio.TimeoutError:
+        """The job's Result; a client that disconnects first cancels it (waiting or running)."""
+
+        async def watch():
+            while not job.cancel.is_set():
                 if await request.is_disconnected():
                     job.cancel.set()
-                    raise APIError(499, "client closed the request") from None
-                continue
-            if isinstance(item, Exception):
-                raise _engine_error(item)
-            if isinstance(item, Result):
-                return item
+                    return
+                await asyncio.sleep(0.25)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            while True:
+                item = await job.events.get()
+                if isinstance(item, Exception):
+                    raise _engine_error(item)
+                if isinstance(item, Result):
+                    return item
+        finally:
+            watcher.cancel()
+            job.cancel.set()  # a no-op once the result is in
 
     async def events(job: Job):
         """TokenEvents then the Result; the job is cancelled however the consumer stops (disconnect included)."""
@@ -360,38 +380,37 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
         return {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                     "choices": [choice], **extra})}
 
-    async def stream_chat(job: Job, rid: str, include_usage: bool):
-        obj = "chat.completion.chunk"
-        yield chunk(rid, obj, {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-        async for item in _safe(events(job), rid, obj):
-            if isinstance(item, dict):
-                yield item
-            elif isinstance(item, TokenEvent):
-                if item.text:
-                    yield chunk(rid, obj, {"index": 0, "delta": {"content": item.text}, "finish_reason": None})
-            else:
-                yield chunk(rid, obj, {"index": 0, "delta": {}, "finish_reason": _finish_reason(item)},
-                            kvboost=kvboost_stats(item, job))
-                if include_usage:
-                    yield {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()),
-                                               "model": model_id, "choices": [], "usage": _usage(item)})}
-        yield {"data": "[DONE]"}
+    async def stream(job: Job, rid: str, obj: str, include_usage: bool, text_choice, end_choice, opening=None):
+        """SSE events of one streamed response: `opening` (a choice, chat's role announcement), a choice per
+        text delta, the final choice with the kvboost stats, a usage chunk if asked, then [DONE]."""
+        try:
+            if opening is not None:
+                yield chunk(rid, obj, opening)
+            async for item in _safe(events(job), rid, obj):
+                if isinstance(item, dict):
+                    yield item
+                elif isinstance(item, TokenEvent):
+                    if item.text:
+                        yield chunk(rid, obj, text_choice(item.text))
+                else:
+                    yield chunk(rid, obj, end_choice(_finish_reason(item)), kvboost=kvboost_stats(item, job))
+                    if include_usage:
+                        yield {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()),
+                                                   "model": model_id, "choices": [], "usage": _usage(item)})}
+            yield {"data": "[DONE]"}
+        finally:  # however the stream ends, a client gone included
+            job.cancel.set()
 
-    async def stream_completion(job: Job, rid: str, include_usage: bool):
-        obj = "text_completion"
-        async for item in _safe(events(job), rid, obj):
-            if isinstance(item, dict):
-                yield item
-            elif isinstance(item, TokenEvent):
-                if item.text:
-                    yield chunk(rid, obj, {"index": 0, "text": item.text, "logprobs": None, "finish_reason": None})
-            else:
-                yield chunk(rid, obj, {"index": 0, "text": "", "logprobs": None,
-                                       "finish_reason": _finish_reason(item)}, kvboost=kvboost_stats(item, job))
-                if include_usage:
-                    yield {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()),
-                                               "model": model_id, "choices": [], "usage": _usage(item)})}
-        yield {"data": "[DONE]"}
+    def stream_chat(job: Job, rid: str, include_usage: bool):
+        return stream(job, rid, "chat.completion.chunk", include_usage,
+                      lambda text: {"index": 0, "delta": {"content": text}, "finish_reason": None},
+                      lambda reason: {"index": 0, "delta": {}, "finish_reason": reason},
+                      opening={"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+
+    def stream_completion(job: Job, rid: str, include_usage: bool):
+        return stream(job, rid, "text_completion", include_usage,
+                      lambda text: {"index": 0, "text": text, "logprobs": None, "finish_reason": None},
+                      lambda reason: {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
 
     async def _safe(source, rid: str, obj: str):
         """Passes items through; an engine failure mid-stream becomes one OpenAI error event (the status line
@@ -412,8 +431,9 @@ async def parse(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         data = json.loads(raw)
-    except ValueError as exc:
-        raise APIError(400, f"malformed JSON in the request body: {exc}", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"malformed JSON in the request body: {type(exc).__name__}: {exc}"[:300],
+                       code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
@@ -426,7 +446,62 @@ async def parse(request: Request, model: type[BaseModel]):
                        code=first.get("type")) from None
 
 
+class Guard:
+    """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers):
+    API key, body size (Content-Length and chunked bodies alike), and, without an API key, no requests from
+    web pages (an Origin header) and, on loopback, no Host but this machine's (DNS rebinding)."""
+
+    LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, loopback_only: bool):
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.loopback_only = loopback_only
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = self._refusal(scope["path"], headers)
+        if refusal is not None:
+            return await refusal(scope, receive, send)
+        limit, received = self.max_body_bytes, 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:  # raised inside the handler's body read: the APIError handler answers
+                    raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _refusal(self, path: str, headers: dict):
+        if self.api_key is None:
+            if "origin" in headers:
+                return error_response(403, "requests from web pages need the server to run with an API key "
+                                      "(--api-key)", code="origin_not_allowed")
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if self.loopback_only and name not in self.LOOPBACK_HOSTS:
+                return error_response(403, f"host {host!r} is not this machine", code="host_not_allowed")
+        elif path != "/health":
+            given = headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)",
+                                      code="invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return error_response(413, f"request body over {self.max_body_bytes} bytes", code="body_too_large")
+        return None
+
+
 def _engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
     return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
@@ -437,4 +512,5 @@ def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, a
     """Runs the server in this thread until interrupted."""
     import uvicorn
 
-    uvicorn.run(create_app(engine, model_id=model_id, api_key=api_key), host=host, port=port, log_level=log_level)
+    app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)

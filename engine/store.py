@@ -81,6 +81,18 @@ def kv_importance(kv: KV) -> float:
     return float(torch.stack(norms).mean()) if norms else 0.0
 
 
+def _checked(stored, record: ChunkRecord, device: torch.device) -> KV | None:
+    """A disk payload as KV on the device, or None when it does not have the entry's shape (defence in depth:
+    the file's checksum already covers its header)."""
+    try:
+        kv = decode_kv(stored, device)
+    except (RuntimeError, ValueError, AssertionError, IndexError):
+        return None
+    if not kv or any(k.shape[2] != record.num_tokens or v.shape[2] != record.num_tokens for k, v in kv):
+        return None
+    return kv if kv_nbytes(kv) == record.num_bytes else None
+
+
 def default_budget_bytes(device: torch.device) -> int:
     return default_device_budget(device)
 
@@ -181,11 +193,13 @@ class ChunkStore:
             kv = self.host_tier.get(record.key, self.device)
         else:
             stored = self.disk.load(record.key)
-            if stored is None:  # the disk tier already dropped its row; the caller drops the record
+            kv = _checked(stored, record, self.device) if stored is not None else None
+            if kv is None:  # missing, corrupt or not this entry's shape: the caller drops the record
+                if stored is not None:
+                    self.disk.remove([record.key])
                 self.counters.disk_misses += 1
                 record.on_disk = False
                 return False
-            kv = decode_kv(stored, self.device)
         stored = self.device_tier.encode(kv)
         if self._make_room(0, stored.nbytes):
             if record.tier == "host":
@@ -201,9 +215,6 @@ class ChunkStore:
         """Forgets an entry whose payload could not be fetched (not in use any more)."""
         if record.key in self.records:
             self._remove(record.key)
-
-    def tier_of(self, name: str):
-        return {"device": self.device_tier, "host": self.host_tier, "disk": self.disk}[name]
 
     def sync_disk(self) -> int:
         """Loads the records of disk entries added since the last sync (by this or another process)."""
@@ -248,15 +259,16 @@ class ChunkStore:
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
-        dropped = []
-        for other in self.tails_under(parent):
-            if other.ref_count == 0 and tokens[: other.num_tokens] == other.tokens:
-                dropped.append(other)
-                self._remove(other.key)
-        if self.disk is not None:
-            self.disk.remove([r.key for r in dropped if r.on_disk])
+        shorter = [other for other in self.tails_under(parent)
+                   if other.ref_count == 0 and tokens[: other.num_tokens] == other.tokens]
         record = ChunkRecord(key, parent, None, "tail", start, tokens, kv_nbytes(kv))
-        return self._insert(record, kv)
+        if not self._insert(record, kv):
+            return False
+        for other in shorter:
+            self._remove(other.key)
+        if self.disk is not None:
+            self.disk.remove([r.key for r in shorter if r.on_disk])
+        return True
 
     def _insert(self, record: ChunkRecord, kv: KV) -> bool:
         record.importance = kv_importance(kv)

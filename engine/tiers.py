@@ -84,7 +84,9 @@ def decode_kv(stored: StoredKV, device: torch.device) -> KV:
 def _materialize(part: Part, device: torch.device) -> torch.Tensor:
     if isinstance(part, QuantizedTensor):
         return dequantize(_move(part, device))
-    return part.to(device, non_blocking=True)
+    # Non-blocking only toward the GPU: a GPU -> CPU copy returns before the bytes are there, and the caller
+    # reads them on the CPU right away (quantizes them, writes them to a file).
+    return part.to(device, non_blocking=device.type == "cuda")
 
 
 def _move(q: QuantizedTensor, device: torch.device) -> QuantizedTensor:
@@ -134,12 +136,6 @@ class MemoryTier:
 
     def get(self, key: bytes, device: torch.device) -> KV:
         return decode_kv(self._payloads[key], device)
-
-    def stored(self, key: bytes) -> StoredKV:
-        return self._payloads[key]
-
-    def size_of(self, key: bytes) -> int:
-        return self._payloads[key].nbytes
 
     def remove(self, key: bytes) -> StoredKV:
         stored = self._payloads.pop(key)

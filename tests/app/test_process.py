@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -92,6 +93,15 @@ def test_smoke_mode_answers_and_saves_a_screenshot(tmp_path):
     assert "Paris" in run.stdout
     assert out.stat().st_size > 10_000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "home" / "data" / "kvboost.sqlite3").exists()
+    assert "(0 from disk)" in run.stderr
+    assert list((tmp_path / "home" / "cache" / "kv" / "payloads").rglob("*.kv")), "KV written to the home's disk tier"
+
+    # A restart: the conversation reopens and its next question reuses the first turn's KV from disk.
+    again = subprocess.run([sys.executable, "-m", "app.main", "--smoke", str(out), "--home", str(tmp_path / "home")],
+                           capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    match = re.search(r"(\d+) reused \((\d+) from disk\)", again.stderr)
+    assert match and int(match.group(2)) > 0 and int(match.group(2)) == int(match.group(1)), again.stderr[-500:]
 
 
 def test_smoke_mode_fails_loudly_on_a_bad_model(tmp_path):

@@ -166,7 +166,7 @@ def test_disk_budget_evicts_by_policy_and_never_overshoots(tmp_path):
     assert len(files) == 3
 
 
-@pytest.mark.parametrize("fault", ["truncate", "flip_byte", "delete", "empty", "swap_namespace"])
+@pytest.mark.parametrize("fault", ["truncate", "flip_byte", "flip_header_byte", "delete", "empty", "swap_namespace"])
 def test_a_damaged_file_is_a_miss_and_its_row_is_dropped(tmp_path, fault):
     disk = DiskTier(tmp_path, 1 << 30, "int8", namespace="ns")
     store = ChunkStore(0, LRU(), disk=disk)
@@ -177,6 +177,9 @@ def test_a_damaged_file_is_a_miss_and_its_row_is_dropped(tmp_path, fault):
         path.write_bytes(data[: len(data) - 100])
     elif fault == "flip_byte":
         path.write_bytes(data[:-50] + bytes([data[-50] ^ 0x01]) + data[-49:])
+    elif fault == "flip_header_byte":  # a digit of a shape or offset in the JSON header
+        at = data.index(b'"shape":[') + len(b'"shape":[')
+        path.write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:])
     elif fault == "delete":
         path.unlink()
     elif fault == "empty":
@@ -282,3 +285,21 @@ def test_cache_command_on_a_folder_without_a_cache(tmp_path, capsys):
 
     assert main(["cache", "stats", "--dir", str(tmp_path / "nothing")]) == 0
     assert "no disk KV cache" in capsys.readouterr().out
+
+
+def test_a_broken_folder_degrades_to_memory_only_without_errors(tmp_path):
+    disk = DiskTier(tmp_path, 1 << 30, "int8", namespace="ns")
+    store = ChunkStore(kv_nbytes(make_kv(0)) * 4, LRU(), disk=disk)
+    put(store, b"A", 0)
+    (tmp_path / "payloads").rename(tmp_path / "moved")
+    (tmp_path / "payloads").write_text("a file where the folder was")
+    key = put(store, b"B", 1)  # the write fails; the entry still serves from memory
+    record = store.records[key]
+    assert record.tier == "device" and not record.on_disk
+    store.acquire(record)
+    assert store.fetch(record) and len(store.payload(key)) == LAYERS
+    store.release(record)
+    disk.db.conn.close()  # the index goes away under the store
+    assert store.sync_disk() == 0 and disk.counters.errors >= 1
+    put(store, b"C", 2)
+    assert b"C".ljust(16, b".") in store.records

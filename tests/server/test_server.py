@@ -196,10 +196,13 @@ def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(cl
     assert waits[1] > 0 and waits[2] > waits[1] * 0.5  # later arrivals waited for the earlier ones
 
 
+LONG = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 4000, "temperature": 0}
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(server):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a very long essay."}],
             "max_tokens": 4000, "temperature": 0, "stream": True}
-    served = server.scheduler.num_served
+    served, cancelled = server.scheduler.num_served, server.scheduler.num_cancelled
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             if '"content"' in line and '""' not in line:
@@ -209,3 +212,48 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(server):
         assert time.monotonic() < deadline, "the generation went on after the client left"
         time.sleep(0.1)
     assert server.scheduler.num_running == 0
+    assert server.scheduler.num_cancelled == cancelled + 1  # stopped by the cancel, not by its own end
+
+
+def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server):
+    served, cancelled = server.scheduler.num_served, server.scheduler.num_cancelled
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", json=LONG, timeout=2)
+    deadline = time.monotonic() + 30
+    while server.scheduler.num_served == served:
+        assert time.monotonic() < deadline, "the generation went on after the client left"
+        time.sleep(0.1)
+    assert server.scheduler.num_cancelled == cancelled + 1
+
+
+def test_a_waiting_request_whose_client_left_never_runs(server):
+    served, skipped = server.scheduler.num_served, server.scheduler.num_skipped
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=120) as resp:
+        lines = resp.iter_lines()  # kept: a dropped iterator closes the stream, and the server cancels it
+        next(lines)  # the long one is running
+        assert server.scheduler.num_running == 1
+        with pytest.raises(httpx.TimeoutException):  # this one waits behind it, then its client gives up
+            httpx.post(server.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 5},
+                       timeout=1.5)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while server.scheduler.num_waiting or server.scheduler.num_running:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert server.scheduler.num_served == served + 1  # the long one only
+    assert server.scheduler.num_skipped == skipped + 1
+
+
+def test_web_pages_and_foreign_hosts_are_refused_without_an_api_key(server):
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 1}
+    resp = httpx.post(server.url + "/v1/completions", json=body, headers={"Origin": "https://evil.example"})
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "origin_not_allowed"
+    resp = httpx.post(server.url + "/v1/completions", json=body, headers={"Host": "evil.example"})
+    assert resp.status_code == 403 and resp.json()["error"]["code"] == "host_not_allowed"
+    assert httpx.post(server.url + "/v1/completions", json=body,
+                      headers={"Host": f"localhost:{server.port}"}).status_code == 200
+
+
+def test_deeply_nested_json_is_a_400_not_a_crash(server):
+    resp = httpx.post(server.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
