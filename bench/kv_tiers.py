@@ -192,7 +192,7 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
 def bench_memory(engine, print_) -> dict:
     import torch
 
-    from engine.disk import encode_file
+    from engine.payload_file import encode_file
     from engine.store import kv_nbytes
     from engine.tiers import encode_kv
 

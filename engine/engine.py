@@ -16,7 +16,8 @@ from .approx import BLEND_MODEL_TYPES, apply_selective, fill_approximate, merge_
 from .assemble import cache_kv, plan_prompt, store_new_chunks
 from .chunking import TokenBreaks, chunk_spans
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
-from .disk import FORMAT_VERSION, DiskTier, default_cache_dir
+from .disk import DiskTier, default_cache_dir
+from .payload_file import FORMAT_VERSION
 from .eviction import POLICIES
 from .generate import Result, TokenEvent, generate_events
 from .keys import chain_key, root_key

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from engine.disk import DiskTier, PayloadError, decode_file
+from engine.disk import DiskTier
+from engine.payload_file import PayloadError, decode_file, encode_file
 from engine.eviction import LRU
 from engine.store import ChunkStore, kv_nbytes
 from engine.tiers import MemoryTier, decode_kv, encode_kv
@@ -67,8 +68,7 @@ def tiered_store(tmp_path, entries_device=2, entries_host=2, disk_entries=None, 
     host = MemoryTier("host", entries_host * host_size, torch.device("cpu"), quant)
     disk = None
     if disk_entries is not None:
-        file_size = len(__import__("engine.disk", fromlist=["encode_file"]).encode_file(
-            encode_kv(make_kv(0), quant, torch.device("cpu")), "ns", b"x" * 16))
+        file_size = len(encode_file(encode_kv(make_kv(0), quant, torch.device("cpu")), "ns", b"x" * 16))
         disk = DiskTier(tmp_path / "disk", disk_entries * file_size, quant, namespace="ns", policy=LRU())
     return ChunkStore(entries_device * size, LRU(), host=host, disk=disk)
 
