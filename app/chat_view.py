@@ -43,10 +43,14 @@ def cache_map_html(answer: dict, theme: str) -> str:
     legend = " ".join(
         f'<span style="background:{colors[k]}">&nbsp;{k} {counts[k]}&nbsp;</span>' for k in KINDS if counts[k]
     )
+    saved = answer.get("saved_ms")
+    saved_text = (f"≈{saved:.0f} ms saved vs full prefill (estimate from this model's measured prefill rate)"
+                  if saved is not None else "time saved not estimated yet (no prefill measured on this model)")
+    tiers = stats.get("reused_by_tier") or {}
+    from_disk = f", {tiers['disk']} from the disk cache" if tiers.get("disk") else ""
     summary = (f"<b>{reused} of {prompt} prompt tokens reused</b> "
-               f"({100.0 * reused / prompt if prompt else 0:.0f}%), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
-               f"≈{answer.get('saved_ms', 0):.0f} ms saved vs full prefill (estimate from this model's "
-               f"measured prefill rate). Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")
+               f"({100.0 * reused / prompt if prompt else 0:.0f}%{from_disk}), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
+               f"{saved_text}. Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")
     body = "".join(
         f'<span style="background:{colors[seg["kind"]]}" title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
         f"{html.escape(seg['text'])}</span>"
@@ -130,7 +134,7 @@ class MessageWidget(QFrame):
         self._render()
         if message.get("stats"):
             self.set_answer({"stats": message["stats"], "segments": message["stats"].get("segments", []),
-                             "saved_ms": message["stats"].get("saved_ms", 0.0),
+                             "saved_ms": message["stats"].get("saved_ms"),
                              "finish_reason": message["stats"].get("finish_reason")})
         if message.get("sources"):
             self.set_sources(message["sources"])

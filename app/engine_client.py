@@ -261,18 +261,24 @@ class EngineClient(QObject):
         stats = result.stats
         decode = engine.tokenizer.decode
         segments = [{"start": s, "end": e, "kind": kind, "text": decode(ids[s:e])} for s, e, kind in stats.chunks]
-        if stats.recomputed_tokens >= MIN_CALIBRATION_TOKENS:
-            rate = stats.ttft_ms / stats.recomputed_tokens
-            self._ms_per_token = rate if self._ms_per_token is None else 0.7 * self._ms_per_token + 0.3 * rate
-        rate = self._ms_per_token or (stats.ttft_ms / max(stats.recomputed_tokens, 1))
+        self._calibrate(stats.ttft_ms, stats.recomputed_tokens, stats.prompt_tokens)
+        rate = self._ms_per_token
         self.generation_finished.emit(job.id, {
             "text": result.text,
             "finish_reason": result.finish_reason,
             "stats": stats.to_dict(),
             "segments": segments,
-            # Estimate: a full prefill would also have computed the reused tokens at the measured rate.
-            "saved_ms": stats.reused_tokens * rate,
+            # Estimate: a full prefill would also have computed the reused tokens at the measured rate (None
+            # until a mostly computed request or a pre-warm has measured it).
+            "saved_ms": stats.reused_tokens * rate if rate else None,
         })
+
+    def _calibrate(self, ms: float, computed: int, total: int) -> None:
+        """Prefill cost per token, from work that was mostly computing: when most of a prompt is reused, its
+        time is dominated by fetching and attending to the reused KV, not by the few computed tokens."""
+        if computed >= MIN_CALIBRATION_TOKENS and computed >= total / 2:
+            rate = ms / computed
+            self._ms_per_token = rate if self._ms_per_token is None else 0.7 * self._ms_per_token + 0.3 * rate
 
     def _run_warm(self, job: _Job) -> None:
         engine = self._require_engine()
@@ -284,6 +290,7 @@ class EngineClient(QObject):
                 totals["cancelled"] = True
                 break
             report = engine.warm(text)
+            self._calibrate(report["ms"], report["computed_tokens"], report["tokens"])
             for key in ("tokens", "computed_tokens", "reused_tokens", "ms"):
                 totals[key] += report[key]
             totals["done"] = i + 1

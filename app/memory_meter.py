@@ -23,7 +23,7 @@ def tier_label(tier: str, engine: dict) -> str:
     """The engine's tier names in the user's words: on a CPU-only machine device and host are both RAM (the
     host tier keeps int8 KV by default)."""
     cuda = "device_total_bytes" in engine
-    return {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "RAM (compressed)",
+    return {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "compressed RAM",
             "disk": "disk"}.get(tier, tier)
 
 
@@ -37,11 +37,20 @@ def memory_text(rss: int, engine: dict | None) -> str:
     if engine:
         if "device_total_bytes" not in engine:
             parts[-1] += f" (model {human_bytes(engine['weights_bytes'])})"
-        tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)} / "
-                          f"{human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
-                          for tier, n in engine["kv_bytes"].items())
+        tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)}" for tier, n in engine["kv_bytes"].items())
         parts.append(f"KV cache: {tiers}")
     return " · ".join(parts)
+
+
+def memory_tooltip(engine: dict | None) -> str:
+    """Each KV tier against its budget (the status bar line keeps only what is used)."""
+    if not engine:
+        return "No model loaded"
+    lines = [f"{tier_label(tier, engine)}: {human_bytes(n)} of {human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
+             for tier, n in engine["kv_bytes"].items()]
+    if engine.get("disk_error"):
+        lines.append(engine["disk_error"])
+    return "KV cache per tier (used of budget):\n" + "\n".join(lines)
 
 
 class MemoryMeter(QLabel):
@@ -65,6 +74,7 @@ class MemoryMeter(QLabel):
             engine = None
         self.last_report = {"rss": rss, "engine": engine}
         self.setText(memory_text(rss, engine))
+        self.setToolTip(memory_tooltip(engine))
         self.num_updates += 1
 
     def stop(self) -> None:

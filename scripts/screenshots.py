@@ -66,7 +66,7 @@ def main() -> int:
     asyncio.set_event_loop(loop)
     home = Path(tempfile.mkdtemp())
     db = Database(home / "kvboost.sqlite3")
-    client = EngineClient()
+    client = EngineClient(engine_options={"disk_cache_dir": str(home / "kv")})  # nothing from earlier runs
     window = MainWindow(db, client, theme_choice="light")
     window.resize(1280, 860)
     window.show()

@@ -394,3 +394,18 @@ def test_kind_colors_contrast_with_the_theme_text(app, theme):
     text = app.palette().color(QPalette.ColorRole.Text).lightness()
     for color in KIND_COLORS[theme].values():
         assert abs(QColor(color).lightness() - text) > 90, color
+
+
+def test_cache_map_summary_names_disk_hits_and_never_invents_a_saving():
+    from app.chat_view import cache_map_html
+
+    answer = {"stats": {"prompt_tokens": 200, "reused_tokens": 150, "ttft_ms": 40.0, "reuse": "chunk",
+                        "reused_by_tier": {"disk": 120, "device": 30}},
+              "segments": [{"start": 0, "end": 150, "kind": "EXACT", "text": "doc"},
+                           {"start": 150, "end": 200, "kind": "MISS", "text": "question"}],
+              "saved_ms": None}
+    text = cache_map_html(answer, "light")
+    assert "150 of 200 prompt tokens reused" in text and "120 from the disk cache" in text
+    assert "not estimated yet" in text and "ms saved" not in text
+    answer["saved_ms"] = 1234.0
+    assert "≈1234 ms saved" in cache_map_html(answer, "light")

@@ -227,7 +227,8 @@ def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
     report = meter.last_report
     assert report["rss"] > report["engine"]["weights_bytes"] > 100e6  # 135M parameters
     assert set(report["engine"]["kv_bytes"]) == {"device", "host"}  # the test engine has no disk tier
-    assert "KV cache: RAM " in meter.text() and "RAM (compressed)" in meter.text()
+    assert "KV cache: RAM " in meter.text() and "compressed RAM" in meter.text()
+    assert "compressed RAM: " in meter.toolTip() and " of " in meter.toolTip()  # budgets in the tooltip
 
 
 def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
