@@ -22,15 +22,14 @@ from typing import Any
 import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
+from .db_schema import MIGRATIONS
+
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}  # SmolLM2 model card: 0.2 / 0.9
 
 ROLES = ("system", "user", "assistant")
 # "streaming": being written right now; a streaming row found at start-up means the app died mid-answer.
 STATUSES = ("done", "streaming", "interrupted", "cancelled", "error")
-
-EXPORT_FORMAT = "kvboost-conversation"
-EXPORT_VERSION = 1
 
 _JSON_COLUMNS = ("sampling", "stats", "sources")
 _UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
@@ -45,76 +44,6 @@ _STOPWORDS = frozenset(
 
 class DatabaseError(RuntimeError):
     """The file cannot be used: not SQLite, not ours, or written by a newer version of the app."""
-
-
-def _migrate_to_v1(db: sqlite_utils.Database) -> None:
-    db.executescript(
-        """
-        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        CREATE TABLE conversations (
-            id INTEGER PRIMARY KEY,
-            title TEXT NOT NULL,
-            system_prompt TEXT NOT NULL,
-            sampling TEXT NOT NULL,
-            created_at REAL NOT NULL,
-            updated_at REAL NOT NULL,
-            is_open INTEGER NOT NULL DEFAULT 1,
-            tab_order INTEGER NOT NULL DEFAULT 0
-        );
-        CREATE TABLE messages (
-            id INTEGER PRIMARY KEY,
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            position INTEGER NOT NULL,
-            role TEXT NOT NULL,
-            content TEXT NOT NULL,
-            prompt TEXT,
-            status TEXT NOT NULL DEFAULT 'done',
-            stats TEXT,
-            sources TEXT,
-            created_at REAL NOT NULL,
-            UNIQUE (conversation_id, position)
-        );
-        CREATE TABLE documents (
-            id INTEGER PRIMARY KEY,
-            path TEXT NOT NULL UNIQUE,
-            name TEXT NOT NULL,
-            kind TEXT NOT NULL,
-            sha256 TEXT NOT NULL,
-            mtime REAL NOT NULL,
-            size INTEGER NOT NULL,
-            num_chars INTEGER NOT NULL,
-            added_at REAL NOT NULL
-        );
-        CREATE TABLE passages (
-            id INTEGER PRIMARY KEY,
-            document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
-            seq INTEGER NOT NULL,
-            text TEXT NOT NULL,
-            page INTEGER,
-            section TEXT,
-            start INTEGER NOT NULL,
-            "end" INTEGER NOT NULL,
-            UNIQUE (document_id, seq)
-        );
-        CREATE TABLE conversation_documents (
-            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
-            document_id INTEGER NOT NULL REFERENCES documents(id) ON DELETE CASCADE,
-            added_at REAL NOT NULL,
-            position INTEGER NOT NULL,
-            PRIMARY KEY (conversation_id, document_id)
-        );
-        CREATE INDEX conversation_documents_by_document ON conversation_documents (document_id);
-        CREATE TABLE settings (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-        """
-    )
-    # External-content FTS5 tables kept in sync by insert/update/delete triggers; porter stems so that
-    # "running" finds "runs".
-    db["messages"].enable_fts(["content"], create_triggers=True, tokenize="porter")
-    db["passages"].enable_fts(["text"], create_triggers=True, tokenize="porter")
-
-
-# MIGRATIONS[i] takes the schema from version i to i + 1. Append only: never edit a released migration.
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_migrate_to_v1]
 
 
 class Database:
@@ -199,7 +128,7 @@ class Database:
             {
                 "title": title,
                 "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
-                "sampling": _encode_json(_merged_sampling(DEFAULT_SAMPLING, sampling)),
+                "sampling": encode_json(merged_sampling(DEFAULT_SAMPLING, sampling)),
                 "created_at": now,
                 "updated_at": now,
                 "is_open": 1,
@@ -234,7 +163,7 @@ class Database:
         current = self.conversation(cid)
         updates = dict(fields)
         if "sampling" in updates:
-            updates["sampling"] = _encode_json(_merged_sampling(current["sampling"], updates["sampling"]))
+            updates["sampling"] = encode_json(merged_sampling(current["sampling"], updates["sampling"]))
         if "is_open" in updates:
             updates["is_open"] = int(bool(updates["is_open"]))
             if updates["is_open"] and not current["is_open"] and "tab_order" not in updates:
@@ -291,8 +220,8 @@ class Database:
                     "role": role,
                     "content": content,
                     "status": status,
-                    "stats": None if stats is None else _encode_json(stats),
-                    "sources": None if sources is None else _encode_json(sources),
+                    "stats": None if stats is None else encode_json(stats),
+                    "sources": None if sources is None else encode_json(sources),
                     "created_at": now,
                 }
             )
@@ -324,9 +253,9 @@ class Database:
             _check_status(status)
             updates["status"] = status
         if stats is not None:
-            updates["stats"] = _encode_json(stats)
+            updates["stats"] = encode_json(stats)
         if sources is not None:
-            updates["sources"] = _encode_json(sources)
+            updates["sources"] = encode_json(sources)
         try:
             self._db["messages"].update(mid, updates)
         except NotFoundError:
@@ -485,38 +414,16 @@ class Database:
         return default if row is None else json.loads(row[0])
 
     def set_setting(self, key: str, value: Any) -> None:
-        self._db["settings"].upsert({"key": key, "value": _encode_json(value)}, pk="key")
+        self._db["settings"].upsert({"key": key, "value": encode_json(value)}, pk="key")
 
-    # -- export / import ----------------------------------------------------------------------------------
+    # -- import (the format lives in app.conversation_export) --------------------------------------------
 
-    def export_json(self, cid: int) -> dict:
-        conversation = self.conversation(cid)
-        return {
-            "format": EXPORT_FORMAT,
-            "version": EXPORT_VERSION,
-            "title": conversation["title"],
-            "system_prompt": conversation["system_prompt"],
-            "sampling": conversation["sampling"],
-            "created_at": conversation["created_at"],
-            "messages": [
-                {key: message[key] for key in ("role", "content", "created_at", "stats", "sources")}
-                for message in self.messages(cid)
-            ],
-        }
+    def now(self) -> float:
+        """The database's clock (unix seconds): what it stamps rows with."""
+        return self._clock()
 
-    def export_markdown(self, cid: int) -> str:
-        conversation = self.conversation(cid)
-        parts = [f"# {conversation['title']}"]
-        if conversation["system_prompt"]:
-            parts.append("\n".join(f"> {line}".rstrip() for line in conversation["system_prompt"].splitlines()))
-        for message in self.messages(cid):
-            parts.append(f"**{message['role'].capitalize()}**")
-            parts.append(message["content"])
-        return "\n\n".join(parts) + "\n"
-
-    def import_json(self, data: Any) -> dict:
-        """A new open conversation from an `export_json` dict. Raises ValueError, writing nothing, on bad input."""
-        conversation, messages = _validated_import(data, now=self._clock())
+    def add_conversation_with_messages(self, conversation: dict, messages: list[dict]) -> dict:
+        """A new open conversation from validated rows, in one transaction."""
         with self._db.atomic():
             cid = self._db["conversations"].insert({**conversation, "tab_order": self._next_tab_order()}).last_pk
             self._db["messages"].insert_all(
@@ -531,7 +438,7 @@ def _fts_string(word: str) -> str:
     return '"' + word.replace('"', '""') + '"'
 
 
-def _encode_json(value: Any) -> str:
+def encode_json(value: Any) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -555,7 +462,7 @@ def _check_status(status: Any) -> None:
         raise ValueError(f"message status must be one of {STATUSES}, got {status!r}")
 
 
-def _merged_sampling(base: dict, overrides: Any) -> dict:
+def merged_sampling(base: dict, overrides: Any) -> dict:
     """`overrides` (a dict of some sampling keys, or None) over `base`, checked."""
     if overrides is not None and not isinstance(overrides, dict):
         raise ValueError(f"sampling must be a dict, got {type(overrides).__name__}")
@@ -585,66 +492,3 @@ def _validated_passage(index: int, passage: Any) -> dict:
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"passage {index} needs integer 'start' and 'end' offsets ({exc!r})") from None
-
-
-def _validated_import(data: Any, now: float) -> tuple[dict, list[dict]]:
-    """(conversation row, message rows) from an export dict; every check runs before anything is written."""
-    if not isinstance(data, dict):
-        raise ValueError(f"a conversation export must be a JSON object, got {type(data).__name__}")
-    if data.get("format") != EXPORT_FORMAT:
-        raise ValueError(
-            f"not a KVBoost conversation export: format is {data.get('format')!r}, expected {EXPORT_FORMAT!r}"
-        )
-    version = data.get("version")
-    if isinstance(version, bool) or version != EXPORT_VERSION:
-        raise ValueError(
-            f"unsupported conversation export version {version!r}; this app reads version {EXPORT_VERSION}"
-        )
-    raw_messages = data.get("messages")
-    if not isinstance(raw_messages, list):
-        raise ValueError(f"a conversation export needs a 'messages' list, got {type(raw_messages).__name__}")
-    title = data.get("title", "Imported chat")
-    system_prompt = data.get("system_prompt")
-    if not isinstance(title, str):
-        raise ValueError(f"title must be a str, got {title!r}")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ValueError(f"system_prompt must be a str or null, got {system_prompt!r}")
-    sampling = _merged_sampling(DEFAULT_SAMPLING, data.get("sampling"))
-    created_at = _timestamp(data.get("created_at"), now, "created_at")
-
-    messages = []
-    for index, message in enumerate(raw_messages):
-        if not isinstance(message, dict):
-            raise ValueError(f"message {index} must be an object, got {type(message).__name__}")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise ValueError(f"message {index}: role must be one of {ROLES}, got {role!r}")
-        if not isinstance(content, str):
-            raise ValueError(f"message {index}: content must be a str, got {type(content).__name__}")
-        stats, sources = message.get("stats"), message.get("sources")
-        messages.append(
-            {
-                "role": role,
-                "content": content,
-                "stats": None if stats is None else _encode_json(stats),
-                "sources": None if sources is None else _encode_json(sources),
-                "created_at": _timestamp(message.get("created_at"), now, f"message {index} created_at"),
-            }
-        )
-    conversation = {
-        "title": title,
-        "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
-        "sampling": _encode_json(sampling),
-        "created_at": created_at,
-        "updated_at": now,
-        "is_open": 1,
-    }
-    return conversation, messages
-
-
-def _timestamp(value: Any, default: float, what: str) -> float:
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{what} must be a unix time in seconds, got {value!r}")
-    return float(value)

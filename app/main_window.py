@@ -15,7 +15,7 @@ from PySide6.QtWidgets import (
     QMainWindow, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget,
 )
 
-from . import dialogs, theme as themes
+from . import conversation_export, dialogs, theme as themes
 from .conversation_tab import ConversationTab
 from .memory_meter import MemoryMeter
 
@@ -292,10 +292,10 @@ class MainWindow(QMainWindow):
                 return None
         try:
             if fmt == "md":
-                Path(path).write_text(self.db.export_markdown(tab.conversation_id), encoding="utf-8")
+                Path(path).write_text(conversation_export.export_markdown(self.db, tab.conversation_id), encoding="utf-8")
             else:
-                Path(path).write_text(json.dumps(self.db.export_json(tab.conversation_id), indent=2,
-                                                 ensure_ascii=False), encoding="utf-8")
+                exported = conversation_export.export_json(self.db, tab.conversation_id)
+                Path(path).write_text(json.dumps(exported, indent=2, ensure_ascii=False), encoding="utf-8")
         except OSError as exc:
             self.show_error(f"Could not write {path}: {exc}")
             return None
@@ -309,7 +309,7 @@ class MainWindow(QMainWindow):
                 return None
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
-            conversation = self.db.import_json(data)
+            conversation = conversation_export.import_json(self.db, data)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             self.show_error(f"Could not import {Path(path).name}: {exc}")
             return None

@@ -110,7 +110,8 @@ class ChunkStore:
         self.memory_tiers = [t for t in (self.device_tier, host) if t is not None]
         self.disk = disk
         self.records: dict[bytes, ChunkRecord] = {}
-        self._staged: dict[bytes, KV] = {}  # payloads fetched for requests in flight that no tier could keep
+        self._staged: dict[bytes, KV] = {}
+        self._in_use: set[bytes] = set()  # keys with ref_count > 0 (the disk tier must not evict them)  # payloads fetched for requests in flight that no tier could keep
         self._by_content: dict[bytes, set[bytes]] = {}
         self._tails_by_parent: dict[bytes, set[bytes]] = {}
         self._chunks_by_parent: dict[bytes, set[bytes]] = {}
@@ -174,11 +175,13 @@ class ChunkStore:
 
     def acquire(self, record: ChunkRecord) -> None:
         record.ref_count += 1
+        self._in_use.add(record.key)
 
     def release(self, record: ChunkRecord) -> None:
         assert record.ref_count > 0, "release without acquire"
         record.ref_count -= 1
         if record.ref_count == 0:
+            self._in_use.discard(record.key)
             self._staged.pop(record.key, None)
 
     # -- tiers ----------------------------------------------------------------------------------------------
@@ -295,8 +298,7 @@ class ChunkStore:
 
     def _write_disk(self, record: ChunkRecord, kv: KV) -> None:
         stored = self.disk_encode(kv)
-        in_use = {k for k, r in self.records.items() if r.ref_count > 0}
-        lost = self.disk.put(record, stored, in_use)
+        lost = self.disk.put(record, stored, self._in_use)
         if lost is None:
             return
         record.on_disk = True

@@ -9,12 +9,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-import platformdirs
 import pytest
 
 import app.db
 from app.db import DEFAULT_SAMPLING, DEFAULT_SYSTEM_PROMPT, Database, DatabaseError
-from app.paths import APP_AUTHOR, APP_NAME, HOME_ENV_VAR, app_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -462,107 +460,3 @@ def test_settings_store_json_values_and_fall_back_to_the_default(db: Database):
     assert db.get_setting("recent") == [3]
     with pytest.raises(ValueError):
         db.set_setting("bad", object())
-
-
-# -- export / import -------------------------------------------------------------------------------------
-
-
-def make_conversation_with_messages(db: Database) -> int:
-    cid = db.create_conversation("Trip plan", system_prompt="You plan trips.\nBe brief.", sampling={"top_p": 0.8})["id"]
-    db.add_message(cid, "user", "Where should I go?\n\n- somewhere *warm*")
-    db.add_message(cid, "assistant", "Try Lisbon.", stats={"tokens_per_s": 30.0}, sources=[{"page": 4}])
-    return cid
-
-
-def test_export_then_import_reproduces_the_conversation(db: Database):
-    cid = make_conversation_with_messages(db)
-    exported = db.export_json(cid)
-    assert (exported["format"], exported["version"]) == ("kvboost-conversation", 1)
-    imported = db.import_json(exported)
-    assert imported["id"] != cid
-    assert db.export_json(imported["id"]) == exported
-    assert [conv["id"] for conv in db.conversations(open_only=True)] == [cid, imported["id"]]
-
-
-def test_export_markdown_contains_title_prompt_and_messages_verbatim(db: Database):
-    cid = make_conversation_with_messages(db)
-    markdown = db.export_markdown(cid)
-    assert markdown.startswith("# Trip plan\n\n> You plan trips.\n> Be brief.\n\n")
-    assert "**User**\n\nWhere should I go?\n\n- somewhere *warm*\n\n**Assistant**\n\nTry Lisbon.\n" in markdown
-
-
-def good_export() -> dict:
-    return {
-        "format": "kvboost-conversation",
-        "version": 1,
-        "title": "t",
-        "messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}],
-    }
-
-
-@pytest.mark.parametrize(
-    "data, message",
-    [
-        ([], "JSON object"),
-        ({**good_export(), "format": "chatgpt"}, "format"),
-        ({**good_export(), "version": 2}, "version 2"),
-        ({k: v for k, v in good_export().items() if k != "messages"}, "'messages' list"),
-        ({**good_export(), "messages": [{"role": "user", "content": "ok"}, {"role": "tool", "content": "x"}]}, "tool"),
-        ({**good_export(), "messages": [{"role": "user", "content": ["not", "text"]}]}, "content"),
-        ({**good_export(), "messages": ["hello"]}, "message 0"),
-        ({**good_export(), "sampling": {"temperature": "hot"}}, "temperature"),
-        ({**good_export(), "title": 5}, "title"),
-    ],
-)
-def test_import_rejects_bad_input_without_writing(db: Database, data, message: str):
-    make_conversation_with_messages(db)
-    with pytest.raises(ValueError, match=message):
-        db.import_json(data)
-    assert len(db.conversations()) == 1
-    assert db._db.execute("SELECT COUNT(*) FROM messages").fetchone()[0] == 2
-
-
-def test_import_of_a_minimal_export_uses_defaults(db: Database):
-    imported = db.import_json(good_export())
-    assert (imported["title"], imported["system_prompt"], imported["sampling"]) == (
-        "t",
-        DEFAULT_SYSTEM_PROMPT,
-        DEFAULT_SAMPLING,
-    )
-    assert [(m["role"], m["content"], m["status"]) for m in db.messages(imported["id"])] == [
-        ("user", "hello", "done"),
-        ("assistant", "hi", "done"),
-    ]
-
-
-# -- paths -----------------------------------------------------------------------------------------------
-
-
-def test_app_paths_with_home_puts_all_folders_under_it(tmp_path: Path):
-    paths = app_paths(tmp_path / "portable")
-    assert (paths.data_dir, paths.log_dir, paths.cache_dir) == (
-        tmp_path / "portable" / "data",
-        tmp_path / "portable" / "logs",
-        tmp_path / "portable" / "cache",
-    )
-    assert paths.database == tmp_path / "portable" / "data" / "kvboost.sqlite3"
-    assert not paths.data_dir.exists()
-    paths.ensure()
-    assert paths.data_dir.is_dir() and paths.log_dir.is_dir() and paths.cache_dir.is_dir()
-    with Database(paths.database) as database:
-        assert database.schema_version == 1
-
-
-def test_app_paths_honours_the_home_environment_variable(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv(HOME_ENV_VAR, str(tmp_path))
-    assert app_paths().data_dir == tmp_path / "data"
-    assert app_paths(tmp_path / "explicit").data_dir == tmp_path / "explicit" / "data"
-
-
-def test_app_paths_without_home_uses_the_platform_user_folders(monkeypatch):
-    monkeypatch.delenv(HOME_ENV_VAR, raising=False)
-    paths = app_paths()
-    assert paths.data_dir == Path(platformdirs.user_data_dir(APP_NAME, APP_AUTHOR))
-    assert paths.log_dir == Path(platformdirs.user_log_dir(APP_NAME, APP_AUTHOR))
-    assert paths.cache_dir == Path(platformdirs.user_cache_dir(APP_NAME, APP_AUTHOR))
-    assert APP_NAME in str(paths.data_dir)

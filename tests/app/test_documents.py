@@ -20,10 +20,9 @@ from app.documents import (
     extract,
     file_signature,
     is_supported,
-    markdown_headings,
     sha256_file,
-    split_passages,
 )
+from app.passages import markdown_headings, split_passages
 
 PAGE_WORDS = {1: "aardvark", 2: "bumblebee", 3: "chinchilla"}
 
