@@ -125,9 +125,9 @@ class Scheduler:
                 log.exception("request failed")
                 self._emit(job, exc)
             finally:
-                with self._lock:
+                with self._lock:  # one step: once nothing runs, the counts are final
                     self._current = None
-                self.num_served += 1
+                    self.num_served += 1
 
 
 # -- translation ------------------------------------------------------------------------------------------------

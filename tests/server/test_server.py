@@ -196,12 +196,21 @@ def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(cl
     assert waits[1] > 0 and waits[2] > waits[1] * 0.5  # later arrivals waited for the earlier ones
 
 
+def idle(server) -> None:
+    """Waits until the previous request has fully ended, so the scheduler's counts are final."""
+    deadline = time.monotonic() + 30
+    while server.scheduler.num_running or server.scheduler.num_waiting:
+        assert time.monotonic() < deadline, "the server did not go idle"
+        time.sleep(0.05)
+
+
 LONG = {"model": "smollm2", "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 4000, "temperature": 0}
 
 
 def test_a_client_that_disconnects_mid_stream_cancels_its_generation(server):
     body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a very long essay."}],
             "max_tokens": 4000, "temperature": 0, "stream": True}
+    idle(server)
     served, cancelled = server.scheduler.num_served, server.scheduler.num_cancelled
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
@@ -216,6 +225,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_generation(server):
 
 
 def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server):
+    idle(server)
     served, cancelled = server.scheduler.num_served, server.scheduler.num_cancelled
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=LONG, timeout=2)
@@ -227,6 +237,7 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server):
 
 
 def test_a_waiting_request_whose_client_left_never_runs(server):
+    idle(server)
     served, skipped = server.scheduler.num_served, server.scheduler.num_skipped
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=120) as resp:
         lines = resp.iter_lines()  # kept: a dropped iterator closes the stream, and the server cancels it
