@@ -7,10 +7,17 @@ storage rules are testable on their own. Every public method returns plain dicts
 Durability: WAL journal + synchronous=NORMAL + one commit per public write means a killed or crashed app
 loses nothing it had already written; only a power cut can drop the last few commits, never corrupt the
 file. Multi-row changes (a document's passages, an import, migrations) are single transactions.
+
+Other processes (a second app, the server, a script) may use the same file. Every write is an immediate
+transaction: it takes the write lock before its first read, waiting up to the busy timeout for another
+writer (and retrying the few "busy" answers SQLite gives without waiting), so concurrent writers queue
+instead of failing. A write that cannot be made (locked past the timeout, disk full, read-only, I/O error)
+raises DatabaseError naming the file, and leaves nothing of itself behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import sqlite3
@@ -23,6 +30,9 @@ import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
 from .db_schema import MIGRATIONS
+
+DEFAULT_BUSY_TIMEOUT = 5.0  # seconds a write waits for another process's write lock
+_BEGIN_ATTEMPTS = 5  # SQLite sometimes answers "busy" without waiting; retried while the timeout lasts
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}  # SmolLM2 model card: 0.2 / 0.9
@@ -43,7 +53,84 @@ _STOPWORDS = frozenset(
 
 
 class DatabaseError(RuntimeError):
-    """The file cannot be used: not SQLite, not ours, or written by a newer version of the app."""
+    """The file cannot be used: not SQLite, not ours, written by a newer version of the app, or a write to it
+    failed (locked, full, read-only, I/O error); the message names the file."""
+
+
+class DatabaseLocked(DatabaseError):
+    """Another process held the write lock for longer than the busy timeout."""
+
+
+# SQLite's primary result codes for the failures a write can meet that are not the program's fault.
+_BUSY, _LOCKED, _READONLY, _IOERR, _CORRUPT, _FULL, _CANTOPEN = 5, 6, 8, 10, 11, 13, 14
+_CODES_BY_MESSAGE = (  # Python < 3.11 gives only the message
+    ("locked", _BUSY), ("busy", _BUSY), ("readonly", _READONLY), ("read-only", _READONLY),
+    ("disk i/o", _IOERR), ("malformed", _CORRUPT), ("full", _FULL), ("unable to open", _CANTOPEN),
+)
+
+
+def _error_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF
+    message = str(exc).lower()
+    return next((code for words, code in _CODES_BY_MESSAGE if words in message), None)
+
+
+def _write_error(path: Path, exc: sqlite3.Error, waited: float | None = None) -> Exception:
+    """The DatabaseError to raise for a failed write, or `exc` itself when it is a bug (bad SQL, a constraint)."""
+    code = _error_code(exc)
+    if code in (_BUSY, _LOCKED):
+        waited_text = f" (waited {waited:.1f} s)" if waited is not None else ""
+        return DatabaseLocked(f"database {path} is locked by another process{waited_text}; close the other "
+                              "KVBoost Desktop, server or script using it, or use another data folder")
+    reasons = {_READONLY: "it is read-only, or was moved or deleted while open", _FULL: "the disk is full",
+               _IOERR: f"I/O error ({exc})", _CORRUPT: f"the file is damaged ({exc})", _CANTOPEN: f"{exc}"}
+    if code in reasons:
+        return DatabaseError(f"cannot write to database {path}: {reasons[code]}")
+    return exc
+
+
+class _Connection(sqlite_utils.Database):
+    """sqlite-utils whose outermost `atomic()` is an immediate transaction.
+
+    A deferred transaction that reads and then writes cannot wait for another process's write (SQLite
+    answers "database is locked" at once, since waiting could deadlock); taking the write lock first can.
+    Failures come out as DatabaseError (see _write_error), after the rollback.
+    """
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, timeout: float):
+        super().__init__(conn, execute_plugins=False)
+        self.path = path
+        self.timeout = timeout
+
+    @contextlib.contextmanager
+    def atomic(self):
+        if self.conn.in_transaction:
+            with super().atomic():  # a savepoint inside the outer transaction
+                yield self
+            return
+        self._begin_immediate()
+        try:
+            yield self
+            self.conn.execute("COMMIT")
+        except BaseException as exc:
+            self.rollback()
+            if isinstance(exc, sqlite3.OperationalError):
+                raise _write_error(self.path, exc) from exc
+            raise
+
+    def _begin_immediate(self) -> None:
+        start = time.monotonic()
+        for attempt in range(1, _BEGIN_ATTEMPTS + 1):
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")  # waits up to the connection's busy timeout
+                return
+            except sqlite3.OperationalError as exc:
+                waited = time.monotonic() - start
+                if _error_code(exc) not in (_BUSY, _LOCKED) or waited >= self.timeout or attempt == _BEGIN_ATTEMPTS:
+                    raise _write_error(self.path, exc, waited) from exc
+                time.sleep(0.02 * attempt)
 
 
 class Database:
@@ -54,18 +141,25 @@ class Database:
     worker for it.
     """
 
-    def __init__(self, path: str | Path, *, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, path: str | Path, *, clock: Callable[[], float] = time.time, timeout: float = DEFAULT_BUSY_TIMEOUT
+    ):
+        """`timeout`: seconds a write waits for another process to release the write lock before
+        DatabaseLocked."""
         self.path = Path(path)
         self._clock = clock  # unix seconds; injectable so tests can order rows deterministically
         try:
-            conn = sqlite3.connect(self.path)
+            conn = sqlite3.connect(self.path, timeout=timeout)
         except sqlite3.Error as exc:
             raise DatabaseError(f"cannot open database {self.path}: {exc}") from exc
         try:
-            self._db = sqlite_utils.Database(conn, execute_plugins=False)
+            self._db = _Connection(conn, self.path, timeout)
             self._open_and_migrate()
         except sqlite3.DatabaseError as exc:
             conn.close()
+            error = _write_error(self.path, exc)
+            if error is not exc:
+                raise error from exc
             raise DatabaseError(f"{self.path} is not a usable KVBoost database: {exc}") from exc
         except BaseException:
             conn.close()
@@ -85,7 +179,8 @@ class Database:
         self._db.execute("PRAGMA synchronous = NORMAL")
         if found < latest:
             with self._db.atomic():
-                for migrate in MIGRATIONS[found:]:
+                found = self._stored_schema_version()  # again, under the write lock: another process may have
+                for migrate in MIGRATIONS[found:]:  # migrated it while this one waited
                     migrate(self._db)
                 self._db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)", [str(latest)])
 
@@ -124,17 +219,16 @@ class Database:
     ) -> dict:
         """A new open tab at the end of the tab strip. `sampling` keys override DEFAULT_SAMPLING."""
         now = self._clock()
-        table = self._db["conversations"].insert(
-            {
-                "title": title,
-                "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
-                "sampling": encode_json(merged_sampling(DEFAULT_SAMPLING, sampling)),
-                "created_at": now,
-                "updated_at": now,
-                "is_open": 1,
-                "tab_order": self._next_tab_order(),
-            }
-        )
+        row = {
+            "title": title,
+            "system_prompt": DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt,
+            "sampling": encode_json(merged_sampling(DEFAULT_SAMPLING, sampling)),
+            "created_at": now,
+            "updated_at": now,
+            "is_open": 1,
+        }
+        with self._db.atomic():
+            table = self._db["conversations"].insert({**row, "tab_order": self._next_tab_order()})
         return self.conversation(table.last_pk)
 
     def conversation(self, cid: int) -> dict:
@@ -160,16 +254,17 @@ class Database:
         unknown = sorted(set(fields) - set(_UPDATABLE_CONVERSATION_FIELDS))
         if unknown:
             raise ValueError(f"cannot update conversation fields {unknown}; allowed: {_UPDATABLE_CONVERSATION_FIELDS}")
-        current = self.conversation(cid)
-        updates = dict(fields)
-        if "sampling" in updates:
-            updates["sampling"] = encode_json(merged_sampling(current["sampling"], updates["sampling"]))
-        if "is_open" in updates:
-            updates["is_open"] = int(bool(updates["is_open"]))
-            if updates["is_open"] and not current["is_open"] and "tab_order" not in updates:
-                updates["tab_order"] = self._next_tab_order()
-        updates["updated_at"] = self._clock()
-        self._db["conversations"].update(cid, updates)
+        with self._db.atomic():  # the merge reads the row it rewrites: no other writer in between
+            current = self.conversation(cid)
+            updates = dict(fields)
+            if "sampling" in updates:
+                updates["sampling"] = encode_json(merged_sampling(current["sampling"], updates["sampling"]))
+            if "is_open" in updates:
+                updates["is_open"] = int(bool(updates["is_open"]))
+                if updates["is_open"] and not current["is_open"] and "tab_order" not in updates:
+                    updates["tab_order"] = self._next_tab_order()
+            updates["updated_at"] = self._clock()
+            self._db["conversations"].update(cid, updates)
         return self.conversation(cid)
 
     def set_tab_order(self, cids: Iterable[int]) -> None:
@@ -183,7 +278,8 @@ class Database:
     def delete_conversation(self, cid: int) -> None:
         """Deletes its messages and document attachments too (the documents themselves stay)."""
         try:
-            self._db["conversations"].delete(cid)
+            with self._db.atomic():
+                self._db["conversations"].delete(cid)
         except NotFoundError:
             raise KeyError(f"no conversation with id {cid}") from None
 
@@ -257,7 +353,8 @@ class Database:
         if sources is not None:
             updates["sources"] = encode_json(sources)
         try:
-            self._db["messages"].update(mid, updates)
+            with self._db.atomic():
+                self._db["messages"].update(mid, updates)
         except NotFoundError:
             raise KeyError(f"no message with id {mid}") from None
         return self.message(mid)
@@ -274,12 +371,15 @@ class Database:
 
     def delete_messages_from(self, cid: int, position: int) -> int:
         """Delete the messages at `position` and after (regenerate, edit-and-resend); returns how many."""
-        cursor = self._db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?", [cid, position])
+        with self._db.atomic():
+            cursor = self._db.execute("DELETE FROM messages WHERE conversation_id = ? AND position >= ?",
+                                      [cid, position])
         return cursor.rowcount
 
     def mark_interrupted(self) -> int:
         """Run at start-up: answers still "streaming" belong to a process that died; returns how many."""
-        return self._db.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'").rowcount
+        with self._db.atomic():
+            return self._db.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'").rowcount
 
     def search_messages(self, query: str, limit: int = 50) -> list[dict]:
         """Messages containing every word of `query`, best bm25 first, with a [marked] snippet.
@@ -365,9 +465,10 @@ class Database:
             )
 
     def detach_document(self, cid: int, doc_id: int) -> None:
-        self._db.execute(
-            "DELETE FROM conversation_documents WHERE conversation_id = ? AND document_id = ?", [cid, doc_id]
-        )
+        with self._db.atomic():
+            self._db.execute(
+                "DELETE FROM conversation_documents WHERE conversation_id = ? AND document_id = ?", [cid, doc_id]
+            )
 
     def conversation_documents(self, cid: int) -> list[dict]:
         """Document rows plus `position` and `attached_at` of the attachment, in attachment order."""
@@ -414,7 +515,9 @@ class Database:
         return default if row is None else json.loads(row[0])
 
     def set_setting(self, key: str, value: Any) -> None:
-        self._db["settings"].upsert({"key": key, "value": encode_json(value)}, pk="key")
+        row = {"key": key, "value": encode_json(value)}
+        with self._db.atomic():
+            self._db["settings"].upsert(row, pk="key")
 
     # -- import (the format lives in app.conversation_export) --------------------------------------------
 
