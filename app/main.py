@@ -2,6 +2,10 @@
 
 `kvboost-desktop --smoke OUT.png` runs the real app offscreen: loads the model, opens a tab, sends one
 message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure).
+
+One app runs per home: a second `kvboost-desktop [FILE ...]` on the same home hands its files to the running
+one (which comes to the front and adds them to the current conversation) and exits 0. A folder or database
+the app cannot use is one line on stderr naming it, and exit code 2.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 SMOKE_QUESTION = "What is the capital of France?"
 
@@ -21,6 +26,9 @@ SMOKE_QUESTION = "What is the capital of France?"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvboost-desktop", description="KVBoost Desktop: private chat over your "
                                 "documents with a local model that never computes the same text twice.")
+    p.add_argument("files", nargs="*", metavar="FILE",
+                   help="documents (or folders) to add to the current conversation; with the app already "
+                   "running on this home, they are handed to it")
     p.add_argument("--model", default=None, help="model to load instead of the saved choice (HF folder, .gguf "
                    "file, or a hub id in the local HF cache)")
     p.add_argument("--home", default=None, help="keep data, logs and caches under this folder instead of the "
@@ -43,6 +51,12 @@ def setup_logging(log_dir) -> None:
     root.addHandler(handler)
 
 
+def fail(message: str) -> int:
+    """A start-up failure the user can fix (a folder, a locked or unusable database): one line, exit 2."""
+    print(f"kvboost-desktop: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
@@ -50,26 +64,60 @@ def main(argv=None) -> int:
         if args.home is None and "KVBOOST_HOME" not in os.environ:
             args.home = tempfile.mkdtemp(prefix="kvboost-smoke-")  # never touches the user's conversations
     from PySide6.QtWidgets import QApplication
+
+    from .paths import FolderError, app_paths
+    from .single_instance import SingleInstance
+
+    paths = app_paths(args.home)
+    try:
+        paths.ensure()
+        setup_logging(paths.log_dir)
+    except FolderError as exc:
+        return fail(str(exc))
+    except OSError as exc:  # the log file
+        return fail(f"cannot write the log in {paths.log_dir}: {exc.strerror or exc}")
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("KVBoost Desktop")
+    files = [str(Path(f).resolve()) for f in args.files]
+    instance = SingleInstance(paths.data_dir)
+    try:
+        first = instance.acquire()
+    except FolderError as exc:
+        return fail(str(exc))
+    if not first:
+        if args.smoke or args.report_startup:
+            return fail(f"KVBoost Desktop is already running on {paths.data_dir}; a self-test needs its own home")
+        if instance.send(files):
+            print(f"KVBoost Desktop is already running on {paths.data_dir}: handed it {len(files)} file(s) and "
+                  "brought its window to the front.")
+            return 0
+        return fail(f"KVBoost Desktop is already running on {paths.data_dir} (lock {instance.lock_path}) but did "
+                    "not answer; close it, or remove the lock file if no KVBoost Desktop is running")
+    try:
+        return run_app(app, args, paths, files, instance)
+    finally:
+        instance.release()
+
+
+def run_app(app, args, paths, files, instance) -> int:
+    """The first (only) app on this home: the window, the model loading behind it, the event loop."""
     import qasync
 
     from .db import Database, DatabaseError
     from .engine_client import EngineClient
     from .main_window import MainWindow
-    from .paths import app_paths
 
-    paths = app_paths(args.home)
-    paths.ensure()
-    setup_logging(paths.log_dir)
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    app.setApplicationName("KVBoost Desktop")
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
     try:
         db = Database(paths.database)
     except DatabaseError as exc:
-        print(f"kvboost-desktop: {exc}", file=sys.stderr)
-        return 2
-    interrupted = db.mark_interrupted()
+        return fail(str(exc))
+    try:
+        interrupted = db.mark_interrupted()
+    except DatabaseError as exc:
+        db.close()
+        return fail(str(exc))
     # KV computed in one session answers the next (the engine's disk tier; shared with kvboost-server).
     client = EngineClient(engine_options={"disk_cache_dir": str(paths.kv_cache_dir)} if paths.kv_cache_dir else {})
     window = MainWindow(db, client, theme_choice=args.theme or "system")
@@ -79,6 +127,12 @@ def main(argv=None) -> int:
         window.statusBar().showMessage(f"{interrupted} answer(s) were interrupted when the app last closed; "
                                        "what was shown is kept.", 10000)
     window.show()
+
+    def handed_over(paths: list[str]) -> None:
+        logging.getLogger(__name__).info("a second start handed over %d file(s)", len(paths))
+        window.open_files(paths)
+
+    instance.files_received.connect(handed_over)
     model = db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
     source = args.model if args.model is not None else model.get("source")
     options = {"reuse": model.get("reuse", "chunk")}
@@ -88,6 +142,8 @@ def main(argv=None) -> int:
     from PySide6.QtCore import QTimer
 
     QTimer.singleShot(0, lambda: window.load_model(source, **options))
+    if files:
+        QTimer.singleShot(0, lambda: window.open_files(files))
     try:
         with loop:
             if args.report_startup:

@@ -206,6 +206,18 @@ class MainWindow(QMainWindow):
         self.conversation_opened.emit(conversation_id)
         return tab
 
+    def open_files(self, paths: list[str]) -> None:
+        """Files from the command line, or from a second start of the app on this home: the window comes to
+        the front and they are added to the current conversation, as if dropped on it."""
+        log.info("opening %d file(s): %s", len(paths), paths)
+        if self.isMinimized():
+            self.showNormal()
+        self.show()
+        self.raise_()
+        self.activateWindow()
+        if paths:
+            (self.current_tab() or self.new_conversation()).add_paths(paths)
+
     def close_current(self) -> None:
         if self.tabs.count():
             self.on_tabs_tab_close_requested(self.tabs.currentIndex())

@@ -18,6 +18,10 @@ HOME_ENV_VAR = "KVBOOST_HOME"
 DATABASE_FILENAME = "kvboost.sqlite3"
 
 
+class FolderError(RuntimeError):
+    """A folder the app needs cannot be created or used; the message names it."""
+
+
 @dataclass(frozen=True)
 class AppPaths:
     data_dir: Path  # the database and anything the user would be sad to lose
@@ -32,9 +36,19 @@ class AppPaths:
         return self.data_dir / DATABASE_FILENAME
 
     def ensure(self) -> AppPaths:
-        """Create the three folders (and their parents) if missing; returns self for chaining."""
-        for folder in (self.data_dir, self.log_dir, self.cache_dir):
-            folder.mkdir(parents=True, exist_ok=True)
+        """Create the three folders (and their parents) if missing; returns self for chaining.
+
+        FolderError when one cannot be: a file in the way, no permission.
+        """
+        for role, folder in (("data", self.data_dir), ("log", self.log_dir), ("cache", self.cache_dir)):
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                in_the_way = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+                if in_the_way is not None:
+                    raise FolderError(f"cannot use {folder} as the {role} folder: {in_the_way} is a file, "
+                                      "not a folder") from exc
+                raise FolderError(f"cannot create the {role} folder {folder}: {exc.strerror or exc}") from exc
         return self
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import platformdirs
+import pytest
 
 from app.db import Database
-from app.paths import APP_AUTHOR, APP_NAME, HOME_ENV_VAR, app_paths
+from app.paths import APP_AUTHOR, APP_NAME, HOME_ENV_VAR, FolderError, app_paths
 
 
 def test_app_paths_with_home_puts_all_folders_under_it(tmp_path: Path):
@@ -24,6 +25,16 @@ def test_app_paths_with_home_puts_all_folders_under_it(tmp_path: Path):
     assert paths.data_dir.is_dir() and paths.log_dir.is_dir() and paths.cache_dir.is_dir()
     with Database(paths.database) as database:
         assert database.schema_version == 1
+
+
+def test_ensure_names_the_file_in_the_way_of_a_folder(tmp_path: Path):
+    (tmp_path / "home").write_text("a file")
+    with pytest.raises(FolderError, match=f"{tmp_path / 'home'} is a file"):
+        app_paths(tmp_path / "home").ensure()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "data").write_text("a file")
+    with pytest.raises(FolderError, match=f"{tmp_path / 'other' / 'data'} is a file"):
+        app_paths(tmp_path / "other").ensure()
 
 
 def test_app_paths_honours_the_home_environment_variable(tmp_path: Path, monkeypatch):

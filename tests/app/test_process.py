@@ -127,3 +127,114 @@ def test_start_up_report_shows_the_window_before_the_model(tmp_path):
                          capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "20 messages shown" in run.stdout and "model loaded: False" in run.stdout
+
+
+# -- start-up failures and a second start on one home ----------------------------------------------------
+
+# Holds the write lock on a database (BEGIN EXCLUSIVE) until killed.
+HOLD_LOCK = textwrap.dedent("""
+    import sqlite3, sys, time
+    conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+    conn.execute("BEGIN EXCLUSIVE")
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def one_line_error(run: subprocess.CompletedProcess) -> str:
+    """The app's error line; asserts there is exactly one and no traceback."""
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("kvboost-desktop:")]
+    assert len(lines) == 1, run.stderr[-2000:]
+    return lines[0]
+
+
+def test_a_database_locked_by_another_process_is_a_clear_error_at_start_up(tmp_path):
+    from app.db import Database
+
+    database = tmp_path / "home" / "data" / "kvboost.sqlite3"
+    database.parent.mkdir(parents=True)
+    Database(database).close()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(database)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        run = subprocess.run([sys.executable, "-m", "app.main", "--report-startup", "--home", str(tmp_path / "home")],
+                             capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run.returncode == 2, run.stderr[-2000:]
+    line = one_line_error(run)
+    assert str(database) in line and "locked by another process" in line
+
+
+@pytest.mark.parametrize("blocked", ["home", "data"])
+def test_a_home_or_data_folder_that_is_a_file_is_a_clear_error(tmp_path, blocked):
+    home = tmp_path / "home"
+    if blocked == "home":
+        home.write_text("not a folder")
+        in_the_way = home
+    else:
+        home.mkdir()
+        in_the_way = home / "data"
+        in_the_way.write_text("not a folder")
+    run = subprocess.run([sys.executable, "-m", "app.main", "--report-startup", "--home", str(home)],
+                         capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    line = one_line_error(run)
+    assert f"{in_the_way} is a file" in line
+    assert in_the_way.read_text() == "not a folder"
+
+
+def start_first_instance(home: Path) -> subprocess.Popen:
+    """The app as a real process on `home` (with a model path that fails to load at once: no weights needed),
+    returned once it holds the home's single-instance lock."""
+    first = subprocess.Popen([sys.executable, "-m", "app.main", "--home", str(home), "--model",
+                              str(home / "no-such-model")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=app_env(), cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while not (home / "data" / "kvboost-desktop.lock").exists():
+        assert first.poll() is None, first.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the first instance never took the lock"
+        time.sleep(0.1)
+    return first
+
+
+def test_a_second_start_hands_its_files_to_the_running_app_and_exits(tmp_path):
+    from app.db import Database
+
+    home = tmp_path / "home"
+    notes = tmp_path / "notes.txt"
+    notes.write_text("The lighthouse keeper logs every storm in a red notebook.\n")
+    first = start_first_instance(home)
+    try:
+        second = subprocess.run([sys.executable, "-m", "app.main", "--home", str(home), str(notes)],
+                                capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
+        assert second.returncode == 0, second.stderr[-2000:]
+        assert "already running" in second.stdout and "1 file" in second.stdout
+        deadline = time.monotonic() + 30
+        attached = []
+        while not attached and time.monotonic() < deadline:  # the first instance indexes and attaches it
+            time.sleep(0.2)
+            with Database(home / "data" / "kvboost.sqlite3") as db:
+                attached = [document["path"] for conversation in db.conversations(open_only=True)
+                            for document in db.conversation_documents(conversation["id"])]
+        assert attached == [str(notes)]
+        assert first.poll() is None, "the first instance keeps running"
+    finally:
+        first.kill()
+        first.wait()
+    log = (home / "logs" / "kvboost-desktop.log").read_text()
+    assert "a second start handed over 1 file(s)" in log
+
+
+def test_a_lock_left_by_a_crashed_app_does_not_block_the_next_start(tmp_path):
+    home = tmp_path / "home"
+    first = start_first_instance(home)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert (home / "data" / "kvboost-desktop.lock").exists()
+    run = subprocess.run([sys.executable, "-m", "app.main", "--report-startup", "--home", str(home)],
+                         capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "window up" in run.stdout
