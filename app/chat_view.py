@@ -13,7 +13,7 @@ from PySide6.QtWidgets import (
 from .theme import KIND_COLORS
 
 RENDER_INTERVAL_MS = 60  # re-render streaming Markdown at most this often (a full re-layout per token is slow)
-KINDS = ("EXACT", "PREFIX", "APPROXIMATE", "MISS")
+KINDS = ("EXACT", "PREFIX", "QUANTIZED", "APPROXIMATE", "MISS")
 
 
 def badge_text(stats: dict | None, finish_reason: str | None = None) -> str:
@@ -52,7 +52,7 @@ def cache_map_html(answer: dict, theme: str) -> str:
                f"({100.0 * reused / prompt if prompt else 0:.0f}%{from_disk}), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
                f"{saved_text}. Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")
     body = "".join(
-        f'<span style="background:{colors[seg["kind"]]}" title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
+        f'<span style="background:{colors.get(seg["kind"], "transparent")}" title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
         f"{html.escape(seg['text'])}</span>"
         for seg in answer.get("segments", [])
     )

@@ -21,12 +21,14 @@ KIND_COLORS = {
     "light": {
         "EXACT": "#c8ecc9",
         "PREFIX": "#bfe3f2",
+        "QUANTIZED": "#e3d4f5",
         "APPROXIMATE": "#ffe2a8",
         "MISS": "#f9c9d0",
     },
     "dark": {
         "EXACT": "#25592c",
         "PREFIX": "#1d5069",
+        "QUANTIZED": "#4b3566",
         "APPROXIMATE": "#6e5212",
         "MISS": "#6f2734",
     },

@@ -9,6 +9,7 @@ earlier segment already in the cache, so its KV is the KV of a real prefill in i
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,6 +22,9 @@ from .paged import kv_range
 from .store import KV, ChunkRecord, ChunkStore
 
 EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
+# An EXACT or PREFIX hit whose KV values are not the computed ones (served from a quantized tier, or computed over
+# quantized KV): the text before it is the same, the numbers are not, so it is never reported as EXACT.
+QUANTIZED = "QUANTIZED"
 
 
 @dataclass
@@ -53,6 +57,12 @@ class Plan:
     def first_approximate(self) -> int:
         """Position of the first APPROXIMATE token (len(ids) if none): KV from there on is not exact."""
         return min((s.start for s in self.segments if s.kind == APPROXIMATE), default=len(self.ids))
+
+    @property
+    def first_lossy(self) -> int:
+        """Position of the first QUANTIZED token: KV from there on (the answer's too) is not the computed KV.
+        Past any position (sys.maxsize) when there is none."""
+        return min((s.start for s in self.segments if s.kind == QUANTIZED), default=sys.maxsize)
 
     @property
     def tail_start(self) -> int:
@@ -197,9 +207,11 @@ def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerp
 
     A chunk that starts at or after the first APPROXIMATE token holds approximate KV: it is stored for
     approximate reuse only (never under its chained key), and only if part of it was computed here (a chunk
-    served wholly from another entry would just duplicate it). Returns the number stored."""
+    served wholly from another entry would just duplicate it). A chunk ending after the first QUANTIZED token is
+    stored as lossy (its hits are QUANTIZED). Returns the number stored."""
     stored = 0
     first_approx = plan.first_approximate
+    first_lossy = plan.first_lossy
     for index in range(plan.num_complete):
         key = plan.keys[index]
         start, end = plan.spans[index]
@@ -214,6 +226,6 @@ def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerp
                 continue
         tokens = plan.ids[start:end]
         if store.put_chunk(key, plan.parent_of(index), content_key(fingerprint, tokens), start, tokens,
-                           cache_kv(cache, start, end), exact=exact):
+                           cache_kv(cache, start, end), exact=exact, lossy=first_lossy < end):
             stored += 1
     return stored

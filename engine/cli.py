@@ -27,7 +27,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-cache-bytes", type=int, default=None, help="disk KV tier budget (0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
-                   help="how host RAM and disk keep KV (default int8)")
+                   help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as QUANTIZED)")
     p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
     p.add_argument("--live-kv-bytes", type=int, default=None,
                    help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")

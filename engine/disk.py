@@ -12,9 +12,15 @@ Safety, in the order things happen:
 - Writes are atomic: the file is written under tmp/, fsynced, renamed into payloads/ (a unique name per write,
   so two processes writing the same key never clobber each other's file), the folder fsynced, and only then
   the row is committed. A crash leaves at most an orphan file (`verify` removes it), never a row without data.
-- Every read checks the size, the namespace and key in the header and the checksum (header and data). Anything wrong (a
-  truncated, corrupt or missing file, a row another process evicted) is reported as None: a MISS. The caller
-  drops the entry and computes the text again, which writes a good file.
+- Every read checks the size, the namespace and key in the header and the checksum (header and data), and that
+  the file is the KV of what the row says (kind, parent, position, token ids: carried in the header, under the
+  checksum). Anything wrong (a truncated, corrupt or missing file, a row another process evicted, a row or file
+  edited by hand) is reported as None: a MISS. The caller drops the entry and computes the text again, which
+  writes a good file.
+- Rows are data from a file anyone may edit: each one is checked before use (types, lengths, its key recomputed
+  from its parent and tokens, its file name of the pattern the tier itself writes). A bad row is dropped without
+  touching the path it names; files are only ever opened or removed under payloads/ and tmp/, regular files only,
+  never through a symbolic link.
 - Rows carry the namespace of the engine that wrote them (model fingerprint, chunking, kv_quant, format
   version); a store only ever loads rows of its own namespace.
 - The byte budget is enforced inside one write transaction (BEGIN IMMEDIATE), so two processes sharing the
@@ -24,17 +30,22 @@ Safety, in the order things happen:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import math
 import os
+import re
 import secrets
+import stat
 import shutil
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterable
 
 import numpy as np
@@ -42,6 +53,7 @@ import platformdirs
 import sqlite_utils
 
 from .eviction import LRU, rank
+from .keys import KEY_BYTES, chain_key
 from .payload_file import PayloadError, decode_file, encode_file
 from .tiers import QUANT_MODES, StoredKV
 
@@ -50,6 +62,80 @@ log = logging.getLogger(__name__)
 CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
 INDEX_FILENAME = "index.sqlite3"
 ORPHAN_AGE_S = 3600  # a file without a row older than this is debris of a crash (a writer renames then commits)
+_HEX_KEY = re.compile(r"[0-9a-f]{%d}" % (2 * KEY_BYTES))
+_PAYLOAD_NAME = re.compile(r"payloads/([0-9a-f]{2})/([0-9a-f]{%d})-[0-9a-f]{8}\.kv" % (2 * KEY_BYTES))
+_TMP_NAME = re.compile(r"tmp/[0-9a-f]{%d}-[0-9a-f]{8}\.kv\.\d+\.tmp" % (2 * KEY_BYTES))
+MAX_ROW_TOKENS = 1 << 20
+
+
+def payload_name(key_hex: str) -> str:
+    """A fresh relative file name for an entry's payload (unique per write)."""
+    return f"payloads/{key_hex[:2]}/{key_hex}-{secrets.token_hex(4)}.kv"
+
+
+def is_payload_name(file, key_hex: str | None = None) -> bool:
+    """Whether `file` (from an index row) is a name this tier writes, for entry `key_hex` when given."""
+    if not isinstance(file, str):
+        return False
+    match = _PAYLOAD_NAME.fullmatch(file)
+    if match is None or match.group(1) != match.group(2)[:2]:
+        return False
+    return key_hex is None or match.group(2) == key_hex
+
+
+def expected_key(kind: str, parent: bytes, tokens, exact: bool) -> bytes:
+    """The key an entry of this kind, parent and tokens is stored under (engine.assemble, engine.engine)."""
+    if kind == "tail":
+        return chain_key(parent + b"tail", tokens)
+    key = chain_key(parent, tokens)
+    return key if exact else chain_key(key + b"inexact", [])
+
+
+def parse_row(row: dict) -> dict | None:
+    """An index row with its fields checked and decoded (key/parent/content_key as bytes, tokens as a tuple),
+    or None when anything about it is wrong: a bad row is dropped, never trusted and never an exception."""
+    try:
+        key_hex, parent_hex, kind = row["key"], row["parent"], row["kind"]
+        if not (isinstance(key_hex, str) and _HEX_KEY.fullmatch(key_hex)):
+            return None
+        if not (isinstance(parent_hex, str) and _HEX_KEY.fullmatch(parent_hex)) or kind not in ("chunk", "tail"):
+            return None
+        content = row["content_key"]
+        if kind == "chunk" and not (isinstance(content, str) and _HEX_KEY.fullmatch(content)):
+            return None
+        blob = row["tokens"]
+        if not isinstance(blob, bytes) or not blob or len(blob) % 4 or len(blob) > 4 * MAX_ROW_TOKENS:
+            return None
+        tokens = tuple(int(t) for t in np.frombuffer(blob, dtype="<i4"))
+        ints = [row[name] for name in ("id", "start", "exact", "num_bytes", "raw_bytes", "hits", "lossy")]
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
+            return None
+        row_id, start, exact, num_bytes, raw_bytes, hits, lossy = ints
+        importance = row["importance"]
+        if isinstance(importance, bool) or not isinstance(importance, (int, float)) or not math.isfinite(importance):
+            return None
+        if start < 0 or num_bytes <= 0 or raw_bytes <= 0 or hits < 0 or exact not in (0, 1) or lossy not in (0, 1):
+            return None
+        if min(tokens) < 0 or (kind == "tail" and not exact):
+            return None
+        parent = bytes.fromhex(parent_hex)
+        key = bytes.fromhex(key_hex)
+        if key != expected_key(kind, parent, tokens, bool(exact)):
+            return None  # tokens or parent rewritten: the row does not describe its own key
+        if "file" in row and not is_payload_name(row["file"], key_hex):
+            return None
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+    return {"id": row_id, "key": key, "parent": parent, "content_key": bytes.fromhex(content) if content else None,
+            "kind": kind, "start": start, "tokens": tokens, "exact": bool(exact), "num_bytes": num_bytes,
+            "raw_bytes": raw_bytes, "importance": float(importance), "hits": hits, "lossy": bool(lossy),
+            "file": row.get("file")}
+
+
+def entry_fields(record, lossy: bool) -> dict:
+    """What a payload file says it is the KV of (checked on every read against the row and the prompt)."""
+    return {"kind": record.kind, "parent": record.parent.hex(), "start": record.start,
+            "tokens": [int(t) for t in record.tokens], "exact": bool(record.exact), "lossy": bool(lossy)}
 
 def default_cache_dir() -> Path:
     """$KVBOOST_CACHE_DIR when set (documented override), else platformdirs' per-user cache folder."""
@@ -108,7 +194,7 @@ class DiskTier:
 
     name = "disk"
 
-    def __init__(self, folder: str | Path, budget_bytes: int | None = None, quant: str = "int8",
+    def __init__(self, folder: str | Path, budget_bytes: int | None = None, quant: str = "none",
                  namespace: str | None = None, policy=None, model_name: str = ""):
         if quant not in QUANT_MODES:
             raise ValueError(f"kv_quant for the disk tier must be one of {QUANT_MODES}, got {quant!r}")
@@ -118,6 +204,15 @@ class DiskTier:
             (self.folder / "tmp").mkdir(exist_ok=True)
         except OSError as exc:
             raise ValueError(f"disk cache folder {self.folder} cannot be created: {exc}") from None
+        for sub in ("payloads", "tmp"):
+            if not _is_real_dir(self.folder / sub):
+                raise ValueError(f"disk cache folder {self.folder}: {sub}/ is not a folder (a link or a file)")
+        probe = self.folder / "tmp" / f"probe.{os.getpid()}.{secrets.token_hex(4)}"
+        try:  # SQLite's own error for a folder it cannot write to is "unable to open database file"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ValueError(f"disk cache folder {self.folder} is not writable: {exc.strerror or exc}") from None
         self.budget_bytes = budget_bytes  # None until the index is open: the folder's own default, see below
         self.quant = quant
         self.namespace = namespace
@@ -131,21 +226,51 @@ class DiskTier:
         conn = sqlite3.connect(self.folder / INDEX_FILENAME, timeout=30, isolation_level=None,
                                check_same_thread=False)
         self.db = sqlite_utils.Database(conn)
-        self._create_schema()
+        try:
+            self._create_schema()
+        except BaseException:
+            conn.close()
+            raise
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One write transaction (BEGIN IMMEDIATE: waits for other writers up to the busy timeout). A failed
+        ROLLBACK never hides the error that caused it."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            try:
+                self.db.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            raise
+        self.db.execute("COMMIT")
 
     def _create_schema(self) -> None:
         with self._lock:
-            self.db.execute("PRAGMA journal_mode=WAL")
+            # Two processes opening a new folder at once race for the journal-mode switch; SQLite answers
+            # "locked" at once there instead of waiting, so wait here.
+            for attempt in range(100):
+                try:
+                    self.db.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) and "busy" not in str(exc) or attempt == 99:
+                        raise
+                    time.sleep(0.05)
             self.db.execute("PRAGMA synchronous=NORMAL")
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._write():
                 self.db.execute(
                     "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, "
                     "namespace TEXT NOT NULL, kind TEXT NOT NULL, parent TEXT NOT NULL, content_key TEXT, "
                     "start INTEGER NOT NULL, tokens BLOB NOT NULL, exact INTEGER NOT NULL, num_bytes INTEGER NOT NULL, "
                     "raw_bytes INTEGER NOT NULL, importance REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0, "
                     "last_access INTEGER NOT NULL, file TEXT NOT NULL, created REAL NOT NULL, "
-                    "UNIQUE(namespace, key))")
+                    "lossy INTEGER NOT NULL DEFAULT 0, UNIQUE(namespace, key))")
+                columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)").fetchall()}
+                if "lossy" not in columns:  # a folder written by an older version
+                    self.db.execute("ALTER TABLE entries ADD COLUMN lossy INTEGER NOT NULL DEFAULT 0")
                 self.db.execute("CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access)")
                 self.db.execute(
                     "CREATE TABLE IF NOT EXISTS namespaces (namespace TEXT PRIMARY KEY, model TEXT, settings TEXT, "
@@ -155,18 +280,15 @@ class DiskTier:
                     # The default budget is the folder's, fixed by the first process that opened it, so the app
                     # and the server (each sizing it from free space at its own start) agree.
                     row = self.db.execute("SELECT value FROM meta WHERE name = 'default_budget_bytes'").fetchone()
-                    if row is None:
+                    if row is None or isinstance(row[0], bool) or not isinstance(row[0], int) or row[0] < 0:
                         row = (default_disk_budget(self.folder),)
-                        self.db.execute("INSERT INTO meta VALUES ('default_budget_bytes', ?)", row)
+                        self.db.execute("INSERT OR REPLACE INTO meta VALUES ('default_budget_bytes', ?)", row)
                     self.budget_bytes = int(row[0])
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
             self._refresh_used()
 
     def _refresh_used(self) -> int:
-        self.used_bytes = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
+        used = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
+        self.used_bytes = used if isinstance(used, int) else 0
         return self.used_bytes
 
     def _failed(self, what: str, exc: Exception) -> None:
@@ -190,36 +312,69 @@ class DiskTier:
     # -- reading ------------------------------------------------------------------------------------------
     @_degrades([])
     def rows_since(self, last_id: int) -> list[dict]:
-        """This namespace's entries added after row id `last_id` (by any process), oldest first."""
+        """This namespace's entries added after row id `last_id` (by any process), oldest first, checked by
+        parse_row. Rows that fail the check are dropped from the index (the paths they name are not touched)."""
         assert self.namespace is not None
         with self._lock:
             cursor = self.db.execute(
                 "SELECT id, key, kind, parent, content_key, start, tokens, exact, num_bytes, raw_bytes, importance, "
-                "hits FROM entries WHERE namespace = ? AND id > ? ORDER BY id", [self.namespace, last_id])
+                "hits, lossy, file FROM entries WHERE namespace = ? AND id > ? ORDER BY id", [self.namespace, last_id])
             names = [d[0] for d in cursor.description]
-            return [dict(zip(names, row)) for row in cursor.fetchall()]
+            rows = [dict(zip(names, row)) for row in cursor.fetchall()]
+        good, bad = [], []
+        for row in rows:
+            parsed = parse_row(row)
+            (good if parsed is not None else bad).append(parsed or row)
+        if bad:
+            log.warning("disk cache: %d malformed index rows dropped", len(bad))
+            self.counters.bad += len(bad)
+            self._drop_row_ids([row["id"] for row in bad])
+        return good
+
+    def _drop_row_ids(self, ids: list) -> None:
+        with self._lock:
+            with self._write():
+                for row_id in ids:
+                    self.db.execute("DELETE FROM entries WHERE id = ?", [row_id])
+            self._refresh_used()
 
     @_degrades(None)
-    def load(self, key: bytes) -> StoredKV | None:
-        """The entry's payload, checked; None (and the row removed) when it is missing or cannot be trusted."""
+    def load(self, key: bytes, record=None) -> StoredKV | None:
+        """The entry's payload, checked; None (and the row removed) when it is missing or cannot be trusted.
+        With `record` (the store's record of the row), the file must also be the KV of exactly that entry."""
         t0 = time.perf_counter()
         with self._lock:
-            row = self.db.execute("SELECT file FROM entries WHERE namespace = ? AND key = ?",
+            row = self.db.execute("SELECT id, file, num_bytes, lossy FROM entries WHERE namespace = ? AND key = ?",
                                   [self.namespace, key.hex()]).fetchone()
         if row is None:
             return None
-        path = self.folder / row[0]
+        row_id, file, num_bytes, lossy = row
+        path = self._safe_path(file, key.hex())
+        if path is None or isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+            log.warning("disk cache entry %s dropped: malformed index row", key.hex()[:12])
+            self.counters.bad += 1
+            self._drop_row_ids([row_id])
+            return None
+        expect = entry_fields(record, bool(lossy)) if record is not None else None
         try:
-            stored = decode_file(path, self.namespace, key)
+            stored = decode_file(path, self.namespace, key, expect=expect, max_bytes=num_bytes)
         except PayloadError as exc:
             log.warning("disk cache entry %s dropped: %s", key.hex()[:12], exc)
             self.counters.bad += 1
-            self._delete_rows([(key.hex(), row[0])])
+            self._delete_rows([(key.hex(), file)])
             return None
         self.counters.reads += 1
         self.counters.read_bytes += stored.nbytes
         self.counters.read_ms += (time.perf_counter() - t0) * 1000
         return stored
+
+    def _safe_path(self, file, key_hex: str | None = None) -> Path | None:
+        """The path of a payload file named by a row, or None unless it is a name this tier writes, inside
+        payloads/ (no link along the way)."""
+        if not is_payload_name(file, key_hex):
+            return None
+        path = self.folder / file
+        return path if _is_real_dir(path.parent) and _is_real_dir(path.parent.parent) else None
 
     @_degrades(None)
     def touch(self, keys: Iterable[bytes]) -> None:
@@ -228,34 +383,32 @@ class DiskTier:
         if not keys:
             return
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._write():
                 clock = self._clock()
                 for i, key in enumerate(keys):
                     self.db.execute("UPDATE entries SET hits = hits + 1, last_access = ? WHERE namespace = ? "
                                     "AND key = ?", [clock + 1 + i, self.namespace, key])
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
 
     def _clock(self) -> int:
-        return self.db.execute("SELECT COALESCE(MAX(last_access), 0) FROM entries").fetchone()[0]
+        clock = self.db.execute("SELECT COALESCE(MAX(last_access), 0) FROM entries").fetchone()[0]
+        return clock if isinstance(clock, int) else 0
 
     # -- writing ------------------------------------------------------------------------------------------
     @_degrades(None)
-    def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset()) -> list[bytes] | None:
+    def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset(), lossy: bool = False) -> list[bytes] | None:
         """Writes `record`'s payload and indexes it, evicting by the policy to stay within the budget (never
-        an entry of this process in use). Returns the keys this namespace lost to eviction, or None when the
-        entry does not fit (or the write failed: disk full, permissions), in which case nothing is left behind."""
+        an entry of this process in use). `lossy`: the payload's values are not the computed ones (quantized,
+        or computed over quantized KV); its hits are then reported as QUANTIZED, never EXACT. Returns the keys
+        this namespace lost to eviction, or None when the entry does not fit (or the write failed: disk full,
+        permissions), in which case nothing is left behind."""
         assert self.namespace is not None
-        blob = encode_file(stored, self.namespace, record.key)
+        blob = encode_file(stored, self.namespace, record.key, entry_fields(record, lossy))
         if len(blob) > self.budget_bytes:
             self.counters.rejected += 1
             return None
-        rel = Path("payloads") / record.key.hex()[:2] / f"{record.key.hex()}-{secrets.token_hex(4)}.kv"
+        rel = payload_name(record.key.hex())
         try:
-            self._write_atomic(rel, blob)
+            self._write_atomic(Path(rel), blob)
         except OSError as exc:
             log.warning("disk cache write failed: %s", exc)
             self.counters.rejected += 1
@@ -263,61 +416,71 @@ class DiskTier:
         removed: list[tuple[str, str]] = []
         evicted_here: list[bytes] = []
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
             try:
-                old = self.db.execute("SELECT key, file FROM entries WHERE namespace = ? AND key = ?",
-                                      [self.namespace, record.key.hex()]).fetchone()
-                if old is not None:  # a repaired entry or another process's copy: this one replaces it
-                    self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ?",
-                                    [self.namespace, record.key.hex()])
-                    removed.append(old)
-                used = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
-                if used + len(blob) > self.budget_bytes:
-                    victims = self._victims(used + len(blob) - self.budget_bytes, in_use)
-                    if victims is None:
-                        self.db.execute("ROLLBACK")  # the old row (if any) stays, with its file
-                        self._unlink([str(rel)])
-                        self.counters.rejected += 1
-                        return None
-                    for row_id, key, file, namespace in victims:
-                        self.db.execute("DELETE FROM entries WHERE id = ?", [row_id])
-                        removed.append((key, file))
-                        if namespace == self.namespace:
-                            evicted_here.append(bytes.fromhex(key))
-                    self.counters.evicted += len(victims)
-                clock = self._clock()
-                self.db.execute(
-                    "INSERT INTO entries (key, namespace, kind, parent, content_key, start, tokens, exact, "
-                    "num_bytes, raw_bytes, importance, hits, last_access, file, created) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [record.key.hex(), self.namespace, record.kind, record.parent.hex(),
-                     record.content_key.hex() if record.content_key else None, record.start,
-                     np.asarray(record.tokens, dtype="<i4").tobytes(), int(record.exact), len(blob),
-                     record.num_bytes, record.importance, record.hits, clock + 1, str(rel), time.time()])
-                self.db.execute("COMMIT")
-                self._refresh_used()
+                with self._write():
+                    old = self.db.execute("SELECT key, file FROM entries WHERE namespace = ? AND key = ?",
+                                          [self.namespace, record.key.hex()]).fetchone()
+                    if old is not None:  # a repaired entry or another process's copy: this one replaces it
+                        self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ?",
+                                        [self.namespace, record.key.hex()])
+                        removed.append(old)
+                    used = self._used_in_transaction()
+                    if used + len(blob) > self.budget_bytes:
+                        victims = self._victims(used + len(blob) - self.budget_bytes, in_use)
+                        if victims is None:
+                            raise _NoRoom
+                        for row_id, key, file, namespace in victims:
+                            self.db.execute("DELETE FROM entries WHERE id = ?", [row_id])
+                            removed.append((key, file))
+                            if namespace == self.namespace and isinstance(key, str) and _HEX_KEY.fullmatch(key):
+                                evicted_here.append(bytes.fromhex(key))
+                        self.counters.evicted += len(victims)
+                    clock = self._clock()
+                    self.db.execute(
+                        "INSERT INTO entries (key, namespace, kind, parent, content_key, start, tokens, exact, "
+                        "num_bytes, raw_bytes, importance, hits, last_access, file, created, lossy) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        [record.key.hex(), self.namespace, record.kind, record.parent.hex(),
+                         record.content_key.hex() if record.content_key else None, record.start,
+                         np.asarray(record.tokens, dtype="<i4").tobytes(), int(record.exact), len(blob),
+                         record.num_bytes, record.importance, record.hits, clock + 1, rel, time.time(),
+                         int(lossy)])
+            except _NoRoom:  # the old row (if any) stays, with its file
+                self._unlink([rel])
+                self.counters.rejected += 1
+                return None
             except BaseException:
-                self.db.execute("ROLLBACK")
-                self._unlink([str(rel)])
+                self._unlink([rel])
                 raise
+            self._refresh_used()
         self._unlink([f for _, f in removed])
         self.counters.writes += 1
         return evicted_here
 
+    def _used_in_transaction(self) -> int:
+        used = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]
+        return used if isinstance(used, int) else 0
+
     def _victims(self, need: int, in_use: set[bytes]) -> list[tuple] | None:
-        """Rows to drop, in the policy's order, freeing at least `need` bytes; None when impossible."""
+        """Rows to drop, in the policy's order, freeing at least `need` bytes; None when impossible. Rows with
+        malformed bookkeeping go first (they cannot be served anyway)."""
         from .store import ChunkRecord  # bookkeeping shape the policies sort
 
         rows = self.db.execute("SELECT id, key, file, namespace, num_bytes, importance, hits, last_access "
                                "FROM entries").fetchall()
-        probes = {}
+        broken, probes = [], {}
         for row_id, key, file, namespace, num_bytes, importance, hits, last_access in rows:
-            if namespace == self.namespace and bytes.fromhex(key) in in_use:
+            numbers = (num_bytes, hits, last_access)
+            if not isinstance(key, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in numbers) \
+                    or not isinstance(importance, (int, float)):
+                broken.append((row_id, key, file, namespace))
                 continue
-            probe = ChunkRecord(b"", b"", None, "chunk", 0, (), num_bytes, importance=importance,
+            if namespace == self.namespace and _HEX_KEY.fullmatch(key) and bytes.fromhex(key) in in_use:
+                continue
+            probe = ChunkRecord(b"", b"", None, "chunk", 0, (), num_bytes, importance=float(importance),
                                 last_access=last_access, hits=hits)
             probes[id(probe)] = (probe, (row_id, key, file, namespace))
-        victims, freed = [], 0
+        victims, freed = list(broken), 0
         for probe in rank(self.policy or LRU(), [p for p, _ in probes.values()]):
             if freed >= need:
                 break
@@ -328,15 +491,18 @@ class DiskTier:
     def _write_atomic(self, rel: Path, blob: bytes) -> None:
         final = self.folder / rel
         final.parent.mkdir(parents=True, exist_ok=True)
+        if not _is_real_dir(final.parent):
+            raise OSError(f"{final.parent} is not a folder")
         tmp = self.folder / "tmp" / f"{final.name}.{os.getpid()}.tmp"
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 f.write(blob)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise
         _fsync_dir(final.parent)
 
@@ -350,22 +516,21 @@ class DiskTier:
 
     def _delete_rows(self, rows: list[tuple[str, str]]) -> None:
         with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._write():
                 for key, file in rows:
                     self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
                                     [self.namespace, key, file])
-                self.db.execute("COMMIT")
-                self._refresh_used()
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
+            self._refresh_used()
         self._unlink([file for _, file in rows])
 
-    def _unlink(self, files: Iterable[str]) -> None:
+    def _unlink(self, files: Iterable) -> None:
+        """Removes payload files named by rows; a name this tier would not write is left alone."""
         for file in files:
+            path = self._safe_path(file)
+            if path is None:
+                continue
             try:
-                (self.folder / file).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
             except OSError as exc:
                 log.warning("could not remove %s: %s", file, exc)
 
@@ -386,7 +551,7 @@ class DiskTier:
         return {
             "folder": str(self.folder), "entries": total[0], "bytes": total[1], "raw_bytes": total[2],
             "tokens": total[3], "budget_bytes": self.budget_bytes,
-            "namespaces": [{"namespace": ns, "model": model or "?", "settings": json.loads(settings or "{}"),
+            "namespaces": [{"namespace": ns, "model": model or "?", "settings": _json_dict(settings),
                             "entries": n, "bytes": b, "tokens": t} for ns, model, settings, n, b, t in per_ns],
         }
 
@@ -403,51 +568,100 @@ class DiskTier:
         return len(rows)
 
     def verify(self, repair: bool = True) -> dict:
-        """Reads every file against its row: missing, truncated or corrupt ones are reported (and with
-        `repair` their rows dropped); files no row points to (a crash between rename and commit) are removed
-        when older than ORPHAN_AGE_S."""
+        """Reads every file against its row: malformed rows, missing, truncated, corrupt or mismatched files
+        are reported (and with `repair` their rows dropped; a malformed row's path is never touched); files no
+        row points to (a crash between rename and commit) are removed when older than ORPHAN_AGE_S."""
         with self._lock:
-            rows = self.db.execute("SELECT namespace, key, file FROM entries").fetchall()
+            cursor = self.db.execute(
+                "SELECT id, namespace, key, kind, parent, content_key, start, tokens, exact, num_bytes, raw_bytes, "
+                "importance, hits, lossy, file FROM entries")
+            names = [d[0] for d in cursor.description]
+            rows = [dict(zip(names, row)) for row in cursor.fetchall()]
         bad = []
-        for namespace, key, file in rows:
-            try:
-                decode_file(self.folder / file, namespace, bytes.fromhex(key))
-            except PayloadError as exc:
-                bad.append({"key": key, "file": file, "problem": str(exc), "namespace": namespace})
+        for row in rows:
+            parsed = parse_row(row)
+            problem = None
+            if parsed is None:
+                problem = "malformed index row"
+            else:
+                path = self._safe_path(row["file"], row["key"])
+                try:
+                    if path is None:
+                        raise PayloadError("file name outside the payload folder")
+                    decode_file(path, row["namespace"], parsed["key"],
+                                expect=entry_fields(SimpleNamespace(**parsed), parsed["lossy"]),
+                                max_bytes=parsed["num_bytes"])
+                except PayloadError as exc:
+                    problem = str(exc)
+            if problem is not None:
+                bad.append({"id": row["id"], "key": row["key"], "file": row["file"], "problem": problem,
+                            "namespace": row["namespace"], "trusted_name": parsed is not None})
         if repair and bad:
             with self._lock:
-                self.db.execute("BEGIN IMMEDIATE")
-                try:
+                with self._write():
                     for b in bad:
-                        self.db.execute("DELETE FROM entries WHERE namespace = ? AND key = ? AND file = ?",
-                                        [b["namespace"], b["key"], b["file"]])
-                    self.db.execute("COMMIT")
-                except BaseException:
-                    self.db.execute("ROLLBACK")
-                    raise
-            self._unlink([b["file"] for b in bad])
+                        self.db.execute("DELETE FROM entries WHERE id = ?", [b["id"]])
+                self._refresh_used()
+            self._unlink([b["file"] for b in bad if b["trusted_name"]])
+        for b in bad:
+            del b["id"], b["trusted_name"]
+            if not isinstance(b["file"], str):
+                b["file"] = repr(b["file"])
+            if not isinstance(b["key"], str):
+                b["key"] = repr(b["key"])
         orphans = self._remove_unreferenced(min_age_s=ORPHAN_AGE_S) if repair else []
         return {"checked": len(rows), "bad": bad, "orphans_removed": orphans}
 
     def _remove_unreferenced(self, min_age_s: float) -> list[str]:
+        """Payload and temp files no row names (only names this tier writes; links are removed as links)."""
         with self._lock:
             referenced = {row[0] for row in self.db.execute("SELECT file FROM entries").fetchall()}
         now = time.time()
+        candidates = []
+        for sub in ("payloads", "tmp"):
+            top = self.folder / sub
+            for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
+                for name in filenames:
+                    rel = Path(dirpath, name).relative_to(self.folder).as_posix()
+                    if is_payload_name(rel) or _TMP_NAME.fullmatch(rel):
+                        candidates.append(rel)
         removed = []
-        for path in list((self.folder / "payloads").rglob("*.kv")) + list((self.folder / "tmp").glob("*")):
-            rel = str(path.relative_to(self.folder))
+        for rel in candidates:
+            path = self.folder / rel
             try:
-                old = now - path.stat().st_mtime >= min_age_s
-            except FileNotFoundError:
+                info = os.lstat(path)
+            except OSError:
                 continue
-            if rel not in referenced and old:
-                path.unlink(missing_ok=True)
-                removed.append(rel)
+            if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+                continue
+            if rel not in referenced and now - info.st_mtime >= min_age_s:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                    removed.append(rel)
         return removed
 
     def close(self) -> None:
         with self._lock:
             self.db.conn.close()
+
+
+class _NoRoom(Exception):
+    pass
+
+
+def _json_dict(text) -> dict:
+    try:
+        value = json.loads(text or "{}")
+    except (TypeError, ValueError, RecursionError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _is_real_dir(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _fsync_dir(folder: Path) -> None:

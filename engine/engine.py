@@ -13,7 +13,7 @@ import torch
 
 from . import loader
 from .approx import BLEND_MODEL_TYPES, apply_selective, fill_approximate, merge_misses
-from .assemble import cache_kv, plan_prompt, store_new_chunks
+from .assemble import EXACT, PREFIX, QUANTIZED, cache_kv, plan_prompt, store_new_chunks
 from .chunking import TokenBreaks, chunk_spans
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
 from .disk import DiskTier, default_cache_dir
@@ -55,6 +55,13 @@ def awq_streaming_unavailable(model_config, device: torch.device) -> str | None:
     if str(method).lower() != "awq":
         return "needs an AWQ int4 checkpoint (this model is not AWQ-quantized)"
     return None
+
+
+def _serves_its_tokens(seg, ids: list[int]) -> bool:
+    """Whether the entry a segment reuses holds the very tokens of the prompt there (it always should; this is
+    the last check before reuse, against entries whose bookkeeping was changed behind the store's back)."""
+    record = seg.record
+    return tuple(ids[seg.start:seg.end]) == record.tokens[seg.offset:seg.offset + seg.num_tokens]
 
 
 class KVBoost:
@@ -319,48 +326,57 @@ class KVBoost:
                     if storing else None,
                 )
             finally:
-                for seg in plan.segments:
-                    if seg.record is not None:
-                        self.store.release(seg.record)
+                self._release(plan)
         finally:
             self._owner = None
             self._lock.release()
 
     def _plan_and_fetch(self, ids: list[int], reuse: str):
         """The plan, with every entry it reuses acquired and its payload on the device. An entry whose disk
-        payload turns out missing or corrupt is dropped and the prompt planned again without it (its text
-        becomes a MISS and is computed and stored afresh). Returns the plan and reused tokens per tier."""
+        payload turns out missing, corrupt or not the KV of the tokens it would serve is dropped and the prompt
+        planned again without it (its text becomes a MISS and is computed and stored afresh). Hits served
+        lossy values are relabelled QUANTIZED. Returns the plan and reused tokens per tier served from."""
         if reuse != "off":
             self.store.sync_disk()  # entries other processes wrote since the last request
+        served_from: dict[bytes, tuple[str, bool]] = {}  # where each entry was before any fetch moved it
         while True:
             plan = self._plan(ids, reuse)
-            records = {id(s.record): s.record for s in plan.segments if s.record is not None}.values()
-            tiers = {r.key: r.tier for r in records}
+            records = list({id(s.record): s.record for s in plan.segments if s.record is not None}.values())
+            for record in records:
+                served_from.setdefault(record.key, (record.tier, self.store.served_lossy(record)))
             for seg in plan.segments:
                 if seg.record is not None:
                     self.store.acquire(seg.record)
             try:
                 bad = [r for r in records if not self.store.fetch(r)]
             except BaseException:  # e.g. out of device memory while promoting: nothing stays acquired
-                for seg in plan.segments:
-                    if seg.record is not None:
-                        self.store.release(seg.record)
+                self._release(plan)
                 raise
+            bad += [seg.record for seg in plan.segments if seg.record is not None
+                    and all(r is not seg.record for r in bad) and not _serves_its_tokens(seg, ids)]
             if not bad:
                 break
-            for seg in plan.segments:
-                if seg.record is not None:
-                    self.store.release(seg.record)
+            self._release(plan)
             for record in bad:
+                served_from.pop(record.key, None)
                 self.store.drop(record)
         self.store.counters.misses += sum(1 for s in plan.segments if s.kind == "MISS")
         reused_by_tier: dict[str, int] = {}
         for seg in plan.segments:
-            if seg.record is not None:
-                self.store.touch(seg.record, seg.kind, tiers[seg.record.key])
-                reused_by_tier[tiers[seg.record.key]] = reused_by_tier.get(tiers[seg.record.key], 0) + seg.num_tokens
+            if seg.record is None:
+                continue
+            tier, lossy = served_from[seg.record.key]
+            if lossy and seg.kind in (EXACT, PREFIX):
+                seg.kind = QUANTIZED
+            self.store.touch(seg.record, seg.kind, tier)
+            reused_by_tier[tier] = reused_by_tier.get(tier, 0) + seg.num_tokens
         self.store.touch_disk(records)
         return plan, reused_by_tier
+
+    def _release(self, plan) -> None:
+        for seg in plan.segments:
+            if seg.record is not None:
+                self.store.release(seg.record)
 
     def _store_tail(self, plan, cache, all_ids: list[int]) -> None:
         """The KV after the last complete chunk (partial chunk + answer), for the next turn's token-level
@@ -372,7 +388,8 @@ class KVBoost:
             return
         tokens = all_ids[start:end]
         key = chain_key(plan.tail_parent + b"tail", tokens)
-        self.store.put_tail(key, plan.tail_parent, start, tokens, cache_kv(cache, start, end))
+        self.store.put_tail(key, plan.tail_parent, start, tokens, cache_kv(cache, start, end),
+                            lossy=plan.first_lossy < end)
 
     def generate(self, prompt: str | Messages, **kwargs) -> Result:
         result = None

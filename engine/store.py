@@ -23,7 +23,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from .eviction import LRU, EvictionPolicy, rank
@@ -52,6 +51,10 @@ class ChunkRecord:
     exact: bool = True
     tier: str = "device"  # the fastest tier holding the payload
     on_disk: bool = False  # a copy is in the disk tier (as well, or only: tier == "disk")
+    # The values of the memory copy (device/host) and of the disk copy are not the computed ones: quantized
+    # (a tier's kv_quant) or computed over quantized KV. Hits on a lossy copy are QUANTIZED, never EXACT.
+    lossy: bool = False
+    disk_lossy: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +63,8 @@ class ChunkRecord:
 
 @dataclass
 class StoreCounters:
-    hits: dict[str, int] = field(default_factory=lambda: {"EXACT": 0, "PREFIX": 0, "APPROXIMATE": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {"EXACT": 0, "PREFIX": 0, "APPROXIMATE": 0,
+                                                          "QUANTIZED": 0})
     misses: int = 0
     stored: int = 0
     evicted: int = 0
@@ -173,6 +177,10 @@ class ChunkStore:
         self.counters.hits[kind] += 1
         self.counters.tier_hits[tier or record.tier] += 1
 
+    def served_lossy(self, record: ChunkRecord) -> bool:
+        """Whether a hit on `record` now would be served values that are not the computed ones."""
+        return record.disk_lossy if record.tier == "disk" and record.key not in self._staged else record.lossy
+
     def acquire(self, record: ChunkRecord) -> None:
         record.ref_count += 1
         self._in_use.add(record.key)
@@ -192,23 +200,30 @@ class ChunkStore:
         assert record.ref_count > 0, "fetch of an entry not acquired"
         if record.tier == "device" or record.key in self._staged:
             return True
+        lossy = record.lossy
         if record.tier == "host":
             kv = self.host_tier.get(record.key, self.device)
+            loaded = None
         else:
-            stored = self.disk.load(record.key)
-            kv = _checked(stored, record, self.device) if stored is not None else None
-            if kv is None:  # missing, corrupt or not this entry's shape: the caller drops the record
-                if stored is not None:
+            loaded = self.disk.load(record.key, record)
+            kv = _checked(loaded, record, self.device) if loaded is not None else None
+            if kv is None:  # missing, corrupt or not this entry's: the caller drops the record
+                if loaded is not None:
                     self.disk.remove([record.key])
                 self.counters.disk_misses += 1
                 record.on_disk = False
                 return False
-        stored = self.device_tier.encode(kv)
+            lossy = record.disk_lossy
+        if loaded is not None and loaded.quant == self.device_tier.quant == "none" and self.device.type == "cpu":
+            stored = loaded  # views of the one buffer the file was read into: no copy
+        else:
+            stored = self.device_tier.encode(kv)
         if self._make_room(0, stored.nbytes):
             if record.tier == "host":
                 self.host_tier.remove(record.key)
             self.device_tier.put(record.key, stored)
             record.tier = "device"
+            record.lossy = lossy or self.device_tier.quant != "none"
             self.counters.promoted += 1
         else:  # no room next to the entries in use: this request keeps its own copy until release
             self._staged[record.key] = kv
@@ -224,19 +239,19 @@ class ChunkStore:
         if self.disk is None:
             return 0
         added = 0
-        for row in self.disk.rows_since(self._disk_seen):
+        for row in self.disk.rows_since(self._disk_seen):  # rows checked by engine.disk.parse_row
             self._disk_seen = max(self._disk_seen, row["id"])
-            key = bytes.fromhex(row["key"])
+            key = row["key"]
             known = self.records.get(key)
             if known is not None:
-                known.on_disk = True
+                if known.tokens == row["tokens"] and known.kind == row["kind"]:
+                    known.on_disk = True
+                    known.disk_lossy = row["lossy"] or self.disk.quant != "none"
                 continue
-            tokens = tuple(int(t) for t in np.frombuffer(row["tokens"], dtype="<i4"))
-            record = ChunkRecord(key, bytes.fromhex(row["parent"]),
-                                 bytes.fromhex(row["content_key"]) if row["content_key"] else None, row["kind"],
-                                 row["start"], tokens, row["raw_bytes"], importance=row["importance"],
-                                 last_access=next(self._clock), hits=row["hits"], exact=bool(row["exact"]),
-                                 tier="disk", on_disk=True)
+            record = ChunkRecord(key, row["parent"], row["content_key"], row["kind"], row["start"], row["tokens"],
+                                 row["raw_bytes"], importance=row["importance"], last_access=next(self._clock),
+                                 hits=row["hits"], exact=row["exact"], tier="disk", on_disk=True,
+                                 disk_lossy=row["lossy"] or self.disk.quant != "none")
             self._index(record)
             added += 1
         return added
@@ -248,14 +263,17 @@ class ChunkStore:
 
     # -- insertion ----------------------------------------------------------------------------------------
     def put_chunk(self, key: bytes, parent: bytes, content_key: bytes, start: int, tokens: Sequence[int],
-                  kv: KV, *, exact: bool = True) -> bool:
+                  kv: KV, *, exact: bool = True, lossy: bool = False) -> bool:
+        """`lossy`: `kv` was computed over quantized KV (its values are not those of a full prefill)."""
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
-        record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact)
+        record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact,
+                             lossy=lossy)
         return self._insert(record, kv)
 
-    def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV) -> bool:
+    def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV, *,
+                 lossy: bool = False) -> bool:
         """Stores a tail; tails under the same parent whose tokens are a prefix of this one are dropped,
         since this one serves every request they could."""
         tokens = tuple(tokens)
@@ -264,7 +282,7 @@ class ChunkStore:
             return True
         shorter = [other for other in self.tails_under(parent)
                    if other.ref_count == 0 and tokens[: other.num_tokens] == other.tokens]
-        record = ChunkRecord(key, parent, None, "tail", start, tokens, kv_nbytes(kv))
+        record = ChunkRecord(key, parent, None, "tail", start, tokens, kv_nbytes(kv), lossy=lossy)
         if not self._insert(record, kv):
             return False
         for other in shorter:
@@ -276,16 +294,18 @@ class ChunkStore:
     def _insert(self, record: ChunkRecord, kv: KV) -> bool:
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
+        computed_lossy = record.lossy
         placed = False
         for level, tier in enumerate(self.memory_tiers):
             stored = tier.encode(kv)
             if stored.nbytes <= tier.budget_bytes and self._make_room(level, stored.nbytes):
                 tier.put(record.key, stored)
                 record.tier = tier.name
+                record.lossy = computed_lossy or tier.quant != "none"
                 placed = True
                 break
         if self.disk is not None:
-            self._write_disk(record, kv)
+            self._write_disk(record, kv, computed_lossy)
             if not placed and record.on_disk:
                 record.tier = "disk"
                 placed = True
@@ -296,12 +316,15 @@ class ChunkStore:
         self.counters.stored += 1
         return True
 
-    def _write_disk(self, record: ChunkRecord, kv: KV) -> None:
+    def _write_disk(self, record: ChunkRecord, kv: KV, lossy: bool) -> None:
+        """Writes `kv` (lossy: its values are not the computed ones) as the entry's disk copy."""
         stored = self.disk_encode(kv)
-        lost = self.disk.put(record, stored, self._in_use)
+        disk_lossy = lossy or self.disk.quant != "none"
+        lost = self.disk.put(record, stored, self._in_use, lossy=disk_lossy)
         if lost is None:
             return
         record.on_disk = True
+        record.disk_lossy = disk_lossy
         for key in lost:
             other = self.records.get(key)
             if other is None:
@@ -353,12 +376,13 @@ class ChunkStore:
             if moved.nbytes <= lower.budget_bytes and self._make_room(level + 1, moved.nbytes):
                 lower.put(record.key, moved)
                 record.tier = lower.name
+                record.lossy = record.lossy or lower.quant != "none"
                 return
         if record.on_disk:
             record.tier = "disk"
             return
         if self.disk is not None:
-            self._write_disk(record, decode_kv(stored, torch.device("cpu")))
+            self._write_disk(record, decode_kv(stored, torch.device("cpu")), record.lossy)
             if record.on_disk:
                 record.tier = "disk"
                 return

@@ -11,10 +11,15 @@ import torch
 from engine.disk import DiskTier
 from engine.payload_file import PayloadError, decode_file, encode_file
 from engine.eviction import LRU
+from engine.keys import chain_key
 from engine.store import ChunkStore, kv_nbytes
 from engine.tiers import MemoryTier, decode_kv, encode_kv
 
 LAYERS, HEADS, TOKENS, DIM = 3, 3, 128, 64  # SmolLM2-135M's KV head shape, fewer layers
+ROOT = b"root".ljust(16, b".")
+# What a payload file says it holds (its header carries the entry's tokens): the largest one these tests write.
+ENTRY = {"kind": "chunk", "parent": ROOT.hex(), "start": 0, "tokens": list(range(1000, 1000 + TOKENS)),
+         "exact": True, "lossy": True}
 
 
 def make_kv(seed: int, tokens: int = TOKENS, dim: int = DIM, dtype=torch.float32):
@@ -68,14 +73,16 @@ def tiered_store(tmp_path, entries_device=2, entries_host=2, disk_entries=None, 
     host = MemoryTier("host", entries_host * host_size, torch.device("cpu"), quant)
     disk = None
     if disk_entries is not None:
-        file_size = len(encode_file(encode_kv(make_kv(0), quant, torch.device("cpu")), "ns", b"x" * 16))
+        file_size = len(encode_file(encode_kv(make_kv(0), quant, torch.device("cpu")), "ns", b"x" * 16, ENTRY))
         disk = DiskTier(tmp_path / "disk", disk_entries * file_size, quant, namespace="ns", policy=LRU())
     return ChunkStore(entries_device * size, LRU(), host=host, disk=disk)
 
 
 def put(store, name: bytes, seed: int):
-    key = name.ljust(16, b".")
-    assert store.put_chunk(key, b"root".ljust(16, b"."), key[::-1], 0, range(seed, seed + TOKENS), make_kv(seed))
+    """Stores chunk `name` (tokens seed..seed+TOKENS) under its real chained key; returns the key."""
+    tokens = range(seed, seed + TOKENS)
+    key = chain_key(ROOT, tokens)
+    assert store.put_chunk(key, ROOT, name.ljust(16, b"."), 0, tokens, make_kv(seed))
     return key
 
 
@@ -186,8 +193,7 @@ def test_a_damaged_file_is_a_miss_and_its_row_is_dropped(tmp_path, fault):
         path.write_bytes(b"")
     else:  # a file of another model under this entry's name
         other = DiskTier(tmp_path / "other", 1 << 30, "int8", namespace="other-model")
-        ChunkStore(0, LRU(), disk=other).put_chunk(key, b"root".ljust(16, b"."), key[::-1], 0, range(TOKENS),
-                                                   make_kv(0))
+        ChunkStore(0, LRU(), disk=other).put_chunk(key, ROOT, b"A".ljust(16, b"."), 0, range(TOKENS), make_kv(0))
         (other_path,) = list((tmp_path / "other" / "payloads").rglob("*.kv"))
         path.write_bytes(other_path.read_bytes())
     record = store.records[key]
@@ -220,7 +226,7 @@ def test_a_second_store_on_the_folder_sees_new_entries_at_sync(tmp_path):
     assert b.sync_disk() == 1
     record = b.records[key]
     assert record.tier == "disk" and record.tokens == tuple(range(TOKENS))
-    assert b.get_chunk(key) is record and b.chunks_with_content(key[::-1]) == [record]
+    assert b.get_chunk(key) is record and b.chunks_with_content(b"A".ljust(16, b".")) == [record]
 
 
 def test_verify_reports_and_removes_bad_entries_and_orphans(tmp_path):
@@ -230,14 +236,15 @@ def test_verify_reports_and_removes_bad_entries_and_orphans(tmp_path):
     put(store, b"B", 1)
     path = sorted((tmp_path / "payloads").rglob("*.kv"))[0]
     path.write_bytes(path.read_bytes()[:-10])
-    orphan = tmp_path / "payloads" / "zz" / "orphan.kv"
-    orphan.parent.mkdir()
+    orphan_name = "payloads/ab/" + "ab" * 16 + "-0badf00d.kv"  # a name the tier writes, no row for it
+    orphan = tmp_path / orphan_name
+    orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(b"debris of a crash")
     os.utime(orphan, (0, 0))
     dry = disk.verify(repair=False)
     assert dry["checked"] == 2 and len(dry["bad"]) == 1 and dry["orphans_removed"] == []
     report = disk.verify()
-    assert len(report["bad"]) == 1 and report["orphans_removed"] == ["payloads/zz/orphan.kv"]
+    assert len(report["bad"]) == 1 and report["orphans_removed"] == [orphan_name]
     assert disk.verify() == {"checked": 1, "bad": [], "orphans_removed": []}
 
 
@@ -301,5 +308,4 @@ def test_a_broken_folder_degrades_to_memory_only_without_errors(tmp_path):
     store.release(record)
     disk.db.conn.close()  # the index goes away under the store
     assert store.sync_disk() == 0 and disk.counters.errors >= 1
-    put(store, b"C", 2)
-    assert b"C".ljust(16, b".") in store.records
+    assert put(store, b"C", 2) in store.records
