@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sqlite3
 import time
@@ -91,6 +92,14 @@ def _write_error(path: Path, exc: sqlite3.Error, waited: float | None = None) ->
     return exc
 
 
+def _file_identity(path: Path) -> tuple[int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 class _Connection(sqlite_utils.Database):
     """sqlite-utils whose outermost `atomic()` is an immediate transaction.
 
@@ -103,6 +112,7 @@ class _Connection(sqlite_utils.Database):
         super().__init__(conn, execute_plugins=False)
         self.path = path
         self.timeout = timeout
+        self.identity: tuple[int, int] | None = None  # (device, inode) of the file once opened
 
     @contextlib.contextmanager
     def atomic(self):
@@ -112,6 +122,7 @@ class _Connection(sqlite_utils.Database):
             return
         self._begin_immediate()
         try:
+            self._check_still_there()
             yield self
             self.conn.execute("COMMIT")
         except BaseException as exc:
@@ -119,6 +130,13 @@ class _Connection(sqlite_utils.Database):
             if isinstance(exc, sqlite3.OperationalError):
                 raise _write_error(self.path, exc) from exc
             raise
+
+    def _check_still_there(self) -> None:
+        """In WAL mode SQLite goes on writing to a file deleted or replaced under it, so those writes would
+        vanish with it: refuse them instead."""
+        if self.identity is not None and _file_identity(self.path) != self.identity:
+            raise DatabaseError(f"cannot write to database {self.path}: it was moved or deleted while open; "
+                                "restart the app to use the file now at that path")
 
     def _begin_immediate(self) -> None:
         start = time.monotonic()
@@ -155,6 +173,7 @@ class Database:
         try:
             self._db = _Connection(conn, self.path, timeout)
             self._open_and_migrate()
+            self._db.identity = _file_identity(self.path)
         except sqlite3.DatabaseError as exc:
             conn.close()
             error = _write_error(self.path, exc)
