@@ -502,3 +502,13 @@ def test_two_processes_adding_messages_at_once_lose_nothing(db_path: Path):
     assert [m["position"] for m in messages] == list(range(600))
     for tag in ("a", "b"):  # each writer's messages are all there, in the order it wrote them
         assert [m["content"] for m in messages if m["content"].startswith(tag)] == [f"{tag} {i}" for i in range(300)]
+
+
+def test_processes_opening_a_new_file_at_once_migrate_it_once(db_path: Path):
+    script = "import sys\nfrom app.db import Database\nwith Database(sys.argv[1]) as db: print(db.schema_version)"
+    openers = [subprocess.Popen([sys.executable, "-c", script, str(db_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [opener.communicate(timeout=60) for opener in openers]
+    assert [(opener.returncode, out.strip()) for opener, (out, _) in zip(openers, results)] == [(0, "1")] * 4, (
+        [err[-300:] for _, err in results]
+    )
