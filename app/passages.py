@@ -23,7 +23,6 @@ class Passage:
 
 
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
-_ATX_HEADING = re.compile(r" {0,3}#{1,6}(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
 _SETEXT_UNDERLINE = re.compile(r" {0,3}(?:=+|-+)[ \t]*$")
 _FRONT_MATTER = re.compile(r"---\n.*?^(?:---|\.\.\.)[ \t]*$", re.DOTALL | re.MULTILINE)
 _BLOCK_START = re.compile(r" {0,3}(?:[-+*>|]|\d+[.)])(?:\s|$)")
@@ -52,10 +51,10 @@ def markdown_headings(text: str) -> list[tuple[int, str]]:
         if fence_match:
             fence = fence_match.group(1)
             continue
-        heading = _ATX_HEADING.match(line)
-        if heading:
-            if heading.group(1):
-                headings.append((line_start, heading.group(1).strip()))
+        heading = _atx_heading(line)
+        if heading is not None:
+            if heading:
+                headings.append((line_start, heading))
             continue
         if candidate is not None and _SETEXT_UNDERLINE.match(line):
             headings.append(candidate)
@@ -63,6 +62,28 @@ def markdown_headings(text: str) -> list[tuple[int, str]]:
         if line.strip() and not _BLOCK_START.match(line) and not line.startswith(("    ", "\t")):
             previous = (line_start, line.strip())
     return headings
+
+
+def _atx_heading(line: str) -> str | None:
+    """The text of a '#' heading line ("" for an empty one), None when the line is not one.
+
+    Parsed by hand, not by regex: any regex that finds the optional closing '#'s after a lazy title retries the
+    run of blanks before them from every position, which is quadratic in the line (hours on a 1 MB line).
+    """
+    indent = len(line) - len(line.lstrip(" "))
+    if indent > 3:
+        return None
+    level = len(line) - indent - len(line[indent:].lstrip("#"))
+    if not 1 <= level <= 6:
+        return None
+    rest = line[indent + level:]
+    if rest and rest[0] not in " \t":
+        return None
+    title = rest.strip(" \t")
+    without_closing = title.rstrip("#")
+    if not without_closing or without_closing[-1] in " \t":  # a closing run of '#' follows a blank
+        title = without_closing
+    return title.strip()
 
 
 # Separators tried in turn on a stretch too long for one passage: blank lines, line breaks, sentence ends.
