@@ -286,7 +286,7 @@ class ConversationTab(QWidget):
     async def ingest(self, paths: list[str]) -> dict:
         loop = asyncio.get_running_loop()
         files, skipped = documents.collect_files(paths)
-        problems = [f"{Path(p).name}: {why}" for p, why in skipped]
+        problems = [f"{documents.display_name(p)}: {why}" for p, why in skipped]
         added = unchanged = 0
         self._show_progress(f"Indexing %v of {len(files)} file(s)", len(files))
         for i, path in enumerate(files):
@@ -304,7 +304,7 @@ class ConversationTab(QWidget):
                 problems.append(str(exc))
             except Exception as exc:  # a bad file never takes the app down
                 log.exception("indexing %s failed", path)
-                problems.append(f"{path.name}: {type(exc).__name__}: {exc}")
+                problems.append(f"{documents.display_name(path)}: {type(exc).__name__}: {exc}")
             self.progress.setValue(i + 1)
         self._hide_progress()
         self.refresh_documents()

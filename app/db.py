@@ -427,8 +427,8 @@ class Database:
     # -- documents ----------------------------------------------------------------------------------------
 
     def find_document(self, path: str | Path) -> dict | None:
-        rows = list(self._db.query("SELECT * FROM documents WHERE path = ?", [str(path)]))
-        return rows[0] if rows else None
+        rows = list(self._db.query("SELECT * FROM documents WHERE path = ?", [_stored_path(path)]))
+        return _document_row(rows[0]) if rows else None
 
     def upsert_document(
         self,
@@ -443,13 +443,19 @@ class Database:
     ) -> dict:
         """Add a document, or re-index the one at `path`: its id (and so its attachments) and added_at stay,
         its passages are replaced. Passages are dicts with text, page, section, start, end; seq = list order.
+
+        Any path the OS gives is stored, also one whose name is not valid UTF-8 (see _stored_path); `name` is
+        for display, so bytes of it that are not text are kept as U+FFFD.
         """
         passage_rows = [_validated_passage(index, passage) for index, passage in enumerate(passages)]
+        name = _LONE_SURROGATES.sub("\ufffd", name)
         fields = {"name": name, "kind": kind, "sha256": sha256, "mtime": mtime, "size": size, "num_chars": num_chars}
         with self._db.atomic():
             existing = self.find_document(path)
             if existing is None:
-                doc_id = self._db["documents"].insert({"path": str(path), **fields, "added_at": self._clock()}).last_pk
+                doc_id = self._db["documents"].insert(
+                    {"path": _stored_path(path), **fields, "added_at": self._clock()}
+                ).last_pk
             else:
                 doc_id = existing["id"]
                 self._db["documents"].update(doc_id, fields)
@@ -463,7 +469,7 @@ class Database:
             self._db["documents"].update(doc_id, {"mtime": mtime, "size": size})
         except NotFoundError:
             raise KeyError(f"no document with id {doc_id}") from None
-        return self._db["documents"].get(doc_id)
+        return _document_row(self._db["documents"].get(doc_id))
 
     def passages(self, doc_id: int) -> list[dict]:
         return list(self._db.query("SELECT * FROM passages WHERE document_id = ? ORDER BY seq", [doc_id]))
@@ -614,3 +620,25 @@ def _validated_passage(index: int, passage: Any) -> dict:
         }
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"passage {index} needs integer 'start' and 'end' offsets ({exc!r})") from None
+
+
+# Python holds bytes of a file name that are not valid in the file system's encoding as lone surrogates,
+# which SQLite (UTF-8) cannot store. Such a path is stored as this mark + its bytes read as Latin-1: lossless,
+# and never equal to a real path, since no OS allows NUL in one.
+_UNDECODABLE_PATH_MARK = "\x00"
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def _stored_path(path: str | Path) -> str:
+    """A document's path as the documents table keeps it (valid Unicode paths unchanged)."""
+    text = str(path)
+    if not _LONE_SURROGATES.search(text):
+        return text
+    return _UNDECODABLE_PATH_MARK + os.fsencode(text).decode("latin-1")
+
+
+def _document_row(row: dict) -> dict:
+    """A documents row with its path as the OS gave it."""
+    if row["path"].startswith(_UNDECODABLE_PATH_MARK):
+        row["path"] = os.fsdecode(row["path"][len(_UNDECODABLE_PATH_MARK):].encode("latin-1"))
+    return row

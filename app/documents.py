@@ -50,6 +50,7 @@ _HINTS_BY_SUFFIX = {".doc": "the old Word .doc format is not supported; save it 
 # binary data decodes "successfully" as latin-1 but is full of them.
 _MAX_CONTROL_FRACTION = 0.01
 _CONTROL_CHARS = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
 
 
 class DocumentError(ValueError):
@@ -89,12 +90,21 @@ def is_supported(path: str | Path) -> bool:
     return document_kind(path) is not None
 
 
+def display_name(path: str | Path) -> str:
+    """The file's name for people: bytes of the name that are not valid in the file system's encoding (which
+    Python keeps as lone surrogates, e.g. a Latin-1 name on a UTF-8 system) are shown as U+FFFD."""
+    return _LONE_SURROGATES.sub("\ufffd", Path(path).name)
+
+
 def collect_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[Path, str]]]:
     """Expand dropped paths into supported files, and say why each other path was skipped.
 
     Folders are walked recursively in sorted order. Hidden entries and tooling folders inside them are left
     out silently (a project folder would otherwise report thousands of .git objects); a hidden file dropped
     by itself is taken, since the user chose it. Each file appears once however often it was reached.
+
+    Links inside a dropped folder are followed only when they end inside that folder: a downloaded folder
+    must not be able to point the app at ~/.ssh or /etc. A link the user dropped by itself is taken.
     """
     files: list[Path] = []
     skipped: list[tuple[Path, str]] = []
@@ -110,7 +120,7 @@ def collect_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[P
             seen_files.add(key)
             files.append(path)
 
-    def walk(folder: Path) -> None:
+    def walk(folder: Path, root: Path) -> None:
         key = folder.resolve()
         if key in seen_dirs:  # a symlink loop or the same folder dropped twice
             return
@@ -123,15 +133,20 @@ def collect_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[P
         for entry in entries:
             if entry.name.startswith(".") or entry.name in SKIPPED_DIR_NAMES:
                 continue
+            if entry.is_symlink():
+                reason = _link_reason(entry, root)
+                if reason is not None:
+                    skipped.append((entry, reason))
+                    continue
             if entry.is_dir():
-                walk(entry)
+                walk(entry, root)
             elif entry.is_file():
                 add_file(entry)
 
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            walk(path)
+            walk(path, path.resolve())
         elif path.is_file():
             add_file(path)
         elif path.exists():
@@ -139,6 +154,17 @@ def collect_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[tuple[P
         else:
             skipped.append((path, "not found"))
     return files, skipped
+
+
+def _link_reason(link: Path, root: Path) -> str | None:
+    """Why a link found under `root` (a resolved folder) is not followed; None when it ends inside root."""
+    try:
+        target = link.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a loop of links (Python < 3.13)
+        return "a link that cannot be followed (it loops or cannot be read)"
+    if target == root or target.is_relative_to(root):
+        return None
+    return "a link to outside the dropped folder (links are followed only within it)"
 
 
 def file_signature(path: str | Path) -> tuple[float, int]:
@@ -158,7 +184,7 @@ def sha256_file(path: str | Path, *, block_bytes: int = 1024 * 1024) -> str:
 def extract(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, passage_chars: int = 1000) -> ExtractedDocument:
     """Read one file into text and passages, or raise DocumentError saying why it cannot be used."""
     path = Path(path)
-    name = path.name
+    name = display_name(path)
     stat = _stat_file(path, max_bytes)
     kind = document_kind(path)
     if kind is None:
@@ -196,7 +222,7 @@ def extract(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, passage_chars:
 
 
 def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
-    name = path.name
+    name = display_name(path)
     try:
         stat = path.stat()
     except FileNotFoundError:
@@ -213,8 +239,8 @@ def _read_bytes(path: Path, max_bytes: int) -> bytes:
     try:
         data = path.read_bytes()
     except OSError as error:
-        raise DocumentError(f"{path.name} could not be read ({_os_reason(error)})") from None
-    _check_size(path.name, len(data), max_bytes)  # the file may have changed since it was checked
+        raise DocumentError(f"{display_name(path)} could not be read ({_os_reason(error)})") from None
+    _check_size(display_name(path), len(data), max_bytes)  # the file may have changed since it was checked
     return data
 
 
