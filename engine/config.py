@@ -113,6 +113,7 @@ class EngineConfig:
     cpu_cache_bytes: int | None = None
     disk_cache_bytes: int | None = None
     disk_cache_dir: str | None = None  # None: engine.disk.default_cache_dir()
+    disk_busy_timeout_s: float = 30.0  # how long a disk index write waits for another process's lock
     kv_quant: KVQuantConfig = field(default_factory=KVQuantConfig)
     eviction: str = "importance-lru"  # chosen by bench/kv_tiers.py (README: +12% hit rate over LRU)
     # Live KV of the request being generated kept on the device; beyond it, cold pages spill to host RAM
@@ -131,6 +132,9 @@ class EngineConfig:
         if isinstance(self.live_page_tokens, bool) or not isinstance(self.live_page_tokens, int) \
                 or self.live_page_tokens < 1:
             raise ValueError(f"live_page_tokens must be a positive integer, got {self.live_page_tokens!r}")
+        if isinstance(self.disk_busy_timeout_s, bool) or not isinstance(self.disk_busy_timeout_s, (int, float)) \
+                or not self.disk_busy_timeout_s > 0:
+            raise ValueError(f"disk_busy_timeout_s must be a positive number, got {self.disk_busy_timeout_s!r}")
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str):
             raise ValueError(f"disk_cache_dir must be a path string or None, got {self.disk_cache_dir!r}")
         if self.eviction not in EVICTION_POLICIES:

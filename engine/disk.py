@@ -31,6 +31,7 @@ Safety, in the order things happen:
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -195,7 +196,7 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, folder: str | Path, budget_bytes: int | None = None, quant: str = "none",
-                 namespace: str | None = None, policy=None, model_name: str = ""):
+                 namespace: str | None = None, policy=None, model_name: str = "", timeout_s: float = 30.0):
         if quant not in QUANT_MODES:
             raise ValueError(f"kv_quant for the disk tier must be one of {QUANT_MODES}, got {quant!r}")
         self.folder = Path(folder).expanduser()
@@ -212,7 +213,8 @@ class DiskTier:
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise ValueError(f"disk cache folder {self.folder} is not writable: {exc.strerror or exc}") from None
+            if exc.errno != errno.ENOSPC:  # a full disk can still serve what it holds
+                raise ValueError(f"disk cache folder {self.folder} is not writable: {exc.strerror or exc}") from None
         self.budget_bytes = budget_bytes  # None until the index is open: the folder's own default, see below
         self.quant = quant
         self.namespace = namespace
@@ -223,7 +225,7 @@ class DiskTier:
         self.last_error: str | None = None
         self._lock = threading.Lock()
         # One connection, used under self._lock from whichever thread runs the engine.
-        conn = sqlite3.connect(self.folder / INDEX_FILENAME, timeout=30, isolation_level=None,
+        conn = sqlite3.connect(self.folder / INDEX_FILENAME, timeout=timeout_s, isolation_level=None,
                                check_same_thread=False)
         self.db = sqlite_utils.Database(conn)
         try:
@@ -260,31 +262,56 @@ class DiskTier:
                         raise
                     time.sleep(0.05)
             self.db.execute("PRAGMA synchronous=NORMAL")
-            with self._write():
-                self.db.execute(
-                    "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, "
-                    "namespace TEXT NOT NULL, kind TEXT NOT NULL, parent TEXT NOT NULL, content_key TEXT, "
-                    "start INTEGER NOT NULL, tokens BLOB NOT NULL, exact INTEGER NOT NULL, num_bytes INTEGER NOT NULL, "
-                    "raw_bytes INTEGER NOT NULL, importance REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0, "
-                    "last_access INTEGER NOT NULL, file TEXT NOT NULL, created REAL NOT NULL, "
-                    "lossy INTEGER NOT NULL DEFAULT 0, UNIQUE(namespace, key))")
-                columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)").fetchall()}
-                if "lossy" not in columns:  # a folder written by an older version
-                    self.db.execute("ALTER TABLE entries ADD COLUMN lossy INTEGER NOT NULL DEFAULT 0")
-                self.db.execute("CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access)")
-                self.db.execute(
-                    "CREATE TABLE IF NOT EXISTS namespaces (namespace TEXT PRIMARY KEY, model TEXT, settings TEXT, "
-                    "last_used REAL)")
-                self.db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value)")
-                if self.budget_bytes is None:
-                    # The default budget is the folder's, fixed by the first process that opened it, so the app
-                    # and the server (each sizing it from free space at its own start) agree.
-                    row = self.db.execute("SELECT value FROM meta WHERE name = 'default_budget_bytes'").fetchone()
-                    if row is None or isinstance(row[0], bool) or not isinstance(row[0], int) or row[0] < 0:
-                        row = (default_disk_budget(self.folder),)
-                        self.db.execute("INSERT OR REPLACE INTO meta VALUES ('default_budget_bytes', ?)", row)
-                    self.budget_bytes = int(row[0])
+            if not self._schema_ready():
+                try:
+                    with self._write():
+                        self._write_schema()
+                except sqlite3.OperationalError:
+                    if not self._tables_ready():
+                        raise
+                    # a full or locked folder whose tables exist can still be read: the budget is not stored
+                    self.budget_bytes = self.budget_bytes or self._folder_budget() or default_disk_budget(self.folder)
+            elif self.budget_bytes is None:
+                self.budget_bytes = self._folder_budget()
             self._refresh_used()
+
+    def _tables_ready(self) -> bool:
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)").fetchall()}
+        tables = {row[0] for row in self.db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return "lossy" in columns and {"namespaces", "meta"} <= tables
+
+    def _schema_ready(self) -> bool:
+        return self._tables_ready() and (self.budget_bytes is not None or self._folder_budget() is not None)
+
+    def _folder_budget(self) -> int | None:
+        row = self.db.execute("SELECT value FROM meta WHERE name = 'default_budget_bytes'").fetchone()
+        if row is None or isinstance(row[0], bool) or not isinstance(row[0], int) or row[0] < 0:
+            return None
+        return row[0]
+
+    def _write_schema(self) -> None:
+        self.db.execute(
+            "CREATE TABLE IF NOT EXISTS entries (id INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, "
+            "namespace TEXT NOT NULL, kind TEXT NOT NULL, parent TEXT NOT NULL, content_key TEXT, "
+            "start INTEGER NOT NULL, tokens BLOB NOT NULL, exact INTEGER NOT NULL, num_bytes INTEGER NOT NULL, "
+            "raw_bytes INTEGER NOT NULL, importance REAL NOT NULL, hits INTEGER NOT NULL DEFAULT 0, "
+            "last_access INTEGER NOT NULL, file TEXT NOT NULL, created REAL NOT NULL, "
+            "lossy INTEGER NOT NULL DEFAULT 0, UNIQUE(namespace, key))")
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(entries)").fetchall()}
+        if "lossy" not in columns:  # a folder written by an older version
+            self.db.execute("ALTER TABLE entries ADD COLUMN lossy INTEGER NOT NULL DEFAULT 0")
+        self.db.execute("CREATE INDEX IF NOT EXISTS entries_last_access ON entries(last_access)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS namespaces (namespace TEXT PRIMARY KEY, model TEXT, "
+                        "settings TEXT, last_used REAL)")
+        self.db.execute("CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value)")
+        if self.budget_bytes is None:
+            # The default budget is the folder's, fixed by the first process that opened it, so the app and the
+            # server (each sizing it from free space at its own start) agree.
+            budget = self._folder_budget()
+            if budget is None:
+                budget = default_disk_budget(self.folder)
+                self.db.execute("INSERT OR REPLACE INTO meta VALUES ('default_budget_bytes', ?)", [budget])
+            self.budget_bytes = budget
 
     def _refresh_used(self) -> int:
         used = self.db.execute("SELECT COALESCE(SUM(num_bytes), 0) FROM entries").fetchone()[0]

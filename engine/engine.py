@@ -114,7 +114,7 @@ class KVBoost:
             namespace = chain_key(self._root, [FORMAT_VERSION]).hex() + f"-{config.kv_quant.disk}"
             try:
                 disk = DiskTier(folder, config.disk_cache_bytes, config.kv_quant.disk, namespace, policy,
-                                model_name=self.name)
+                                model_name=self.name, timeout_s=config.disk_busy_timeout_s)
                 disk.describe_namespace({"chunking": self.config.chunking.mode,
                                          "chunk_size": self.config.chunking.size,
                                          "kv_quant": config.kv_quant.disk, "dtype": str(self.model.dtype)})
@@ -209,8 +209,8 @@ class KVBoost:
             changes["kv_quant"] = KVQuantConfig.parse(changes["kv_quant"])
         if changes.get("disk_cache_dir") is not None:
             changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
-        inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir", "kv_quant",
-                     "eviction", "live_kv_bytes", "live_page_tokens")
+        inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
+                     "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)
