@@ -8,7 +8,9 @@ and at the end, so killing the app mid-answer loses nothing that was on screen.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,12 +21,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from . import documents, rag
+from . import document_worker, documents, rag
 from .chat_view import ChatView
 
 log = logging.getLogger(__name__)
 
-# Reading and hashing files runs here, never on the UI thread (and never on the engine thread).
+# Hashing files and waiting on the processes that read them (app/document_worker.py) runs here, never on the
+# UI thread (and never on the engine thread).
 _FILE_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvboost-files")
 
 
@@ -54,6 +57,7 @@ class ConversationTab(QWidget):
         self._answer_id: int | None = None
         self._warm_job: int | None = None
         self._ingest_task: asyncio.Task | None = None
+        self.extraction_limits = document_worker.ExtractionLimits()
         self._pending_sources: list[dict] = []
         self.setAcceptDrops(True)
 
@@ -327,7 +331,13 @@ class ConversationTab(QWidget):
             digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path)
             if digest == known["sha256"]:
                 return self.db.upsert_document_signature(known["id"], mtime, size), False
-        doc = await loop.run_in_executor(_FILE_WORKERS, documents.extract, path)
+        cancelled = threading.Event()
+        read = functools.partial(document_worker.shared_pool().extract, path, self.extraction_limits, cancelled)
+        try:
+            doc = await loop.run_in_executor(_FILE_WORKERS, read)
+        except asyncio.CancelledError:  # Cancel or closing the tab: stop the process reading the file too
+            cancelled.set()
+            raise
         row = self.db.upsert_document(
             doc.path, doc.name, doc.kind, doc.sha256, doc.mtime, doc.size, len(doc.text),
             [{"text": p.text, "page": p.page, "section": p.section, "start": p.start, "end": p.end}

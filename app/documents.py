@@ -14,6 +14,7 @@ import hashlib
 import io
 import os
 import re
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import docx
 import pypdf
 from docx.table import Table
+from lxml import etree
 from pypdf.errors import DependencyError
 
 from .passages import Passage, markdown_headings, split_passages
@@ -40,6 +42,13 @@ PDF_SUFFIX = ".pdf"
 DOCX_SUFFIX = ".docx"
 
 MAX_FILE_BYTES = 50 * 1024 * 1024
+# A .docx is a zip: its size on disk says little about what parsing it takes (python-docx holds every part in
+# memory and builds a tree of its XML, several times the XML's size). These bound it from the zip's directory
+# before anything is unpacked. Ordinary documents unpack to a few times their size; a zip bomb to thousands.
+MAX_UNPACKED_BYTES = 256 * 1024 * 1024  # all members together
+MAX_COMPRESSION_RATIO = 100.0  # unpacked / packed, for any member that unpacks to more than _RATIO_FLOOR_BYTES
+MAX_ZIP_MEMBERS = 10_000
+_RATIO_FLOOR_BYTES = 1024 * 1024  # small parts of repeated markup legitimately pack very well
 
 # Folders that hold tooling or dependencies rather than the user's documents.
 SKIPPED_DIR_NAMES = frozenset({"__pycache__", ".git", "node_modules", ".venv", "venv", ".tox", ".mypy_cache"})
@@ -181,8 +190,19 @@ def sha256_file(path: str | Path, *, block_bytes: int = 1024 * 1024) -> str:
     return digest.hexdigest()
 
 
-def extract(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, passage_chars: int = 1000) -> ExtractedDocument:
-    """Read one file into text and passages, or raise DocumentError saying why it cannot be used."""
+def extract(
+    path: str | Path,
+    *,
+    max_bytes: int = MAX_FILE_BYTES,
+    max_unpacked_bytes: int = MAX_UNPACKED_BYTES,
+    max_compression_ratio: float = MAX_COMPRESSION_RATIO,
+    passage_chars: int = 1000,
+) -> ExtractedDocument:
+    """Read one file into text and passages, or raise DocumentError saying why it cannot be used.
+
+    Runs in the calling process without a time or memory bound; the app reads dropped files through
+    app/document_worker.py, which adds both. MemoryError (also libxml2 running out) propagates as itself.
+    """
     path = Path(path)
     name = display_name(path)
     stat = _stat_file(path, max_bytes)
@@ -195,6 +215,7 @@ def extract(path: str | Path, *, max_bytes: int = MAX_FILE_BYTES, passage_chars:
     if kind == "pdf":
         text, pages = _pdf_text(data, name)
     elif kind == "docx":
+        _check_zip(data, name, max_unpacked_bytes, max_compression_ratio)
         text, sections = _docx_text(data, name)
     else:
         text = _normalize_newlines(_decode_text(data, name))
@@ -297,10 +318,12 @@ def _pdf_text(data: bytes, name: str) -> tuple[str, list[tuple[int, int]]]:
             try:
                 page_texts.append(_normalize_newlines(page.extract_text() or "").replace("\x00", "").strip())
             except Exception as error:  # noqa: BLE001  (see above)
+                _reraise_out_of_memory(error)
                 raise DocumentError(f"{name}: page {number} could not be read ({_short(error)})") from None
     except DocumentError:
         raise
     except Exception as error:  # noqa: BLE001  (see above)
+        _reraise_out_of_memory(error)
         raise DocumentError(f"{name} could not be read as a PDF; the file looks damaged ({_short(error)})") from None
 
     pieces, page_starts, offset = [], [], 0
@@ -330,14 +353,19 @@ def _docx_text(data: bytes, name: str) -> tuple[str, list[tuple[int, str]]]:
     try:
         document = docx.Document(io.BytesIO(data))
         blocks: list[tuple[str, bool]] = []  # (text, is_heading)
+        # Looking a style up costs a search of the styles part; a document has few, so each is looked up once.
+        heading_by_style_id: dict[str | None, bool] = {}
         for item in document.iter_inner_content():
             if isinstance(item, Table):
                 blocks.append((_docx_table_text(item), False))
-            else:
+                continue
+            style_id = item._p.style
+            if style_id not in heading_by_style_id:
                 style_name = item.style.name if item.style is not None else ""
-                is_heading = style_name == "Title" or style_name.startswith("Heading")
-                blocks.append((item.text, is_heading))
+                heading_by_style_id[style_id] = style_name == "Title" or style_name.startswith("Heading")
+            blocks.append((item.text, heading_by_style_id[style_id]))
     except Exception as error:  # noqa: BLE001  (python-docx raises zip, XML, KeyError... for damaged files)
+        _reraise_out_of_memory(error)
         raise DocumentError(
             f"{name} could not be read as a Word document; the file looks damaged ({_short(error)})"
         ) from None
@@ -352,6 +380,45 @@ def _docx_text(data: bytes, name: str) -> tuple[str, list[tuple[int, str]]]:
         pieces.append(block_text)
         offset += len(block_text) + 2
     return "\n\n".join(pieces), headings
+
+
+def _check_zip(data: bytes, name: str, max_unpacked_bytes: int, max_ratio: float) -> None:
+    """Refuse a zip whose directory says it unpacks too large, or much larger than it packs (a zip bomb).
+
+    The directory's sizes can be trusted: zipfile stops a member at its declared size (and fails its CRC if
+    the data runs on), and python-docx reads members through zipfile.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as error:
+        raise DocumentError(
+            f"{name} could not be read as a Word document; the file looks damaged ({_short(error)})"
+        ) from None
+    if len(members) > MAX_ZIP_MEMBERS:
+        raise DocumentError(f"{name} holds {len(members)} parts, over the {MAX_ZIP_MEMBERS} a Word document may have")
+    unpacked = sum(member.file_size for member in members)
+    if unpacked > max_unpacked_bytes:
+        raise DocumentError(
+            f"{name} unpacks to {_human_size(unpacked)}, over the {_human_size(max_unpacked_bytes)} limit for Word "
+            "documents"
+        )
+    for member in members:
+        ratio = member.file_size / max(member.compress_size, 1)
+        if member.file_size > _RATIO_FLOOR_BYTES and ratio > max_ratio:
+            raise DocumentError(
+                f"{name}: {member.filename} unpacks to {ratio:.0f}x its packed size ({_human_size(member.file_size)}), "
+                f"over the {max_ratio:g}x limit; the file looks built to exhaust memory (a zip bomb)"
+            )
+
+
+def _reraise_out_of_memory(error: Exception) -> None:
+    """Raise MemoryError if `error` says memory ran out: Python's MemoryError, or libxml2 (python-docx's XML
+    parser) failing an allocation, which lxml reports as a syntax error with code ERR_NO_MEMORY."""
+    if isinstance(error, MemoryError):
+        raise error
+    if isinstance(error, etree.XMLSyntaxError) and error.code == etree.ErrorTypes.ERR_NO_MEMORY:
+        raise MemoryError(str(error)) from error
 
 
 def _docx_table_text(table: Table) -> str:
