@@ -57,6 +57,7 @@ class ConversationTab(QWidget):
         self._answer_id: int | None = None
         self._warm_job: int | None = None
         self._ingest_task: asyncio.Task | None = None
+        self._read_cancelled = threading.Event()  # set: stop the process reading a file for this tab now
         self.extraction_limits = document_worker.ExtractionLimits()
         self._pending_sources: list[dict] = []
         self.setAcceptDrops(True)
@@ -331,11 +332,11 @@ class ConversationTab(QWidget):
             digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path)
             if digest == known["sha256"]:
                 return self.db.upsert_document_signature(known["id"], mtime, size), False
-        cancelled = threading.Event()
+        self._read_cancelled = cancelled = threading.Event()
         read = functools.partial(document_worker.shared_pool().extract, path, self.extraction_limits, cancelled)
         try:
             doc = await loop.run_in_executor(_FILE_WORKERS, read)
-        except asyncio.CancelledError:  # Cancel or closing the tab: stop the process reading the file too
+        except asyncio.CancelledError:  # however the task was cancelled, stop the process reading the file too
             cancelled.set()
             raise
         row = self.db.upsert_document(
@@ -380,6 +381,7 @@ class ConversationTab(QWidget):
         if self._warm_job is not None:
             self.client.cancel(self._warm_job)
         if self._ingest_task is not None and not self._ingest_task.done():
+            self._read_cancelled.set()
             self._ingest_task.cancel()
             self._hide_progress()
 
@@ -400,4 +402,6 @@ class ConversationTab(QWidget):
         if self._warm_job is not None:
             self.client.cancel(self._warm_job)
         if self._ingest_task is not None and not self._ingest_task.done():
+            # Set at once, not when the task next runs: the app may be quitting and its loop never turn again.
+            self._read_cancelled.set()
             self._ingest_task.cancel()

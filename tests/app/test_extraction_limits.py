@@ -221,3 +221,27 @@ def test_cancel_button_stops_a_document_being_read(qtbot, db, client, aio_loop, 
     assert not tab.progress.isVisible()
     report = aio_loop.run_until_complete(tab.add_paths([note]))  # the app keeps working
     assert report == {"added": 1, "unchanged": 0, "problems": []}
+
+
+@pytest.mark.timeout(90)
+def test_closing_a_tab_stops_its_read_even_if_the_event_loop_never_turns_again(qtbot, db, client, aio_loop,
+                                                                             tmp_path):
+    from app.conversation_tab import ConversationTab
+    from app.document_worker import shared_pool
+
+    tab = ConversationTab(db.create_conversation(), db, client, "light")
+    qtbot.addWidget(tab)
+    tab.extraction_limits = unbounded_zip(timeout_s=60.0)
+    bomb = docx_bomb(tmp_path / "slow.docx", 1_000_000)
+
+    async def drop_bomb():
+        task = tab.add_paths([bomb])
+        while not shared_pool().busy_pids and not task.done():
+            await asyncio.sleep(0.05)
+        return task, shared_pool().busy_pids[0]
+
+    task, pid = aio_loop.run_until_complete(drop_bomb())
+    tab.close_down()  # as the window does when the app quits; the loop does not run after it here
+    assert wait_until(lambda: process_gone(pid), 3.0)
+    aio_loop.run_until_complete(asyncio.wait([task], timeout=5))
+    assert task.cancelled()
