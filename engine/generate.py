@@ -182,16 +182,20 @@ def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch
     return out.logits[0, -1]
 
 
+GREEDY_BELOW = 1e-30  # logits are tens at most: divided by 1e-30 they are still finite in float32
+
+
 def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
            generator: torch.Generator | None) -> int:
-    """One token from next-token logits [V]. temperature 0 is greedy. Works in float32 on the CPU so that the
-    same seed gives the same token on every device."""
+    """One token from next-token logits [V]. temperature 0 is greedy, and so is any temperature below
+    GREEDY_BELOW (its limit; logits / temperature would overflow float32). top_p keeps at least the top token.
+    Works in float32 on the CPU so that the same seed gives the same token on every device."""
     logits = logits.detach().float().cpu()
     if params.repetition_penalty != 1.0 and len(history):
         seen = torch.tensor(sorted(set(history)), dtype=torch.long)
         scores = logits[seen]
         logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-    if params.temperature == 0.0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
@@ -201,6 +205,7 @@ def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over top_p
+        drop[0] = False  # a top_p below float32's range compares as 0, which would drop them all
         logits[order[drop]] = float("-inf")
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
