@@ -11,12 +11,16 @@ cancels its generation at the next token; a queued request whose client went awa
 carries the engine's cache statistics in an extra `kvboost` field that OpenAI clients ignore.
 
 Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with the matching status.
-Nothing in a request names a file: the model is matched by id against the one loaded.
+Nothing in a request names a file: the model is matched by id against the one loaded. Prompts are tokenized on a
+thread of their own (a megabyte of text takes a second), so the event loop keeps answering. Clients that are slow
+to send meet `Timeouts`: the request head, the body, and the pause between requests on one connection each have
+a deadline (30 s, 30 s and 5 s by default).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -24,13 +28,17 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
+import uvicorn
 from fastapi import FastAPI, Request
 from jinja2 import TemplateError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .config import SamplingConfig
 from .generate import Result, TokenEvent
@@ -40,6 +48,15 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 MAX_QUEUE = 64
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long the server waits on a client, in seconds."""
+
+    header_s: float = 30.0  # for a request head: from connecting, or from its first byte after a keep-alive pause
+    body_s: float = 30.0  # for a request body, from the end of its head (then 408 and the connection closes)
+    keep_alive_s: float = 5.0  # idle between requests on one connection
 
 
 # -- the engine queue -------------------------------------------------------------------------------------------
@@ -55,7 +72,8 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs one at a time on its own thread, in arrival order."""
+    """Runs jobs one at a time on its own thread, in arrival order, and tokenizes prompts on a second one (a
+    long prompt takes seconds: it must neither block the event loop nor wait behind a generation)."""
 
     def __init__(self, engine, max_queue: int = MAX_QUEUE):
         self.engine = engine
@@ -70,6 +88,8 @@ class Scheduler:
         self.num_skipped = 0  # cancelled before they ran
         self._thread = threading.Thread(target=self._work, name="kvboost-server-engine", daemon=True)
         self._thread.start()
+        # One thread: the tokenizer is one object, and its Rust side refuses some concurrent use.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-server-tokenize")
 
     @property
     def num_waiting(self) -> int:
@@ -78,6 +98,15 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return int(self._current is not None)
+
+    async def encode(self, prompt) -> list[int]:
+        """`engine.encode(prompt)` off the event loop; its errors come through as they are."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._encoder, self.engine.encode, prompt)
+        except RuntimeError as exc:
+            if self._closed:  # the executor was shut down under this request
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+            raise
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -96,6 +125,7 @@ class Scheduler:
             for job in self._waiting + ([self._current] if self._current else []):
                 job.cancel.set()
         self._jobs.put(None)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
 
     def _emit(self, job: Job, item) -> None:
         try:
@@ -131,14 +161,20 @@ class Scheduler:
 
 
 # -- translation ------------------------------------------------------------------------------------------------
-def _sampling(body: RequestBody, max_tokens: int) -> dict:
+def sampling_kwargs(body: RequestBody, max_tokens: int) -> dict:
+    """The engine's sampling arguments for a parsed request, or an APIError (400)."""
     if body.n != 1:
         raise APIError(400, "n must be 1: this server generates one choice per request", param="n")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stop) > 4 or any(not s for s in stop):
         raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
-    return {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
-            "stop": stop or None, "seed": body.seed}
+    kwargs = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
+              "stop": stop or None, "seed": body.seed}
+    try:
+        SamplingConfig.from_kwargs(**kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from None
+    return kwargs
 
 
 def _chat_messages(body: ChatBody) -> list[dict]:
@@ -173,12 +209,14 @@ def _finish_reason(result: Result) -> str:
 
 # -- the app ------------------------------------------------------------------------------------------------------
 def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_queue: int = MAX_QUEUE, loopback_only: bool = True) -> FastAPI:
+               max_queue: int = MAX_QUEUE, loopback_only: bool = True, timeouts: Timeouts = Timeouts()) -> FastAPI:
     """The HTTP app over `engine`, served under `model_id`. The engine must not be used by anyone else
     without its own lock (the desktop app shares it: the engine's lock serialises the two). `loopback_only`:
-    the server listens on 127.0.0.1, so requests naming another Host are refused (DNS rebinding)."""
+    the server listens on 127.0.0.1, so requests naming another Host are refused (DNS rebinding). Of
+    `timeouts` the app keeps the body's; `server_options` applies the others."""
     app = FastAPI(title="KVBoost", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, loopback_only=loopback_only)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, loopback_only=loopback_only,
+                       body_timeout=timeouts.body_s)
     scheduler = Scheduler(engine, max_queue)
     app.state.scheduler = scheduler
     created = int(time.time())
@@ -203,9 +241,9 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_id!r}", param="model",
                            code="model_not_found")
 
-    def encode(prompt, chat: bool) -> list[int]:
+    async def encode(prompt, chat: bool) -> list[int]:
         try:
-            ids = engine.encode(prompt)
+            ids = await scheduler.encode(prompt)
         except (ValueError, TemplateError) as exc:  # the chat template refuses (roles must alternate, ...)
             raise APIError(400, f"{type(exc).__name__ if isinstance(exc, TemplateError) else 'invalid input'}: {exc}",
                            param="messages" if chat else "prompt") from None
@@ -234,12 +272,12 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
     async def chat_completions(request: Request):
         body = await parse(request, ChatBody)
         check_model(body.model)
-        ids = encode(_chat_messages(body), chat=True)
+        ids = await encode(_chat_messages(body), chat=True)
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_context - len(ids)
-        job = start(ids, _sampling(body, max_tokens))
+        job = start(ids, sampling_kwargs(body, max_tokens))
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventSourceResponse(stream_chat(job, rid, include_usage), ping=15)
         result = await collect(job, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
@@ -262,11 +300,11 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
             raise APIError(400, "prompt is empty", param="prompt")
         if isinstance(prompt, list) and not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
-        ids = encode(prompt, chat=False)
-        job = start(ids, _sampling(body, body.max_tokens))
+        ids = await encode(prompt, chat=False)
+        job = start(ids, sampling_kwargs(body, body.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
             return EventSourceResponse(stream_completion(job, rid, include_usage), ping=15)
         result = await collect(job, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
@@ -275,10 +313,6 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
                 "usage": _usage(result), "kvboost": kvboost_stats(result, job)}
 
     def start(ids: list[int], sampling: dict) -> Job:
-        try:
-            SamplingConfig.from_kwargs(**sampling)
-        except ValueError as exc:
-            raise APIError(400, str(exc)) from None
         job = Job(ids, sampling, asyncio.get_running_loop(), asyncio.Queue())
         scheduler.submit(job)
         return job
@@ -369,16 +403,18 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
 
 class Guard:
     """Pure ASGI middleware (Starlette's BaseHTTPMiddleware would hide client disconnects from the handlers):
-    API key, body size (Content-Length and chunked bodies alike), and, without an API key, no requests from
-    web pages (an Origin header) and, on loopback, no Host but this machine's (DNS rebinding)."""
+    API key, body size (Content-Length and chunked bodies alike), a body that arrives within `body_timeout`
+    seconds of the request head, and, without an API key, no requests from web pages (an Origin header) and,
+    on loopback, no Host but this machine's (DNS rebinding)."""
 
     LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, loopback_only: bool):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, loopback_only: bool, body_timeout: float):
         self.app = app
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.loopback_only = loopback_only
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -387,15 +423,27 @@ class Guard:
         refusal = self._refusal(scope["path"], headers)
         if refusal is not None:
             return await refusal(scope, receive, send)
-        limit, received = self.max_body_bytes, 0
+        limit, received, body_done = self.max_body_bytes, 0, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
 
         async def limited_receive():
-            nonlocal received
-            message = await receive()
+            # Errors raise inside the handler's body read: the APIError handler answers, and `connection: close`
+            # ends a connection whose body was not read to its end.
+            nonlocal received, body_done
+            if body_done:  # from here on, receive() only waits for the client to go (streaming responses)
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                               code="request_timeout", headers={"connection": "close"}) from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > limit:  # raised inside the handler's body read: the APIError handler answers
-                    raise APIError(413, f"request body over {limit} bytes", code="body_too_large")
+                if received > limit:
+                    raise APIError(413, f"request body over {limit} bytes", code="body_too_large",
+                                   headers={"connection": "close"})
             return message
 
         await self.app(scope, limited_receive, send)
@@ -428,10 +476,66 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"the engine failed: {type(exc).__name__}: {exc}", "server_error")
 
 
-def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "warning") -> None:
-    """Runs the server in this thread until interrupted."""
-    import uvicorn
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline whenever the server waits on a client outside a request it is
+    answering: a request head must be in within `header_timeout` seconds of the connection (or of its first byte
+    after a keep-alive pause, which uvicorn times itself), and so must the unread rest of an answered request's
+    body. Past it the connection closes. uvicorn has no such deadline: without it, a client sending a byte a
+    second holds a connection forever."""
 
-    app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=2)
+    def __init__(self, *args, header_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._answering():
+            self._disarm()
+        else:
+            self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self._answering() and self.conn.their_state is h11.SEND_BODY:  # the app did not read it all
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _answering(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm(self) -> None:
+        if self._deadline is None:
+            self._deadline = self.loop.call_later(self.header_timeout, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _timed_out(self) -> None:
+        self._deadline = None
+        if not self._answering() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_options(timeouts: Timeouts = Timeouts()) -> dict:
+    """uvicorn's settings (for uvicorn.run or uvicorn.Config) that apply the head and keep-alive deadlines of
+    `timeouts`; the app applies the body's."""
+    return {"http": functools.partial(TimedH11Protocol, header_timeout=timeouts.header_s),
+            "timeout_keep_alive": timeouts.keep_alive_s, "timeout_graceful_shutdown": 2}
+
+
+def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          log_level: str = "warning", timeouts: Timeouts = Timeouts()) -> None:
+    """Runs the server in this thread until interrupted."""
+    app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS,
+                     timeouts=timeouts)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **server_options(timeouts))

@@ -14,17 +14,20 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, engine, model_id="smollm2", api_key=None):
+    """Served as `kvboost-server` serves it (engine.server.serve's settings), `timeouts` included."""
+
+    def __init__(self, engine, model_id="smollm2", api_key=None, timeouts=None):
         import uvicorn
 
-        from engine.server import create_app
+        from engine.server import Timeouts, create_app, server_options
 
+        timeouts = timeouts or Timeouts()
         self.engine = engine
-        self.app = create_app(engine, model_id=model_id, api_key=api_key)
+        self.app = create_app(engine, model_id=model_id, api_key=api_key, timeouts=timeouts)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))
+                                                     log_level="warning", **server_options(timeouts)))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
