@@ -83,7 +83,11 @@ class ExtractionPool:
         worker = self._take_worker(name, cancelled)
         healthy = False
         try:
-            worker.connection.send((str(path), limits))
+            try:
+                worker.connection.send((str(path), limits))
+            except (OSError, ValueError):  # it died since it was taken
+                self._kill(worker)
+                raise DocumentError(f"{name} was not read: the reader stopped unexpectedly; try again") from None
             kind, value = self._reply(worker, name, limits, cancelled)
             healthy = kind != "memory"  # the worker exits after running out: its heap may be damaged
         finally:
@@ -126,8 +130,14 @@ class ExtractionPool:
     def _start_worker(self, name: str, cancelled: threading.Event | None) -> _Worker:
         ours, theirs = self._context.Pipe(duplex=True)
         process = self._context.Process(target=_serve, args=(theirs,), name="kvboost-document-reader", daemon=True)
-        process.start()
-        theirs.close()
+        try:
+            process.start()
+        except (OSError, RuntimeError) as error:  # out of processes or memory; a frozen app without freeze_support
+            ours.close()
+            raise DocumentError(f"{name} was not read: the process that reads documents could not start "
+                                f"({' '.join(str(error).split())[:200]})") from None
+        finally:
+            theirs.close()
         worker = _Worker(process, ours)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while not (cancelled is not None and cancelled.is_set()) and time.monotonic() < deadline:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import docx
@@ -50,6 +51,33 @@ def wordy_docx(path: Path, num_paragraphs: int) -> Path:
     for _ in range(num_paragraphs):
         document.add_paragraph(" ".join(rng.choice(words) for _ in range(40)))
     document.save(str(path))
+    return path
+
+
+def pdf_bomb(path: Path, unpacked_mb: int) -> Path:
+    """A one-page PDF whose content stream inflates from a few hundred KB to unpacked_mb of blanks."""
+    packer = zlib.compressobj(9)
+    stream = packer.compress(b"BT /F1 12 Tf 72 700 Td (Hello) Tj ET\n")
+    for _ in range(unpacked_mb):
+        stream += packer.compress(b" " * (1 << 20))
+    stream += packer.flush()
+    objects = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+        b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+        b"/Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream",
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    out, offsets = bytearray(b"%PDF-1.4\n"), []
+    for number, body in enumerate(objects, start=1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    out += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    path.write_bytes(bytes(out))
     return path
 
 
@@ -162,6 +190,20 @@ def test_text_file_needing_more_memory_than_allowed_is_stopped(tmp_path, pool):
     with pytest.raises(DocumentError, match=r"^big\.log needs more than 16 MB of memory to read"):
         pool.extract(big, ExtractionLimits(max_memory_bytes=16 * 1024 * 1024))
     assert len(pool.extract(big).passages) > 1000  # the default limit reads it
+
+
+@linux_only
+@pytest.mark.timeout(60)
+def test_pdf_bomb_is_stopped_by_the_memory_bound(tmp_path, pool):
+    from app.document_worker import ExtractionLimits
+
+    bomb = pdf_bomb(tmp_path / "inflating.pdf", 200)
+    assert bomb.stat().st_size < 1_000_000
+
+    with pytest.raises(DocumentError, match=r"^inflating\.pdf needs more than 64 MB of memory to read"):
+        pool.extract(bomb, ExtractionLimits(max_memory_bytes=64 * 1024 * 1024))
+    with pytest.raises(DocumentError, match=r"^inflating\.pdf"):  # within the default bounds pypdf's own limit
+        pool.extract(bomb)
 
 
 @pytest.mark.timeout(60)
