@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import document_worker, documents, rag
+from .db import DatabaseError
 from .chat_view import ChatView
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ConversationTab(QWidget):
         self.client = client
         self._job: int | None = None  # running chat request
         self._answer_id: int | None = None
+        self._save_failed = False  # a write of the current answer failed and was reported
         self._warm_job: int | None = None
         self._ingest_task: asyncio.Task | None = None
         self._read_cancelled = threading.Event()  # set: stop the process reading a file for this tab now
@@ -148,7 +150,12 @@ class ConversationTab(QWidget):
         if not text or not self.client.is_loaded or self.is_generating:
             return
         self.composer.clear()
-        user = self.db.add_message(self.conversation_id, "user", text)
+        try:
+            user = self.db.add_message(self.conversation_id, "user", text)
+        except DatabaseError as exc:  # locked past the timeout, disk full, read-only: nothing was sent
+            self.composer.setPlainText(text)
+            self.error_raised.emit(f"Your message was not sent: it could not be saved ({exc})")
+            return
         self.chat_view.add_message(user)
         self._ask(user)
 
@@ -156,11 +163,17 @@ class ConversationTab(QWidget):
         """Requests an answer to `user` (already stored, last message) from the history before it."""
         layout = rag.prompt_for(self.db, self.conversation_id, user["content"], max_context=self._max_context(),
                                 before_position=user["position"])
-        if layout.user_prompt != user["content"]:
-            self.db.update_message(user["id"], prompt=layout.user_prompt)
-        answer = self.db.add_message(self.conversation_id, "assistant", "", status="streaming",
-                                     sources=layout.sources or None)
+        try:
+            if layout.user_prompt != user["content"]:
+                self.db.update_message(user["id"], prompt=layout.user_prompt)
+            answer = self.db.add_message(self.conversation_id, "assistant", "", status="streaming",
+                                         sources=layout.sources or None)
+        except DatabaseError as exc:  # no answer row to write into: no answer is asked for
+            self.error_raised.emit(f"No answer was asked for: the conversation could not be saved ({exc}); "
+                                   "Regenerate tries again")
+            return
         self._answer_id = answer["id"]
+        self._save_failed = False
         widget = self.chat_view.add_message(answer)
         widget.set_sources(layout.sources)
         widget.rendered.connect(self.on_answer_rendered)
@@ -182,7 +195,20 @@ class ConversationTab(QWidget):
 
     def on_answer_rendered(self, text: str) -> None:
         if self._answer_id is not None:
-            self.db.update_message(self._answer_id, content=text)
+            self._save(self._answer_id, content=text)
+
+    def _save(self, message_id: int, **fields) -> bool:
+        """Writes an answer's fields; a failed write is reported once per answer (the next render and the
+        end of the answer write the whole text again)."""
+        try:
+            self.db.update_message(message_id, **fields)
+            return True
+        except DatabaseError as exc:
+            if not self._save_failed:
+                self._save_failed = True
+                self.error_raised.emit(f"The answer is shown but could not be saved yet ({exc}); "
+                                       "it is written again as it goes on")
+            return False
 
     def on_client_generation_finished(self, job: int, answer: dict) -> None:
         if job != self._job:
@@ -192,8 +218,8 @@ class ConversationTab(QWidget):
         stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
                      finish_reason=answer["finish_reason"])
         # The engine's text is the whole answer (the widget may still hold a throttled partial render).
-        self.db.update_message(self._answer_id, content=answer["text"], status=status,
-                               stats=stats if answer["stats"] else None)
+        self._save_failed = False  # the final write is reported whatever happened before
+        self._save(self._answer_id, content=answer["text"], status=status, stats=stats if answer["stats"] else None)
         widget.set_text(answer["text"])
         widget.message["status"] = status
         if answer["stats"]:
@@ -204,7 +230,7 @@ class ConversationTab(QWidget):
         if job != self._job:
             return
         widget = self.chat_view.widget_for(self._answer_id)
-        self.db.update_message(self._answer_id, content=widget.text, status="error")
+        self._save(self._answer_id, content=widget.text, status="error")
         widget.set_status("error")
         self._finish_request()
         self.error_raised.emit(f"The answer failed: {message}")

@@ -506,7 +506,7 @@ class Database:
             """,
             [cid],
         )
-        return list(rows)
+        return [_document_row(row) for row in rows]
 
     def search_passages(self, cid: int, query: str, limit: int = 5) -> list[dict]:
         """Passages of the documents attached to `cid` that contain any content word of `query`.
@@ -531,7 +531,7 @@ class Database:
             """,
             [cid, " OR ".join(_fts_string(term) for term in terms), limit],
         )
-        return list(rows)
+        return [_document_row(row) for row in rows]
 
     # -- settings -----------------------------------------------------------------------------------------
 

@@ -302,7 +302,9 @@ def _looks_like_text(text: str) -> bool:
 
 
 def _normalize_newlines(text: str) -> str:
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+    """Newlines as \\n, and lone surrogates (a PDF's broken ToUnicode map can yield them; SQLite and the
+    tokenizer refuse them) as U+FFFD: one character for one, so offsets stay valid."""
+    return _LONE_SURROGATES.sub("\ufffd", text.replace("\r\n", "\n").replace("\r", "\n"))
 
 
 def _pdf_text(data: bytes, name: str) -> tuple[str, list[tuple[int, int]]]:

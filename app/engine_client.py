@@ -127,7 +127,7 @@ class EngineClient(QObject):
         try:
             import uvicorn
 
-            from engine.server import create_app
+            from engine.server import create_app, server_options
         except ImportError as exc:
             self.server_failed.emit(f"the server needs its extra (pip install 'kvboost-desktop[server]'): {exc}")
             return
@@ -135,8 +135,9 @@ class EngineClient(QObject):
 
         model_id = Path(engine.name).name.removesuffix(".gguf")
         app = create_app(engine, model_id=model_id, api_key=api_key)
+        # The same client deadlines as kvboost-server (request head, body, keep-alive).
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               timeout_graceful_shutdown=2))
+                                               **server_options()))
         thread = threading.Thread(target=_serve_until_stopped, args=(server,), name="kvboost-api", daemon=True)
         url = f"http://127.0.0.1:{port}/v1"
         self._server = (server, thread, app.state.scheduler, url)

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import logging.handlers
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -58,6 +59,9 @@ def fail(message: str) -> int:
 
 
 def main(argv=None) -> int:
+    # Documents are read in worker processes (app.document_worker); in a frozen build the spawned worker starts
+    # this same executable, which must then run the worker instead of the app.
+    multiprocessing.freeze_support()
     args = build_parser().parse_args(argv)
     if args.smoke:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")

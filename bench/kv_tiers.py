@@ -107,8 +107,9 @@ def bench_restart(print_) -> dict:
                f"{r['cold_ttft_ms']:.0f} ms | {r['restore_ttft_ms']:.0f} ms | {r['speedup']:.1f}x | "
                f"{r['read_mb']:.1f} MB | {r['read_mb_s']:.0f} MB/s | "
                f"{sum(x['same_tokens'] for x in r['runs'])}/{len(r['runs'])} |")
-    best = max(r["speedup"] for r in results.values())
-    print_(f"\nTarget >= 10x faster TTFT: {'PASS' if best >= 10 else 'MISS'} ({best:.1f}x)\n")
+    lossless = results["none"]["speedup"]  # the default: reuse never changes an answer
+    print_(f"\nTarget >= 10x faster TTFT from the lossless (default) disk tier: "
+           f"{'PASS' if lossless >= 10 else 'MISS'} ({lossless:.1f}x)\n")
     return results
 
 

@@ -275,8 +275,24 @@ def build_server_parser() -> argparse.ArgumentParser:
                         help="require 'Authorization: Bearer KEY' on every request (default: $KVBOOST_API_KEY; the "
                         "environment keeps the key out of the process list)")
     parser.add_argument("--model-name", default=None, help="the model id clients send (default: from --model)")
+    parser.add_argument("--header-timeout", type=_positive_seconds, default=30.0,
+                        help="seconds a client has to send a request head (default 30)")
+    parser.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
+                        help="seconds a client has to send a request body once its head is in (default 30; then 408)")
+    parser.add_argument("--keep-alive-timeout", type=_positive_seconds, default=5.0,
+                        help="seconds an idle connection stays open between requests (default 5)")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def server_main(argv=None) -> int:
@@ -287,7 +303,7 @@ def server_main(argv=None) -> int:
     from .loader import ModelLoadError
 
     try:
-        from .server import serve
+        from .server import Timeouts, serve
     except ImportError as exc:
         print(f"kvboost-server: the server needs its extra: pip install 'kvboost-desktop[server]' ({exc})",
               file=sys.stderr)
@@ -302,7 +318,9 @@ def server_main(argv=None) -> int:
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
     try:
         serve(engine, model_id=model_id, host=args.host, port=args.port, api_key=args.api_key,
-              log_level="info" if args.verbose else "warning")
+              log_level="info" if args.verbose else "warning",
+              timeouts=Timeouts(header_s=args.header_timeout, body_s=args.body_timeout,
+                                keep_alive_s=args.keep_alive_timeout))
     except KeyboardInterrupt:
         pass
     return 0

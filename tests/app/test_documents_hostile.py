@@ -68,6 +68,11 @@ def test_file_name_that_is_not_utf8_is_indexed_stored_and_found_again(tmp_path, 
     assert again["id"] == row["id"] and again["path"] == document.path and again["name"] == "caf\ufffd notes.txt"
     assert db.upsert_document_signature(row["id"], 5.0, document.size)["path"] == document.path
     assert db.find_document(str(folder / "caf notes.txt")) is None
+    # Listings give the path as the OS gave it too (the chat's sources open it)
+    cid = db.create_conversation("c")["id"]
+    db.attach_document(cid, row["id"])
+    assert [d["path"] for d in db.conversation_documents(cid)] == [document.path]
+    assert [p["path"] for p in db.search_passages(cid, "meeting Thursday")] == [document.path]
     # Another undecodable name is another document.
     other = db.upsert_document(os.fsdecode(os.fsencode(folder) + b"/caf\xe8 notes.txt"), "other", "text",
                                "0" * 64, 1.0, 1, 1, [])
@@ -93,3 +98,39 @@ def test_dropping_a_non_utf8_file_name_twice_does_no_work_the_second_time(qtbot,
     assert second == {"added": 0, "unchanged": 1, "problems": []}
     assert [d["name"] for d in db.conversation_documents(tab.conversation_id)] == ["r\ufffdsum\ufffd.md"]
     assert "r\ufffdsum\ufffd.md" in tab.docs_label.text()
+
+
+def _pdf_whose_text_maps_to(target_hex: str) -> bytes:
+    """A one-page PDF showing "ABAB" in a font whose ToUnicode map sends B to UTF-16 code unit `target_hex`."""
+    cmap = ("/CIDInit /ProcSet findresource begin 12 dict begin begincmap /CMapName /X def "
+            "1 begincodespacerange <00> <FF> endcodespacerange 2 beginbfchar <41> <0041> <42> <%s> endbfchar "
+            "endcmap CMapName currentdict /CMap defineresource pop end end" % target_hex).encode()
+    content = b"BT /F1 24 Tf 72 720 Td (ABAB) Tj ET"
+    objects = [b"<< /Type /Catalog /Pages 2 0 R >>",
+               b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+               b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R "
+               b"/Resources << /Font << /F1 5 0 R >> >> >>",
+               b"<< /Length %d >>\nstream\n" % len(content) + content + b"\nendstream",
+               b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica /ToUnicode 6 0 R >>",
+               b"<< /Length %d >>\nstream\n" % len(cmap) + cmap + b"\nendstream"]
+    out, offsets = b"%PDF-1.4\n", []
+    for number, body in enumerate(objects, 1):
+        offsets.append(len(out))
+        out += b"%d 0 obj\n" % number + body + b"\nendobj\n"
+    xref = len(out)
+    out += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    out += b"".join(b"%010d 00000 n \n" % offset for offset in offsets)
+    return out + b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+
+
+def test_pdf_text_with_lone_surrogates_is_indexed_with_replacement_characters(tmp_path, db):
+    """A broken ToUnicode map makes pypdf return lone surrogates, which SQLite refuses to store."""
+    path = tmp_path / "broken-font.pdf"
+    path.write_bytes(_pdf_whose_text_maps_to("D800"))
+    document = extract(path)
+    assert document.text == "A\ufffdA\ufffd"
+    row = db.upsert_document(document.path, document.name, document.kind, document.sha256, document.mtime,
+                             document.size, len(document.text),
+                             [{"text": p.text, "page": p.page, "section": p.section, "start": p.start, "end": p.end}
+                              for p in document.passages])
+    assert [p["text"] for p in db.passages(row["id"])] == ["A\ufffdA\ufffd"]
