@@ -384,8 +384,8 @@ def test_unknown_theme_raises(app):
 def test_kind_colors_cover_every_lookup_outcome_in_both_themes():
     assert set(THEMES) == {"system", "light", "dark"}
     for theme in ("light", "dark"):
-        assert set(KIND_COLORS[theme]) == {"EXACT", "PREFIX", "APPROXIMATE", "MISS"}
-        assert len(set(KIND_COLORS[theme].values())) == 4
+        assert set(KIND_COLORS[theme]) == {"EXACT", "PREFIX", "QUANTIZED", "APPROXIMATE", "MISS"}
+        assert len(set(KIND_COLORS[theme].values())) == 5  # each outcome its own colour
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
