@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 import subprocess
 import sys
@@ -135,6 +137,66 @@ def test_importance_lru_keeps_hot_entries_that_lru_evicts(policy, hot_survives):
     store.touch(store.records[y], "EXACT")  # hot is now the least recently used
     put(store, "z")
     assert (hot in store.records) == hot_survives
+
+
+def importance_lru_order(entries, hit_weight=2.0):
+    """Eviction order by the rule in engine/eviction.py and the README, from `entries`: name -> [importance,
+    hits, last_access]. An entry hit h times is kept as if touched hit_weight * log1p(h) * N operations later
+    (N: entries competing), scaled by its importance over the competitors' mean; ties go to the older."""
+    n = len(entries)
+    mean = sum(e[0] for e in entries.values()) / n
+
+    def key(name):
+        importance, hits, last = entries[name]
+        return (last + hit_weight * math.log1p(hits) * n * importance / mean, last)
+
+    return sorted(entries, key=key)
+
+
+def test_importance_lru_keeps_the_entry_with_more_energy_among_equally_hit_ones():
+    """Entries with KV of different norms: with the same hit count, the one with the larger norm outlives
+    less important entries touched after it. Every element of an entry's K and V is `value`, so the L2 norm
+    of each 4-dim vector, hence its importance, is 2 * value."""
+    one = sum(t.numel() * 4 for pair in kv(4) for t in pair)
+    store = ChunkStore(budget_bytes=4 * one, policy=ImportanceLRU())
+    clock = itertools.count(1)  # one tick per store operation, as the store's logical clock
+    model = {}
+
+    def put_entry(name, value):
+        put(store, name, value=value)
+        model[name] = [2 * value, 0, next(clock)]
+
+    def touch(name):
+        store.touch(store.records[name.encode()], "EXACT")
+        model[name][1] += 1
+        model[name][2] = next(clock)
+
+    for name, value in [("dim", 0.5), ("bright", 2.0), ("plain", 1.0), ("cold", 1.0)]:
+        put_entry(name, value)
+    for name in ["bright", "dim", "plain", "bright", "dim", "plain"]:  # two hits each, bright the oldest
+        touch(name)
+    assert {k: store.records[k.encode()].importance for k in model} == pytest.approx(
+        {k: e[0] for k, e in model.items()})
+    # by hand: N = 4, mean importance 2.25, bonus 2 * ln 3 * 4 * importance / 2.25:
+    # cold 4, dim 9 + 3.91, plain 10 + 7.81, bright 8 + 15.62
+    assert importance_lru_order(model) == ["cold", "dim", "plain", "bright"]
+    assert store.eviction_order() == [b"cold", b"dim", b"plain", b"bright"]
+    # without the importance factor bright would go second (8 + 8.79 < 9 + 8.79): importance decides here
+    flat = {k: [1.0, e[1], e[2]] for k, e in model.items()}
+    assert importance_lru_order(flat) == ["cold", "bright", "dim", "plain"]
+
+    evicted = []
+    for name in ["new1", "new2", "new3"]:
+        victim = importance_lru_order(model)[0]
+        before = set(store.records)
+        put_entry(name, 1.0)
+        del model[victim]
+        assert before - set(store.records) == {victim.encode()}
+        evicted.append(victim)
+        for _ in range(3):  # the newcomers are hot: the original entries are the ones that leave
+            touch(name)
+    assert evicted == ["cold", "dim", "plain"]
+    assert b"bright" in store.records
 
 
 def test_longer_tail_supersedes_its_prefix():
