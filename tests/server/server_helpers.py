@@ -43,3 +43,29 @@ class RunningServer:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self.scheduler.close()
+
+
+class EngineBusy:
+    """The engine generating for someone else, as the desktop app does on the engine it shares with the server:
+    from `__enter__` to `__exit__` it holds the engine (a real generation, paused between two tokens), so the
+    server's jobs wait for it in its queue."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._generation = None
+
+    def __enter__(self):
+        self._generation = self.engine.stream("Count from one to one thousand:", max_new_tokens=4000,
+                                              temperature=0)
+        next(self._generation)  # its first token is out: the engine is taken until the generation is closed
+        return self
+
+    def __exit__(self, *exc):
+        self._generation.close()
+
+
+def wait_until(condition, timeout_s: float = 30, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import RunningServer
+from server_helpers import EngineBusy, RunningServer, wait_until
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -168,32 +168,42 @@ def test_api_key_is_required_when_set(smollm):
 
 
 def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(client, server):
-    questions = [f"Name a {thing}." for thing in ("color", "fruit", "planet")]
+    questions = [f"Name a {thing}." for thing in ("color", "fruit", "planet", "animal")]
     alone = {q: client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
                                                temperature=0, max_tokens=12).choices[0].message.content
              for q in questions}
+    idle(server)
     results: dict[str, tuple] = {}
+    first_token_at: dict[str, float] = {}
 
     def ask(q):
         text, stats = "", None
         for c in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
                                                 temperature=0, max_tokens=12, stream=True):
             if c.choices:
+                if c.choices[0].delta.content and q not in first_token_at:
+                    first_token_at[q] = time.monotonic()
                 text += c.choices[0].delta.content or ""
                 if c.choices[0].finish_reason:
                     stats = c.model_extra["kvboost"]
         results[q] = (text, stats)
 
     threads = []
-    for q in questions:
-        threads.append(threading.Thread(target=ask, args=(q,)))
-        threads[-1].start()
-        time.sleep(0.3)  # a known arrival order
+    with EngineBusy(server.engine):  # every request queues behind this generation, in a known order
+        for i, q in enumerate(questions):
+            threads.append(threading.Thread(target=ask, args=(q,)))
+            threads[-1].start()
+            if i == 0:  # taken by the scheduler, waiting for the engine
+                wait_until(lambda: server.scheduler.num_running == 1, what="the first request to be taken")
+            else:  # queued behind it before the next one is sent
+                wait_until(lambda: server.scheduler.num_waiting == i, what=f"request {i} to queue")
     for t in threads:
         t.join(timeout=300)
     assert {q: r[0] for q, r in results.items()} == alone
+    # One at a time in arrival order: each stream's first token comes a whole generation after the one before.
+    assert sorted(questions, key=first_token_at.__getitem__) == questions
     waits = [results[q][1]["queue_ms"] for q in questions]
-    assert waits[1] > 0 and waits[2] > waits[1] * 0.5  # later arrivals waited for the earlier ones
+    assert all(a < b for a, b in zip(waits, waits[1:])), waits
 
 
 def idle(server) -> None:
