@@ -1,0 +1,111 @@
+"""What the README promises of the engine's options and stats, each checked where it could break: timing stats
+present and consistent, the fingerprint following weights, dtype and RoPE config, from_pretrained's eviction and
+gpu_cache_bytes options over a model folder, awq_streaming refused with the reason, default tier budgets at the
+documented fractions."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine.disk import default_disk_budget
+from engine.loader import fingerprint
+from engine.tiers import default_device_budget, default_host_budget
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny(one_thread):
+    return build_model("llama"), build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, tiny):
+    """The tiny Llama saved as a HuggingFace folder, so from_pretrained loads it like a user's model."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model, tokenizer = tiny
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_timing_stats_are_present_and_consistent(tiny, tmp_path):
+    model, tokenizer = tiny
+    engine = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0))
+    prompt = random_ids(5 * CHUNK + 3, seed=1)
+    t0 = time.perf_counter()
+    result = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
+    wall_ms = (time.perf_counter() - t0) * 1000
+    s = result.stats
+    assert s.generated_tokens == NEW_TOKENS == len(result.token_ids)
+    assert 0 < s.ttft_ms < s.total_ms <= wall_ms + 1
+    assert 0 < s.store_ms < s.total_ms  # five chunks and a tail were stored inside the call
+    decode_s = (s.total_ms - s.ttft_ms) / 1000
+    # tokens after the first over the time after the first token (within what the stats themselves measure)
+    assert s.decode_tokens_per_s == pytest.approx((NEW_TOKENS - 1) / decode_s, rel=0.25)
+    assert s.prompt_tokens == len(prompt) == s.reused_tokens + s.recomputed_tokens
+
+
+def test_the_fingerprint_follows_weights_dtype_and_rope_config(tiny):
+    model, _ = tiny
+    base = fingerprint(model)
+    assert fingerprint(build_model("llama")) == base  # the same weights in another object: the same identity
+    changed = build_model("llama")
+    with torch.no_grad():
+        changed.model.layers[1].mlp.down_proj.weight.mul_(1.001)  # a fine-tune's worth of change in one tensor
+    assert fingerprint(changed) != base
+    assert fingerprint(build_model("llama").to(torch.bfloat16)) != base
+    rope = build_model("llama")
+    rope.config.rope_parameters = dict(rope.config.rope_parameters, rope_theta=20000.0)  # other positions
+    assert fingerprint(rope) != base
+
+
+def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_folder, tmp_path):
+    engine = KVBoost.from_pretrained(model_folder, device="cpu", eviction="lru", gpu_cache_bytes=123_456,
+                                     disk_cache_bytes=0, cpu_cache_bytes=0)
+    stats = engine.cache_stats()
+    assert stats["policy"] == "lru"
+    assert stats["budget_bytes"] == 123_456 == stats["tiers"]["device"]["budget_bytes"]
+    assert engine.generate(random_ids(20, seed=2), max_new_tokens=2).token_ids
+    same = KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=123_456, gpu_cache_bytes=123_456,
+                                   disk_cache_bytes=0)
+    assert same.cache_stats()["budget_bytes"] == 123_456
+    with pytest.raises(ValueError, match="same budget"):
+        KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=1, gpu_cache_bytes=2)
+    with pytest.raises(ValueError, match="eviction"):
+        KVBoost.from_pretrained(model_folder, device="cpu", eviction="fifo")
+
+
+def test_awq_streaming_is_refused_with_the_reason_where_it_cannot_run(model_folder):
+    t0 = time.perf_counter()
+    with pytest.raises(UnsupportedModelError, match="AWQ layer streaming: needs a CUDA GPU"):
+        KVBoost.from_pretrained(model_folder, device="cpu", awq_streaming=True)
+    assert time.perf_counter() - t0 < 10  # refused from the config, before the weights load
+
+
+def _mem_total_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="reads RAM size from /proc/meminfo")
+def test_default_budgets_follow_the_documented_fractions(tmp_path):
+    ram = _mem_total_bytes()
+    cpu = torch.device("cpu")
+    # device tier on a CPU-only machine: a quarter of RAM, at most 4 GiB; host: an eighth, at most 4 GiB
+    assert default_device_budget(cpu) == pytest.approx(min(ram / 4, 4 << 30), rel=0.01)
+    assert default_host_budget(cpu) == pytest.approx(min(ram / 8, 4 << 30), rel=0.01)
+    # disk: a fifth of the free space where the folder will be, at most 20 GiB
+    free = shutil.disk_usage(tmp_path).free
+    assert default_disk_budget(tmp_path / "not" / "there" / "yet") == pytest.approx(min(free / 5, 20 << 30),
+                                                                                    rel=0.01)
