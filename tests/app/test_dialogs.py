@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPalette
@@ -12,6 +17,7 @@ from PySide6.QtWidgets import (
     QDialogButtonBox,
     QDoubleSpinBox,
     QFileDialog,
+    QFrame,
     QInputDialog,
     QLabel,
     QLineEdit,
@@ -19,10 +25,11 @@ from PySide6.QtWidgets import (
     QPushButton,
     QRadioButton,
     QSpinBox,
+    QWidget,
 )
 
 from app.dialogs import ConversationSettingsDialog, ModelDialog, ask_rename
-from app.theme import KIND_COLORS, THEMES, apply_theme, connect_system_theme, system_is_dark
+from app.theme import KIND_COLORS, THEMES, apply_theme, connect_system_theme
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 512}
 DEFAULTS = {"system_prompt": "You are a helpful assistant.", "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128}}
@@ -322,21 +329,57 @@ def app(qapp):
     qapp.setStyleSheet(sheet)
 
 
-def window_lightness(app: QApplication) -> int:
-    return app.palette().color(QPalette.ColorRole.Window).lightness()
+# The themes' colours as documented in app/theme.py, stated here so that a theme that stops using them fails.
+LIGHT = {"window": "#f3f3f5", "text": "#1d1d1f", "base": "#ffffff", "highlight": "#2b63c4",
+         "disabled_text": "#9e9ea4", "user_bubble": "#dbe8fb"}
+DARK = {"window": "#232327", "text": "#e6e6ea", "base": "#1a1a1d", "highlight": "#3d7fe0",
+        "disabled_text": "#6e6e76", "user_bubble": "#28456e"}
+PALETTE_KEYS = ("window", "text", "base", "highlight", "disabled_text")
 
 
-def test_light_and_dark_themes_change_the_window_colour(app):
-    assert apply_theme(app, "light") == "light"
-    light = window_lightness(app)
-    assert apply_theme(app, "dark") == "dark"
-    dark = window_lightness(app)
+def palette_colours(app: QApplication) -> dict:
+    palette = app.palette()
+    return {
+        "window": palette.color(QPalette.ColorRole.Window).name(),
+        "text": palette.color(QPalette.ColorRole.Text).name(),
+        "base": palette.color(QPalette.ColorRole.Base).name(),
+        "highlight": palette.color(QPalette.ColorRole.Highlight).name(),
+        "disabled_text": palette.color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).name(),
+    }
 
-    assert light > 200
-    assert dark < 60
-    text = app.palette().color(QPalette.ColorRole.Text).lightness()
-    disabled = app.palette().color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.Text).lightness()
-    assert text > disabled > dark
+
+def window_colour(app: QApplication) -> str:
+    return app.palette().color(QPalette.ColorRole.Window).name()
+
+
+@pytest.mark.parametrize(("theme", "expected"), [("light", LIGHT), ("dark", DARK)])
+def test_each_theme_sets_its_documented_palette(app, theme, expected):
+    apply_theme(app, "dark" if theme == "light" else "light")
+
+    assert apply_theme(app, theme) == theme
+    assert palette_colours(app) == {key: expected[key] for key in PALETTE_KEYS}
+
+
+def test_switching_theme_changes_what_widgets_render(qtbot, app):
+    apply_theme(app, "light")
+    plain = QWidget()  # painted with the palette's window colour
+    plain.setAutoFillBackground(True)
+    plain.resize(60, 40)
+    bubble = QFrame()  # painted by the theme's stylesheet
+    bubble.setObjectName("userMessage")
+    bubble.resize(80, 50)
+    for widget in (plain, bubble):
+        qtbot.addWidget(widget)
+
+    def rendered() -> dict:
+        return {"window": plain.grab().toImage().pixelColor(30, 20).name(),
+                "user_bubble": bubble.grab().toImage().pixelColor(40, 25).name()}
+
+    assert rendered() == {"window": LIGHT["window"], "user_bubble": LIGHT["user_bubble"]}
+    apply_theme(app, "dark")
+    assert rendered() == {"window": DARK["window"], "user_bubble": DARK["user_bubble"]}
+    apply_theme(app, "light")
+    assert rendered() == {"window": LIGHT["window"], "user_bubble": LIGHT["user_bubble"]}
 
 
 def test_theme_stylesheet_styles_chat_bubbles(app):
@@ -349,16 +392,47 @@ def test_theme_stylesheet_styles_chat_bubbles(app):
     assert "italic" in sheet
 
 
-def test_system_theme_follows_the_system(app):
-    expected = "dark" if system_is_dark(app) else "light"
+@pytest.fixture
+def light_system(app):
+    """The offscreen platform reports no colour scheme and gives the application Qt's built-in light palette,
+    so there "system" is light. (Elsewhere the answer depends on the desktop: skipped.)"""
+    if app.platformName() != "offscreen" or app.styleHints().colorScheme() != Qt.ColorScheme.Unknown:
+        pytest.skip("needs the offscreen platform, which reports no colour scheme and a light palette")
+    return app
 
-    assert apply_theme(app, "system") == expected
-    # Applying our own palette must not change what "system" means.
-    apply_theme(app, "dark" if expected == "light" else "light")
-    assert apply_theme(app, "system") == expected
+
+def test_system_theme_follows_the_system(light_system):
+    app = light_system
+    assert apply_theme(app, "system") == "light"
+    assert window_colour(app) == LIGHT["window"]
+    # Our own dark palette must not make the system look dark.
+    apply_theme(app, "dark")
+    assert apply_theme(app, "system") == "light"
+    assert window_colour(app) == LIGHT["window"]
 
 
-def test_system_scheme_change_reapplies_only_when_following_the_system(app):
+def test_a_platform_palette_that_is_dark_makes_system_dark(tmp_path):
+    """A platform that reports no scheme is judged by the palette it gave the application: a dark one (set
+    here before any theme, as a platform would) makes "system" dark. A fresh process: the app records the
+    platform palette once."""
+    script = (
+        "from PySide6.QtGui import QColor, QPalette\n"
+        "from PySide6.QtWidgets import QApplication\n"
+        "from app.theme import apply_theme\n"
+        "app = QApplication([])\n"
+        "platform = QPalette(QColor('#202020'), QColor('#303030'))\n"
+        "app.setPalette(platform)\n"
+        "print(app.styleHints().colorScheme().name, apply_theme(app, 'system'),\n"
+        "      app.palette().color(QPalette.ColorRole.Window).name())\n"
+    )
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=Path(__file__).resolve().parents[2], check=True).stdout.split()
+    assert out == ["Unknown", "dark", DARK["window"]]
+
+
+def test_system_scheme_change_reapplies_only_when_following_the_system(light_system):
+    app = light_system
     choice = ["dark"]
     applied = []
     slot = connect_system_theme(app, lambda: choice[0], applied.append)
@@ -366,12 +440,12 @@ def test_system_scheme_change_reapplies_only_when_following_the_system(app):
         apply_theme(app, "dark")
         app.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
         assert applied == []
+        assert window_colour(app) == DARK["window"]
 
         choice[0] = "system"
         app.styleHints().colorSchemeChanged.emit(Qt.ColorScheme.Light)
-        expected = "dark" if system_is_dark(app) else "light"
-        assert applied == [expected]
-        assert (window_lightness(app) < 128) is (expected == "dark")
+        assert applied == ["light"]
+        assert window_colour(app) == LIGHT["window"]
     finally:
         app.styleHints().colorSchemeChanged.disconnect(slot)
 
