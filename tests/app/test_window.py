@@ -242,9 +242,16 @@ def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
     assert info["awq_unavailable"] in dialog.findChild(QLabel, "awqReason").text()
 
 
-@pytest.mark.parametrize("choice", ["light", "dark"])
-def test_theme_switch_recolours_and_is_remembered(qtbot, window, choice):
+@pytest.mark.parametrize(("choice", "window_colour"), [("light", "#f3f3f5"), ("dark", "#232327")])
+def test_theme_switch_recolours_and_is_remembered(qtbot, window, choice, window_colour):
+    from PySide6.QtGui import QPalette
+
+    window.set_theme("dark" if choice == "light" else "light")  # from the other theme, so the switch shows
     window.set_theme(choice)
+    # The documented window colour of the theme (app/theme.py), on the window and on a widget inside it.
+    assert window.palette().color(QPalette.ColorRole.Window).name() == window_colour
+    assert window.current_tab().composer.palette().color(QPalette.ColorRole.Window).name() == window_colour
+    assert window.current_tab().chat_view.theme == choice  # the cache map paints with this theme's colours
     assert window.theme == choice and window.db.get_setting("theme") == choice
 
 
