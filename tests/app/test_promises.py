@@ -189,7 +189,7 @@ def test_time_saved_is_reused_tokens_times_the_measured_prefill_cost(qtbot, load
     from app.chat_view import MessageWidget
 
     client = loaded_client
-    system = " ".join(f"Fact {i}: bell number {i} of the harbour rings at {i % 12 + 1} o'clock." for i in range(16))
+    system = " ".join(f"Fact {i}: bell number {i} of the harbour rings at {i % 12 + 1} o'clock." for i in range(8))
     messages = [{"role": "system", "content": system}]
     with qtbot.waitSignal(client.warm_finished, timeout=WAIT_MS) as warmed:
         client.warm([messages])
