@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QObject, QTimer, QUrl, Qt, Slot
-from PySide6.QtGui import QDesktopServices, QFont
+from PySide6.QtGui import QDesktopServices, QFont, QTextFormat
 from PySide6.QtWidgets import QApplication, QInputDialog, QLineEdit, QPushButton
 from qt_helpers import WAIT_MS
 
@@ -130,7 +130,9 @@ def test_answers_render_markdown_bold_and_code_blocks(qtbot, db, client):
         block = block.next()
     code = [b for b in blocks if b.text() == "print('harbour')"]
     assert len(code) == 1, [b.text() for b in blocks]
-    assert QFont(code[0].charFormat().font()).fixedPitch() or code[0].blockFormat().nonBreakableLines()
+    code_format = code[0].blockFormat()  # a fenced code block: its language kept, lines never wrapped
+    assert code_format.property(QTextFormat.Property.BlockCodeLanguage) == "python"
+    assert code_format.nonBreakableLines()
     assert "<pre" in document.toHtml()
     bold = []
     for b in blocks:
