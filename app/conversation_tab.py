@@ -45,7 +45,6 @@ class Composer(QPlainTextEdit):
 
 
 class ConversationTab(QWidget):
-    title_changed = Signal(int, str)
     error_raised = Signal(str)  # one error path: the main window's banner
     generation_state_changed = Signal(bool)
 

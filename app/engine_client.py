@@ -102,9 +102,6 @@ class EngineClient(QObject):
         for job in list(self._pending.values()):
             job.cancel.set()
 
-    def is_busy(self) -> bool:
-        return bool(self._pending)
-
     def memory(self) -> dict | None:
         """Engine memory report (weights, KV per tier, device totals); None before a model is loaded."""
         engine = self._engine

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
@@ -23,8 +23,6 @@ log = logging.getLogger(__name__)
 
 
 class MainWindow(QMainWindow):
-    conversation_opened = Signal(int)
-
     def __init__(self, db, client, *, theme_choice: str = "system"):
         super().__init__()
         self.db = db
@@ -203,7 +201,6 @@ class MainWindow(QMainWindow):
         self.tabs.setCurrentWidget(tab)
         if message_id is not None:
             QTimer.singleShot(0, lambda: tab.chat_view.scroll_to(message_id))
-        self.conversation_opened.emit(conversation_id)
         return tab
 
     def open_files(self, paths: list[str]) -> None:

@@ -51,7 +51,7 @@ import numpy as np
 import platformdirs
 import sqlite_utils
 
-from .eviction import LRU, rank
+from .eviction import LRU, Candidate, rank
 from .disk_rows import _HEX_KEY, _TMP_NAME, entry_fields, is_payload_name, parse_row, payload_name
 from .payload_file import PayloadError, decode_file, encode_file
 from .tiers import QUANT_MODES, StoredKV
@@ -416,11 +416,9 @@ class DiskTier:
     def _victims(self, need: int, in_use: set[bytes]) -> list[tuple] | None:
         """Rows to drop, in the policy's order, freeing at least `need` bytes; None when impossible. Rows with
         malformed bookkeeping go first (they cannot be served anyway)."""
-        from .store import ChunkRecord  # bookkeeping shape the policies sort
-
         rows = self.db.execute("SELECT id, key, file, namespace, num_bytes, importance, hits, last_access "
                                "FROM entries").fetchall()
-        broken, probes = [], {}
+        broken, candidates = [], []
         for row_id, key, file, namespace, num_bytes, importance, hits, last_access in rows:
             numbers = (num_bytes, hits, last_access)
             if not isinstance(key, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in numbers) \
@@ -429,15 +427,15 @@ class DiskTier:
                 continue
             if namespace == self.namespace and _HEX_KEY.fullmatch(key) and bytes.fromhex(key) in in_use:
                 continue
-            probe = ChunkRecord(b"", b"", None, "chunk", 0, (), num_bytes, importance=float(importance),
-                                last_access=last_access, hits=hits)
-            probes[id(probe)] = (probe, (row_id, key, file, namespace))
+            candidates.append(Candidate(last_access, hits, float(importance),
+                                        ref=((row_id, key, file, namespace), num_bytes)))
         victims, freed = list(broken), 0
-        for probe in rank(self.policy or LRU(), [p for p, _ in probes.values()]):
+        for candidate in rank(self.policy or LRU(), candidates):
             if freed >= need:
                 break
-            victims.append(probes[id(probe)][1])
-            freed += probe.num_bytes
+            victim, num_bytes = candidate.ref
+            victims.append(victim)
+            freed += num_bytes
         return victims if freed >= need else None
 
     def _write_atomic(self, rel: Path, blob: bytes) -> None:

@@ -1,24 +1,45 @@
-"""Eviction policies: each is a sort key over chunk records; the lowest key is evicted first.
+"""Eviction policies: each is a sort key over entries; the lowest key is evicted first.
 
-An entry in use (ref_count > 0) is never evicted; the store enforces that, policies only order.
+Policies read only what the Ranked protocol names (recency, hit count, importance), so the store's records and
+the disk index's rows are ranked the same way. An entry in use (ref_count > 0) is never evicted; the store
+enforces that, policies only order.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Protocol, Sequence, TypeVar
 
-if TYPE_CHECKING:
-    from .store import ChunkRecord
+
+class Ranked(Protocol):
+    """What a policy reads of an entry."""
+
+    last_access: int  # a logical clock, one tick per store operation
+    hits: int
+    importance: float
+
+
+@dataclass
+class Candidate:
+    """An entry known only by its bookkeeping (a disk index row), with what it stands for in `ref`."""
+
+    last_access: int
+    hits: int
+    importance: float
+    ref: object = None
+
+
+R = TypeVar("R", bound=Ranked)
 
 
 class EvictionPolicy(Protocol):
     name: str
 
-    def sort_key(self, record: ChunkRecord) -> tuple: ...
+    def sort_key(self, record: Ranked) -> tuple: ...
 
 
-def rank(policy: EvictionPolicy, records: Sequence[ChunkRecord]) -> list[ChunkRecord]:
+def rank(policy: EvictionPolicy, records: Sequence[R]) -> list[R]:
     """`records` in eviction order (first out first). Policies with a `rescale(records)` see the competitors
     first."""
     records = list(records)
@@ -32,7 +53,7 @@ class LRU:
 
     name = "lru"
 
-    def sort_key(self, record: ChunkRecord) -> tuple:
+    def sort_key(self, record: Ranked) -> tuple:
         return (record.last_access,)
 
 
@@ -51,12 +72,12 @@ class ImportanceLRU:
         self._scale = 1.0
         self._mean_importance = 0.0
 
-    def rescale(self, records: Sequence[ChunkRecord]) -> None:
+    def rescale(self, records: Sequence[Ranked]) -> None:
         """Called by the store with the entries about to be ranked, before sort_key."""
         self._scale = float(len(records))
         self._mean_importance = sum(r.importance for r in records) / len(records) if records else 0.0
 
-    def sort_key(self, record: ChunkRecord) -> tuple:
+    def sort_key(self, record: Ranked) -> tuple:
         relative = record.importance / self._mean_importance if self._mean_importance > 0 else 1.0
         bonus = self.hit_weight * math.log1p(record.hits) * self._scale * relative
         return (record.last_access + bonus, record.last_access)

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from .eviction import LRU, EvictionPolicy, rank
-from .tiers import KV, MemoryTier, decode_kv, default_device_budget, encode_kv
+from .tiers import KV, MemoryTier, decode_kv, encode_kv
 
 # Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
 # contains a whole anchor of it.
@@ -95,10 +95,6 @@ def _checked(stored, record: ChunkRecord, device: torch.device) -> KV | None:
     if not kv or any(k.shape[2] != record.num_tokens or v.shape[2] != record.num_tokens for k, v in kv):
         return None
     return kv if kv_nbytes(kv) == record.num_bytes else None
-
-
-def default_budget_bytes(device: torch.device) -> int:
-    return default_device_budget(device)
 
 
 class ChunkStore:

@@ -21,7 +21,6 @@ from .kv_quant import QuantizedTensor, dequantize, quantize_kv
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 QUANT_MODES = ("none", "int8", "int4")
-TIER_NAMES = ("device", "host", "disk")
 BITS = {"int8": 8, "int4": 4}
 KEY_GROUP = 128  # tokens per key group: one group per channel for a default-size chunk
 FP16_SAFE = 60000.0  # largest |x| whose quantization stats still fit float16
