@@ -130,7 +130,7 @@ class EngineClient(QObject):
             return
         from pathlib import Path
 
-        model_id = Path(engine.name).name.removesuffix(".gguf")
+        model_id = Path(engine.info()["name"]).name.removesuffix(".gguf")
         app = create_app(engine, model_id=model_id, api_key=api_key)
         # The same client deadlines as kvboost-server (request head, body, keep-alive).
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
@@ -210,28 +210,14 @@ class EngineClient(QObject):
             self.model_loading.emit(source or "SmolLM2-135M-Instruct (built in)")
             self.load_stage_changed.emit("Starting PyTorch and transformers…")
             from engine import KVBoost
-            from engine.cli import quiet_transformers
 
-            quiet_transformers()
             self.load_stage_changed.emit("Reading and preparing the weights…")
-            engine = KVBoost.from_pretrained(source, **job.payload["options"])
+            engine = KVBoost.from_pretrained(source, quiet=True, **job.payload["options"])
         self._engine = engine
         self._ms_per_token = None
-        from engine import awq_streaming_unavailable
-
-        self._info = {
-            "name": engine.name,
-            "source": source,
-            "device": str(engine.device),
-            "dtype": str(next(engine.model.parameters()).dtype).replace("torch.", ""),
-            "max_context": engine.max_context,
-            "reuse": engine.config.reuse,
-            "disk_cache": engine.store.disk.folder.as_posix() if engine.store.disk is not None else None,
-            "disk_error": engine.disk_error,
-            "awq_unavailable": awq_streaming_unavailable(engine.model.config, engine.device),
-            "load_s": time.perf_counter() - t0,
-            "model_type": engine.model.config.model_type,
-        }
+        info = engine.info()
+        self._info = dict(info, source=source, disk_cache=info["cache_folder"],
+                          load_s=time.perf_counter() - t0)
         self.model_loaded.emit(dict(self._info))
 
     def _require_engine(self):
@@ -257,8 +243,8 @@ class EngineClient(QObject):
                 self.token_generated.emit(job.id, event.text)
         assert result is not None
         stats = result.stats
-        decode = engine.tokenizer.decode
-        segments = [{"start": s, "end": e, "kind": kind, "text": decode(ids[s:e])} for s, e, kind in stats.chunks]
+        segments = [{"start": s, "end": e, "kind": kind, "text": engine.decode(ids[s:e])}
+                    for s, e, kind in stats.chunks]
         self._calibrate(stats.ttft_ms, stats.recomputed_tokens, stats.prompt_tokens)
         rate = self._ms_per_token
         self.generation_finished.emit(job.id, {

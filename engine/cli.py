@@ -254,13 +254,10 @@ def main(argv=None) -> int:
 
 
 def quiet_transformers() -> None:
-    """Only errors from transformers' logger (its warnings and progress bars are noise for our users)."""
-    try:
-        from transformers.utils import logging as hf_logging
+    """engine.loader.quiet_transformers, imported when called (the CLI starts without torch)."""
+    from .loader import quiet_transformers as quiet
 
-        hf_logging.set_verbosity_error()
-    except ImportError:
-        pass
+    quiet()
 
 
 def build_server_parser() -> argparse.ArgumentParser:

@@ -152,7 +152,8 @@ class KVBoost:
                         chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
                         cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
-                        repair_options: dict | None = None, awq_streaming: bool = False) -> "KVBoost":
+                        repair_options: dict | None = None, awq_streaming: bool = False,
+                        quiet: bool = False) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -160,7 +161,10 @@ class KVBoost:
         per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
         being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
         `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
-        awq_streaming_unavailable)."""
+        awq_streaming_unavailable). `quiet`: only errors from transformers' logging (no warnings or progress
+        bars), for front ends."""
+        if quiet:
+            loader.quiet_transformers()
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
             raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
@@ -426,6 +430,25 @@ class KVBoost:
             "entries_stored": self.store.counters.stored - before,
             "ms": (time.perf_counter() - t_enter) * 1000,
         }
+
+    def info(self) -> dict:
+        """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
+        disk cache folder (None when off) and why it is off, and why AWQ layer streaming could not run."""
+        return {
+            "name": self.name,
+            "model_type": self.model.config.model_type,
+            "max_context": self.max_context,
+            "device": str(self.device),
+            "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            "reuse": self.config.reuse,
+            "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
+            "disk_error": self.disk_error,
+            "awq_unavailable": awq_streaming_unavailable(self.model.config, self.device),
+        }
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (the cache map shows each segment's text)."""
+        return self.tokenizer.decode(list(ids))
 
     def memory(self) -> dict:
         """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), and the device's

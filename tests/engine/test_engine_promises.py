@@ -109,3 +109,15 @@ def test_default_budgets_follow_the_documented_fractions(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     assert default_disk_budget(tmp_path / "not" / "there" / "yet") == pytest.approx(min(free / 5, 20 << 30),
                                                                                     rel=0.01)
+
+
+def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
+    engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", quiet=True)
+    info = engine.info()
+    assert info["model_type"] == "llama" and info["max_context"] == 2048
+    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["reuse"] == "chunk"
+    assert info["cache_folder"] == (tmp_path / "kv").as_posix() and info["disk_error"] is None
+    assert "CUDA" in info["awq_unavailable"]
+    assert engine.decode(engine.encode("w5 w6 w7")) == "w5 w6 w7"
+    off = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_bytes=0)
+    assert off.info()["cache_folder"] is None
