@@ -27,13 +27,13 @@ sys.path.insert(0, str(ROOT))
 
 SECTIONS = ("restart", "trace", "memory", "quality")
 NUM_DOCS = 5
-DOC_TOKENS = 380  # the rag workload's documents (engine.bench.FULL)
+DOC_TOKENS = 380  # the rag workload's documents (bench.reuse.FULL)
 RESTART_PROCESSES = 3
 
 
 def rag_messages(tokenizer, num_docs=NUM_DOCS, doc_tokens=DOC_TOKENS):
     """The rag workload's prompt: documents from the Python docs and a question, as one user message."""
-    from engine.bench_text import Corpus
+    from bench.text import Corpus
 
     corpus = Corpus(tokenizer)
     docs = [corpus.passages(doc_tokens, 1) for _ in range(num_docs)]
@@ -234,7 +234,7 @@ def bench_quality(engine, print_, num_prompts: int = 8) -> dict:
     served from it, vs the same with unquantized reuse (itself identical to plain prefill)."""
     import torch
 
-    from engine.bench_text import Corpus
+    from bench.text import Corpus
 
     corpus = Corpus(engine.tokenizer)
     prompts = []

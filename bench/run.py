@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.bench import main  # noqa: E402  (needs the repository root on the path first)
+from bench.reuse import main  # noqa: E402  (needs the repository root on the path first)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -42,7 +42,7 @@ def stream_ttft(client, messages, max_tokens) -> tuple[float, float, str, dict]:
 
 
 def workloads(tokenizer, quick: bool):
-    from engine.bench_text import Corpus
+    from bench.text import Corpus
 
     corpus = Corpus(tokenizer)
     num_docs, doc_tokens, turns = (3, 150, 3) if quick else (5, 380, 6)

@@ -193,9 +193,12 @@ def cmd_cache(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
-
-    return bench.main(args.bench_args)
+    try:  # the benchmarks are the bench package beside the engine (`python -m bench` is the same)
+        from bench.reuse import main as bench_main
+    except ImportError as exc:
+        print(f"kvboost bench: the bench package is not installed ({exc})", file=sys.stderr)
+        return 2
+    return bench_main(args.bench_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -238,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # everything after it is the bench's own (its --help too)
+        return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if not args.verbose:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.bench_modes import mode_options
+from bench.modes import mode_options
 
 
 @pytest.mark.parametrize("mode, options", [

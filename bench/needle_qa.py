@@ -1,9 +1,9 @@
-"""The needle-QA workload of `kvboost bench`: what approximate reuse costs in answers (engine.needle)."""
+"""The needle-QA workload of `kvboost bench`: what approximate reuse costs in answers (bench.needle)."""
 
 from __future__ import annotations
 
 from . import needle
-from .bench import REFERENCE, Target, Workload, add_approx_targets, measure
+from .reuse import REFERENCE, Target, Workload, add_approx_targets, measure
 
 ACCURACY_SLACK_POINTS = 2.0
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .config import REUSE_MODES
+from engine.config import REUSE_MODES
 
 REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
 
 
-PEER = "peer"  # the PyPI `kvboost` library as a peer row (engine.bench_peer), when it is installed
+PEER = "peer"  # the PyPI `kvboost` library as a peer row (bench.peer), when it is installed
 
 
 def mode_options(mode: str) -> dict:
@@ -45,7 +45,7 @@ def mode_options(mode: str) -> dict:
 
 def engine_for(engine, mode: str):
     if mode == PEER:
-        from .bench_peer import PeerBenchEngine
+        from .peer import PeerBenchEngine
 
         return PeerBenchEngine(engine)
     return engine.with_options(**mode_options(mode))

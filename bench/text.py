@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .bench import Sizes
+    from .reuse import Sizes
 
 
 class Corpus:

@@ -232,7 +232,7 @@ def run_peer_rows(base_engine, prompts: list[list[dict]], max_new_tokens: int,
 
 
 class PeerBenchEngine:
-    """The peer behind the small part of our engine's interface that `engine.bench` uses (generate, chat,
+    """The peer behind the small part of our engine's interface that `bench.reuse` uses (generate, chat,
     warm, clear_cache), so it runs as one more mode, interleaved with ours on every prompt. It has no logits
     to compare: its KL is reported as NaN."""
 
@@ -240,7 +240,7 @@ class PeerBenchEngine:
         self.peer = PeerEngine(base_engine)
 
     def generate(self, messages: Messages, *, max_new_tokens: int, **_ignored):
-        from .generate import Result, Stats
+        from engine.generate import Result, Stats
 
         text, ids, ttft_ms, reused = self.peer.chat(messages, max_new_tokens)
         result = self.peer.last_result

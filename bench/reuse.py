@@ -24,9 +24,9 @@ from typing import Callable, Sequence, TextIO
 
 import torch
 
-from .bench_modes import PEER, engine_for, mode_options
-from .bench_text import Corpus, Texts, cut_texts, permutations
-from .config import REUSE_MODES
+from .modes import PEER, engine_for, mode_options
+from .text import Corpus, Texts, cut_texts, permutations
+from engine.config import REUSE_MODES
 
 DEFAULT_MODES = ("off", "prefix", "chunk")
 REFERENCE = "off"  # the mode every other is compared with: speedup and agreement
@@ -308,7 +308,7 @@ def add_approx_targets(wl: Workload) -> None:
 
 
 def runners() -> dict:
-    from .bench_needle import run_needle
+    from .needle_qa import run_needle
 
     return {"multiturn": run_multiturn, "sysprompt": run_sysprompt, "rag": run_rag, "needle": run_needle}
 
@@ -393,7 +393,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     for mode in modes:
         mode_options(mode)  # raises ValueError naming a bad one
     if PEER in modes:
-        from .bench_peer import peer_available
+        from .peer import peer_available
 
         reason = peer_available()
         if reason is not None:
@@ -403,7 +403,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
         raise ValueError(f"name at least one mode besides {REFERENCE!r}, got {list(modes)!r}")
     progress = progress or (lambda _msg: None)
     if engine is None:
-        from .engine import KVBoost
+        from engine.engine import KVBoost
 
         progress("loading model")
         engine = KVBoost.from_pretrained(disk_cache_bytes=0)  # every run starts cold: no entries from the last
@@ -467,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not [m for m in modes if m != REFERENCE]:
         parser.error(f"--modes takes reuse modes besides off, got {args.modes!r}")
 
-    from .engine import KVBoost
+    from engine.engine import KVBoost
 
     def progress(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
