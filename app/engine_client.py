@@ -64,7 +64,7 @@ class EngineClient(QObject):
         self._engine = None  # touched on the worker only, except the read-only memory()/is_loaded
         self._info: dict | None = None
         self._ms_per_token: float | None = None  # measured prefill cost, for the time-saved estimate
-        self._server = None  # (uvicorn.Server, thread, scheduler) of the in-process API server
+        self._server = None  # (server.thread.ServerThread, url) of the in-process API server
         self._thread = threading.Thread(target=self._work, name="kvboost-engine", daemon=True)
         self._thread.start()
 
@@ -107,10 +107,10 @@ class EngineClient(QObject):
         engine = self._engine
         return engine.memory() if engine is not None else None
 
-    # -- the OpenAI-compatible API over the loaded model (engine.server), in this process ------------------
+    # -- the OpenAI-compatible API over the loaded model (server.thread), in this process ------------------
     @property
     def server_url(self) -> str | None:
-        return self._server[3] if self._server is not None else None
+        return self._server[1] if self._server is not None else None
 
     def start_server(self, port: int = 8000, api_key: str | None = None) -> None:
         """Serves the loaded engine on 127.0.0.1:`port` from a thread of its own; server_started(url) or
@@ -122,32 +122,26 @@ class EngineClient(QObject):
             return
         self.stop_server()
         try:
-            import uvicorn
-
-            from engine.server import create_app, server_options
+            from server.thread import ServerThread
         except ImportError as exc:
             self.server_failed.emit(f"the server needs its extra (pip install 'kvboost-desktop[server]'): {exc}")
             return
         from pathlib import Path
 
         model_id = Path(engine.info()["name"]).name.removesuffix(".gguf")
-        app = create_app(engine, model_id=model_id, api_key=api_key)
-        # The same client deadlines as kvboost-server (request head, body, keep-alive).
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                               **server_options()))
-        thread = threading.Thread(target=_serve_until_stopped, args=(server,), name="kvboost-api", daemon=True)
-        url = f"http://127.0.0.1:{port}/v1"
-        self._server = (server, thread, app.state.scheduler, url)
-        thread.start()
+        # kvboost-server's settings (the same client deadlines), on this process's loaded engine
+        running = ServerThread(engine, model_id=model_id, port=port, api_key=api_key).start()
+        url = f"{running.url}/v1"
+        self._server = (running, url)
 
         def wait_until_up(deadline=time.monotonic() + 10):
-            if self._server is None or self._server[0] is not server:
+            if self._server is None or self._server[0] is not running:
                 return
-            if server.started:
+            if running.started:
                 self.server_started.emit(url)
-            elif not thread.is_alive() or time.monotonic() > deadline:
+            elif not running.alive or time.monotonic() > deadline:
                 self._server = None
-                app.state.scheduler.close()
+                running.stop(timeout_s=None)
                 self.server_failed.emit(f"could not listen on 127.0.0.1:{port} (is the port in use?)")
             else:
                 QTimer.singleShot(50, wait_until_up)
@@ -159,13 +153,12 @@ class EngineClient(QObject):
         has exited (never blocks the UI thread)."""
         if self._server is None:
             return
-        server, thread, scheduler, _url = self._server
+        running, _url = self._server
         self._server = None
-        scheduler.close()
-        server.should_exit = True
+        running.stop(timeout_s=None)
 
         def join_then_report():
-            thread.join(timeout=30)
+            running.join(timeout_s=30)
             self.server_stopped.emit()  # queued to the UI thread
 
         threading.Thread(target=join_then_report, name="kvboost-api-stop", daemon=True).start()
@@ -290,10 +283,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, MemoryError) or "out of memory" in str(exc).lower():
         return f"Out of memory: {exc}. Try a smaller model, a shorter prompt or fewer documents."
     return f"{type(exc).__name__}: {exc}"
-
-
-def _serve_until_stopped(server) -> None:
-    try:
-        server.run()
-    except SystemExit:  # uvicorn exits this way when it cannot listen; start_server's check reports it
-        pass

@@ -20,7 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests" / "server"))
 
 
 def stream_ttft(client, messages, max_tokens) -> tuple[float, float, str, dict]:
@@ -60,13 +59,13 @@ def run(quick: bool = False) -> int:
 
     from engine import KVBoost
     from engine.cli import quiet_transformers
-    from server_helpers import RunningServer
+    from server.thread import ServerThread
 
     quiet_transformers()
     max_tokens = 8 if quick else 32
     base = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0)
-    servers = {"off": RunningServer(base.with_options(reuse="off"), model_id="bench"),
-               "chunk": RunningServer(base.with_options(reuse="chunk"), model_id="bench")}
+    servers = {mode: ServerThread(base.with_options(reuse=mode), model_id="bench").start() for mode in ("off", "chunk")}
+    assert all(s.wait_started(30) for s in servers.values()), "a server did not start"
     clients = {mode: openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=600)
                for mode, s in servers.items()}
     for client in clients.values():

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
 
 
-def _add_engine_options(p: argparse.ArgumentParser) -> None:
+def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder, .gguf file or HF hub id in the local cache (default: embedded SmolLM2-135M)")
     p.add_argument("--device", default="auto")
@@ -49,7 +48,8 @@ def _sampling(args) -> dict:
                 top_k=args.top_k, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop)
 
 
-def _load(args):
+def load_engine(args):
+    """The engine the parsed engine options (add_engine_options) describe."""
     from .engine import KVBoost
 
     if args.threads:
@@ -83,7 +83,7 @@ def _stream_to(out, eng, prompt, sampling, cancel=None):
 
 
 def cmd_run(args) -> int:
-    eng = _load(args)
+    eng = load_engine(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
@@ -97,7 +97,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    eng = _load(args)
+    eng = load_engine(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("KVBoost chat. /reset clears the conversation, /stats shows the cache, /quit or Ctrl+D leaves.\n"
@@ -139,7 +139,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_warm(args) -> int:
-    eng = _load(args)
+    eng = load_engine(args)
     for name in args.files:
         text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8", errors="replace")
         info = eng.warm(text)
@@ -208,13 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
-    _add_engine_options(p)
+    add_engine_options(p)
     _add_sampling_options(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("run", help="one prompt, streamed to stdout")
-    _add_engine_options(p)
+    add_engine_options(p)
     _add_sampling_options(p)
     p.add_argument("prompt", help="the prompt text, or - to read stdin")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("warm", help="prefill files into the cache and report")
-    _add_engine_options(p)
+    add_engine_options(p)
     p.add_argument("files", nargs="+")
     p.set_defaults(func=cmd_warm)
 
@@ -264,69 +264,6 @@ def quiet_transformers() -> None:
     from .loader import quiet_transformers as quiet
 
     quiet()
-
-
-def build_server_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvboost-server", description="OpenAI-compatible server over the "
-                                     "KVBoost engine (GET /v1/models, POST /v1/chat/completions, "
-                                     "POST /v1/completions, GET /health).")
-    _add_engine_options(parser)
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
-                        help="require 'Authorization: Bearer KEY' on every request (default: $KVBOOST_API_KEY; the "
-                        "environment keeps the key out of the process list)")
-    parser.add_argument("--model-name", default=None, help="the model id clients send (default: from --model)")
-    parser.add_argument("--header-timeout", type=_positive_seconds, default=30.0,
-                        help="seconds a client has to send a request head (default 30)")
-    parser.add_argument("--body-timeout", type=_positive_seconds, default=30.0,
-                        help="seconds a client has to send a request body once its head is in (default 30; then 408)")
-    parser.add_argument("--keep-alive-timeout", type=_positive_seconds, default=5.0,
-                        help="seconds an idle connection stays open between requests (default 5)")
-    parser.add_argument("-v", "--verbose", action="store_true")
-    return parser
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
-def server_main(argv=None) -> int:
-    args = build_server_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    if not args.verbose:
-        quiet_transformers()
-    from .loader import ModelLoadError
-
-    try:
-        from .server import Timeouts, serve
-    except ImportError as exc:
-        print(f"kvboost-server: the server needs its extra: pip install 'kvboost-desktop[server]' ({exc})",
-              file=sys.stderr)
-        return 2
-    try:
-        engine = _load(args)
-    except (ModelLoadError, ValueError) as exc:
-        print(f"kvboost-server: error: {exc}", file=sys.stderr)
-        return 2
-    model_id = args.model_name or Path(engine.name).name.removesuffix(".gguf")
-    print(f"kvboost-server: serving {model_id!r} on http://{args.host}:{args.port}/v1"
-          f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
-    try:
-        serve(engine, model_id=model_id, host=args.host, port=args.port, api_key=args.api_key,
-              log_level="info" if args.verbose else "warning",
-              timeouts=Timeouts(header_s=args.header_timeout, body_s=args.body_timeout,
-                                keep_alive_s=args.keep_alive_timeout))
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 if __name__ == "__main__":

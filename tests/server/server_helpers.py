@@ -2,47 +2,30 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from server.thread import free_port  # noqa: F401  (tests import it from here)
 
 
 class RunningServer:
-    """Served as `kvboost-server` serves it (engine.server.serve's settings), `timeouts` included."""
+    """Served as `kvboost-server` serves it (server.app's settings, `timeouts` included), started and waited for."""
 
     def __init__(self, engine, model_id="smollm2", api_key=None, timeouts=None):
-        import uvicorn
+        from server.app import Timeouts
+        from server.thread import ServerThread
 
-        from engine.server import Timeouts, create_app, server_options
-
-        timeouts = timeouts or Timeouts()
         self.engine = engine
-        self.app = create_app(engine, model_id=model_id, api_key=api_key, timeouts=timeouts)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                                     log_level="warning", **server_options(timeouts)))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = ServerThread(engine, model_id=model_id, api_key=api_key, timeouts=timeouts or Timeouts())
+        self.app, self.port, self.url = self._thread.app, self._thread.port, self._thread.url
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.05)
+        assert self._thread.wait_started(30), "server did not start"
 
     @property
     def scheduler(self):
         return self.app.state.scheduler
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self.scheduler.close()
+        self._thread.stop()
 
 
 class EngineBusy:

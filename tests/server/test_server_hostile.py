@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from engine.server import Timeouts
+from server.app import Timeouts
 from server_helpers import RunningServer
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]

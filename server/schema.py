@@ -1,4 +1,4 @@
-"""The OpenAI API's request bodies as pydantic models, and its error JSON, for engine.server.
+"""The OpenAI API's request bodies as pydantic models, and its error JSON, for server.app.
 
 Bodies are read strictly, as OpenAI reads them: `true` is not a number, `"0.5"` is not a temperature, `2.0` is not
 a token count. A body that is not valid JSON text is refused as a whole (400 `invalid_json`): NaN and Infinity

@@ -40,9 +40,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .config import SamplingConfig
-from .generate import Result, TokenEvent
-from .openai_schema import APIError, ChatBody, CompletionBody, RequestBody, error_response, parse
+from engine import Result, SamplingConfig, TokenEvent
+
+from .schema import APIError, ChatBody, CompletionBody, RequestBody, error_response, parse
 
 log = logging.getLogger(__name__)
 
