@@ -1,9 +1,16 @@
-"""APPROXIMATE reuse on the real model: documents warmed alone are found inside reordered RAG prompts.
+"""APPROXIMATE reuse on the real model: documents warmed alone are found inside reordered RAG prompts, and each
+repair mode keeps the answer closer to full prefill than no repair does.
 
-Floors come from the measured quality of the method on these three prompts: with CacheBlend repair (15%)
-the first token agreed with full prefill on all three, greedy outputs agreed for 16-24 tokens and the mean
-KL was 0.074; with no repair the mean KL was 0.123. The KL floor sits between the two, so a repair that stops
-working fails this test."""
+Measured on these three prompts (first answer token, KL of the approximate next-token distribution from full
+prefill's; greedy tokens shared with full prefill out of 32), mean over the prompts:
+  none        KL 0.124 (0.120, 0.147, 0.103)  common prefix 14.7 (16, 10, 18)
+  selective   KL 0.117 (0.083, 0.240, 0.029)  common prefix 15.7 (16, 16, 15)
+  cacheblend  KL 0.074 (0.082, 0.110, 0.029)  common prefix 18.7 (16, 16, 24)
+The first answer token agrees with full prefill on every prompt in every mode (no repair included), so it is
+no floor. Selective's margin over no repair is thin on these prompts (5% in mean KL, one token in mean
+prefix; on the second prompt its KL is worse than no repair's), cacheblend's is wide. Each mode's floors sit
+between its numbers and no repair's, and the test computes no repair's numbers too and checks they fail every
+floor, so a repair that stops working fails it."""
 
 from __future__ import annotations
 
@@ -11,6 +18,11 @@ import pytest
 import torch
 
 from engine import needle
+
+ORDERS = [(2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0)]
+NEW_TOKENS = 32
+# mode -> (mean KL below, mean common prefix at least)
+FLOORS = {"selective": (0.120, 15.0), "cacheblend": (0.100, 16.5)}
 
 
 def common_prefix(a, b):
@@ -20,28 +32,48 @@ def common_prefix(a, b):
     return n
 
 
-@pytest.mark.slow
-def test_reordered_documents_get_approximate_hits_and_stay_close_to_full_prefill(smollm):
-    eng = smollm.with_options(reuse="approx", repair="cacheblend")
-    off = smollm.with_options(reuse="off")
+def kl(reference_logits, logits):
+    p, q = torch.log_softmax(reference_logits.double(), -1), torch.log_softmax(logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+@pytest.fixture(scope="module")
+def measured(smollm):
+    """Mean KL and common prefix against full prefill per repair mode, "none" included."""
     docs = needle.make_documents(num_docs=4, chars=700)
-    for doc in docs:
-        eng.warm(needle.warm_messages(doc))
     questions = [needle.NeedleQuestion(order, order[-1], f"What is the archive code of the {docs[order[-1]].name} "
-                                       "collection?", docs[order[-1]].code)
-                 for order in [(2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0)]]
-    first_agree, kls, prefixes = 0, [], []
-    for q in questions:
-        messages = needle.messages_for(docs, q)
-        res = eng.chat(messages, max_new_tokens=32, return_logits=True)
-        ref = off.chat(messages, max_new_tokens=32, return_logits=True)
-        approx_tokens = sum(e - s for s, e, kind in res.stats.chunks if kind == "APPROXIMATE")
-        assert approx_tokens >= 0.6 * res.stats.prompt_tokens, res.stats.chunks
-        assert res.stats.repair == "cacheblend" and res.stats.repaired_tokens > 0
-        first_agree += res.token_ids[:1] == ref.token_ids[:1]
-        p, q_ = torch.log_softmax(ref.first_logits.double(), -1), torch.log_softmax(res.first_logits.double(), -1)
-        kls.append(float((p.exp() * (p - q_)).sum()))
-        prefixes.append(common_prefix(res.token_ids, ref.token_ids))
-    assert first_agree >= 2
-    assert sum(kls) / len(kls) < 0.1
-    assert sum(prefixes) / len(prefixes) >= 10
+                                       "collection?", docs[order[-1]].code) for order in ORDERS]
+    prompts = [needle.messages_for(docs, q) for q in questions]
+    off = smollm.with_options(reuse="off")
+    refs = [off.chat(m, max_new_tokens=NEW_TOKENS, return_logits=True) for m in prompts]
+    out = {}
+    for mode in ("none", "selective", "cacheblend"):
+        eng = smollm.with_options(reuse="approx", repair=mode)
+        for doc in docs:
+            eng.warm(needle.warm_messages(doc))
+        kls, prefixes = [], []
+        for m, ref in zip(prompts, refs):
+            res = eng.chat(m, max_new_tokens=NEW_TOKENS, return_logits=True)
+            approx_tokens = sum(e - s for s, e, kind in res.stats.chunks if kind == "APPROXIMATE")
+            # measured 0.57 (selective recomputes 16 tokens per seam) to 0.76 of the prompt
+            assert approx_tokens >= 0.55 * res.stats.prompt_tokens, res.stats.chunks
+            assert res.stats.repair == mode
+            if mode == "cacheblend":
+                assert res.stats.repaired_tokens > 0
+            kls.append(kl(ref.first_logits, res.first_logits))
+            prefixes.append(common_prefix(res.token_ids, ref.token_ids))
+        out[mode] = {"kl": sum(kls) / len(kls), "prefix": sum(prefixes) / len(prefixes), "kls": kls,
+                     "prefixes": prefixes}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["selective", "cacheblend"])
+def test_repair_keeps_reordered_documents_closer_to_full_prefill_than_no_repair(measured, mode):
+    kl_floor, prefix_floor = FLOORS[mode]
+    got, none = measured[mode], measured["none"]
+    assert got["kl"] < kl_floor, got
+    assert got["prefix"] >= prefix_floor, got
+    # the floors have power: without repair the same prompts fail them
+    assert none["kl"] >= kl_floor, none
+    assert none["prefix"] < prefix_floor, none
