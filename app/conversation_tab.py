@@ -422,7 +422,12 @@ class ConversationTab(QWidget):
         self.cancel_docs_button.hide()
 
     def close_down(self) -> None:
-        """The tab is closing: stop its work (what was shown is already saved)."""
+        """The tab is closing (or the app quitting): stop its work and save the answer being written as it is on
+        screen, marked interrupted (the event loop may not turn again to receive its end)."""
+        if self._answer_id is not None and self._job is not None:
+            widget = self.chat_view.widget_for(self._answer_id)
+            if widget is not None:
+                self._save(self._answer_id, content=widget.text, status="interrupted")
         self.stop()
         if self._warm_job is not None:
             self.client.cancel(self._warm_job)

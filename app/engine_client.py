@@ -169,6 +169,10 @@ class EngineClient(QObject):
         self._jobs.put(_STOP)
         self._thread.join(timeout)
 
+    def worker_alive(self) -> bool:
+        """Whether the engine thread is still running (after shutdown(): a job that outlived its deadline)."""
+        return self._thread.is_alive()
+
     def _submit(self, kind: str, payload: dict) -> int:
         job = _Job(next(self._ids), kind, payload)
         self._pending[job.id] = job

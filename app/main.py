@@ -98,13 +98,41 @@ def main(argv=None) -> int:
         return fail(f"KVBoost Desktop is already running on {paths.data_dir} (lock {instance.lock_path}) but did "
                     "not answer; close it, or remove the lock file if no KVBoost Desktop is running")
     try:
-        return run_app(app, args, paths, files, instance)
+        code, worker_still_running = run_app(app, args, paths, files, instance)
     finally:
         instance.release()
+    if worker_still_running:
+        # The engine thread is still inside torch (a model load cannot be interrupted mid-stage): everything is
+        # saved and closed, so leave now rather than let interpreter shutdown tear torch down under it (which
+        # aborts the process: "terminate called without an active exception").
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
-def run_app(app, args, paths, files, instance) -> int:
-    """The first (only) app on this home: the window, the model loading behind it, the event loop."""
+def install_quit_signals(window) -> None:
+    """SIGTERM (logout, shutdown, `kill`) and SIGINT (Ctrl+C) close the window like File > Quit: what is on
+    screen is saved and the app exits 0. Qt's event loop runs in C++, so a timer lets Python see the signal."""
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    def quit_on(signum, _frame) -> None:
+        logging.getLogger(__name__).info("signal %d: quitting", signum)
+        QTimer.singleShot(0, window.close)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, quit_on)
+    heartbeat = QTimer(window)
+    heartbeat.timeout.connect(lambda: None)
+    heartbeat.start(200)
+
+
+def run_app(app, args, paths, files, instance) -> tuple[int, bool]:
+    """The first (only) app on this home: the window, the model loading behind it, the event loop. Returns the
+    exit code and whether the engine thread was still busy after the shutdown deadline."""
     import qasync
 
     from .db import Database, DatabaseError
@@ -116,12 +144,12 @@ def run_app(app, args, paths, files, instance) -> int:
     try:
         db = Database(paths.database)
     except DatabaseError as exc:
-        return fail(str(exc))
+        return fail(str(exc)), False
     try:
         interrupted = db.mark_interrupted()
     except DatabaseError as exc:
         db.close()
-        return fail(str(exc))
+        return fail(str(exc)), False
     # KV computed in one session answers the next (the engine's disk tier; shared with kvboost-server).
     client = EngineClient(engine_options={"disk_cache_dir": str(paths.kv_cache_dir)} if paths.kv_cache_dir else {})
     window = MainWindow(db, client, theme_choice=args.theme or "system")
@@ -131,6 +159,7 @@ def run_app(app, args, paths, files, instance) -> int:
         window.statusBar().showMessage(f"{interrupted} answer(s) were interrupted when the app last closed; "
                                        "what was shown is kept.", 10000)
     window.show()
+    install_quit_signals(window)
 
     def handed_over(paths: list[str]) -> None:
         logging.getLogger(__name__).info("a second start handed over %d file(s)", len(paths))
@@ -148,18 +177,22 @@ def run_app(app, args, paths, files, instance) -> int:
     QTimer.singleShot(0, lambda: window.load_model(source, **options))
     if files:
         QTimer.singleShot(0, lambda: window.open_files(files))
+    code = 1
     try:
         with loop:
             if args.report_startup:
-                return loop.run_until_complete(report_startup(window))
-            if args.smoke:
-                return loop.run_until_complete(run_smoke(window, args.smoke, args.timeout))
-            app.lastWindowClosed.connect(loop.stop)
-            loop.run_forever()
-            return 0
+                code = loop.run_until_complete(report_startup(window))
+            elif args.smoke:
+                code = loop.run_until_complete(run_smoke(window, args.smoke, args.timeout))
+            else:
+                app.lastWindowClosed.connect(loop.stop)
+                loop.run_forever()
+                code = 0
     finally:
+        window.close()  # every tab saves what it shows and stops its work (also after a signal or an error)
         client.shutdown()
         db.close()
+    return code, client.worker_alive()
 
 
 def startup_ms() -> float:
