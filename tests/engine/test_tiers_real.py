@@ -1,5 +1,7 @@
 """The KV tiers on the real model: what one engine computed is served from disk to a fresh one (a restart:
-the same folder, empty memory), exactly for EXACT hits, and repaired when a file is damaged."""
+the same folder, empty memory). A lossless disk tier (kv_quant "none", the default) gives back the KV it was
+written bit for bit, so requests served from disk, EXACT or APPROXIMATE, are bit-identical to the same requests
+served from memory; a damaged file is recomputed and rewritten."""
 
 from __future__ import annotations
 
@@ -23,36 +25,82 @@ def restart(smollm, folder, **options):
     return smollm.with_options(disk_cache_dir=folder, disk_cache_bytes=None, **options)
 
 
-def test_after_a_restart_exact_hits_come_from_disk_with_identical_greedy_output(smollm, tmp_path):
+def common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def kl(reference_logits, logits):
+    p, q = torch.log_softmax(reference_logits.double(), -1), torch.log_softmax(logits.double(), -1)
+    return float((p.exp() * (p - q)).sum())
+
+
+def in_memory(smollm, *texts, **options):
+    """An engine without a disk tier that warmed the same texts: the same entries, served from memory."""
+    engine = smollm.with_options(disk_cache_bytes=0, kv_quant="none", **options)
+    for text in texts:
+        engine.warm(text)
+    return engine
+
+
+def test_after_a_restart_exact_hits_come_from_disk_bit_identical_to_memory(smollm, tmp_path):
     first = restart(smollm, tmp_path, kv_quant="none")
     first.warm(messages(DOC)[:1])
     assert first.cache_stats()["tiers"]["disk"]["writes"] > 0
+    written = {key: first.store.payload(key) for key, r in first.store.records.items() if r.tier == "device"}
+    assert written
 
     second = restart(smollm, tmp_path, kv_quant="none")
     assert second.store.records, "the disk index is read at start"
     result = second.chat(messages(DOC), max_new_tokens=32, return_logits=True)
+    assert result.stats.reused_by_tier.get("disk", 0) >= 0.8 * result.stats.prompt_tokens
+    kinds = {kind for _, _, kind in result.stats.chunks}
+    assert "EXACT" in kinds and "QUANTIZED" not in kinds
+    stats = second.cache_stats()
+    assert stats["tier_hits"]["disk"] >= 1 and stats["promoted"] >= 1
+    # a lossless payload file gives back exactly the KV that was written
+    promoted = [key for key in written if key in second.store.records and second.store.records[key].tier == "device"]
+    assert len(promoted) >= 1
+    for key in promoted:
+        for (k, v), (k0, v0) in zip(second.store.payload(key), written[key], strict=True):
+            assert torch.equal(k, k0) and torch.equal(v, v0)
+    # so the request is the one served from memory, bit for bit
+    memory = in_memory(smollm, messages(DOC)[:1])
+    from_memory = memory.chat(messages(DOC), max_new_tokens=32, return_logits=True)
+    assert from_memory.stats.chunks == result.stats.chunks
+    assert torch.equal(result.first_logits, from_memory.first_logits)
+    assert result.token_ids == from_memory.token_ids
+    # and the answer of a full prefill (the same maths in other kernel shapes: close, not bit-equal)
     cold = smollm.with_options(reuse="off").chat(messages(DOC), max_new_tokens=32, return_logits=True)
     assert result.token_ids == cold.token_ids
     assert torch.allclose(result.first_logits, cold.first_logits, atol=1e-3)
-    assert result.stats.reused_by_tier.get("disk", 0) >= 0.8 * result.stats.prompt_tokens
-    kinds = {kind for _, _, kind in result.stats.chunks}
-    assert "EXACT" in kinds
-    stats = second.cache_stats()
-    assert stats["tier_hits"]["disk"] >= 1 and stats["promoted"] >= 1
     # promoted: the follow-up reuses the same text from the device tier
     again = second.chat(messages(DOC), max_new_tokens=4)
     assert again.stats.reused_by_tier.get("device", 0) >= result.stats.reused_by_tier["disk"]
 
 
-def test_after_a_restart_moved_text_is_an_approximate_hit_from_disk(smollm, tmp_path):
-    first = restart(smollm, tmp_path, reuse="approx")
+def test_after_a_restart_moved_text_is_an_approximate_hit_from_disk_served_as_from_memory(smollm, tmp_path):
+    first = restart(smollm, tmp_path, reuse="approx", kv_quant="none")
     first.warm(messages(DOC)[:1])
     first.warm(messages(OTHER)[:1])
-    second = restart(smollm, tmp_path, reuse="approx")
-    result = second.chat(messages(OTHER, DOC), max_new_tokens=16)  # DOC now sits after OTHER
+    second = restart(smollm, tmp_path, reuse="approx", kv_quant="none")
+    result = second.chat(messages(OTHER, DOC), max_new_tokens=16, return_logits=True)  # DOC now sits after OTHER
     assert any(kind == "APPROXIMATE" for _, _, kind in result.stats.chunks)
     assert result.stats.reused_by_tier.get("disk", 0) > 0
     assert second.cache_stats()["hits"]["APPROXIMATE"] > 0
+    # the same approximate reuse (same plan, same repair) as from memory, bit for bit: the disk adds no error
+    memory = in_memory(smollm, messages(DOC)[:1], messages(OTHER)[:1], reuse="approx")
+    from_memory = memory.chat(messages(OTHER, DOC), max_new_tokens=16, return_logits=True)
+    assert from_memory.stats.chunks == result.stats.chunks
+    assert torch.equal(result.first_logits, from_memory.first_logits)
+    assert result.token_ids == from_memory.token_ids
+    # and close to a full prefill, as approximate reuse with selective repair is (test_approx_real). Measured
+    # here: KL 0.019 at the first answer token, the first 13 of 16 greedy tokens the same.
+    cold = smollm.with_options(reuse="off").chat(messages(OTHER, DOC), max_new_tokens=16, return_logits=True)
+    assert kl(cold.first_logits, result.first_logits) < 0.05
+    assert common_prefix(result.token_ids, cold.token_ids) >= 8
 
 
 def test_a_damaged_file_is_recomputed_and_rewritten_after_a_restart(smollm, tmp_path):
@@ -78,11 +126,12 @@ def test_a_damaged_file_is_recomputed_and_rewritten_after_a_restart(smollm, tmp_
 
 
 def test_int8_disk_tier_gives_the_cold_answer_here(smollm, tmp_path):
-    first = restart(smollm, tmp_path)  # default kv_quant: int8 on host and disk
+    first = restart(smollm, tmp_path, kv_quant="int8")  # an opt-in: the default is lossless
     first.warm(messages(DOC)[:1])
-    second = restart(smollm, tmp_path)
+    second = restart(smollm, tmp_path, kv_quant="int8")
     result = second.chat(messages(DOC), max_new_tokens=24)
     assert result.stats.reused_by_tier.get("disk", 0) > 0
+    assert "QUANTIZED" in {kind for _, _, kind in result.stats.chunks}
     # int8 KV is not bit-exact; on this prompt the greedy answer is still the cold one (bench/kv_tiers.py
     # measures agreement and KL over more prompts)
     cold = smollm.with_options(reuse="off").chat(messages(DOC), max_new_tokens=24)
