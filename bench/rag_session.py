@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from app import documents, rag  # noqa: E402
 from app.db import Database  # noqa: E402
-from engine import needle  # noqa: E402
+from bench import needle  # noqa: E402
 
 
 def index(db: Database, conversation_id: int, paths: list[Path]) -> None:

@@ -15,26 +15,14 @@ floor, so a repair that stops working fails it."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from engine import needle
+from bench import needle
+from quality import common_prefix, kl
 
 ORDERS = [(2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0)]
 NEW_TOKENS = 32
 # mode -> (mean KL below, mean common prefix at least)
 FLOORS = {"selective": (0.120, 15.0), "cacheblend": (0.100, 16.5)}
-
-
-def common_prefix(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def kl(reference_logits, logits):
-    p, q = torch.log_softmax(reference_logits.double(), -1), torch.log_softmax(logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 @pytest.fixture(scope="module")

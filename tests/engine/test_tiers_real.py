@@ -6,6 +6,7 @@ served from memory; a damaged file is recomputed and rewritten."""
 from __future__ import annotations
 
 import torch
+from quality import common_prefix, kl
 
 DOC = ("The Harbor Street bakery opens at 6 a.m. on weekdays and 8 a.m. on weekends. Its sourdough is baked "
        "twice a day, and the rye loaf is only sold on Fridays. The owner, Marta Ilves, started the bakery in 1998 "
@@ -23,18 +24,6 @@ def messages(*docs, question=QUESTION):
 def restart(smollm, folder, **options):
     """A fresh engine on the same folder: empty device and host tiers, the disk tier as left."""
     return smollm.with_options(disk_cache_dir=folder, disk_cache_bytes=None, **options)
-
-
-def common_prefix(a, b):
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-def kl(reference_logits, logits):
-    p, q = torch.log_softmax(reference_logits.double(), -1), torch.log_softmax(logits.double(), -1)
-    return float((p.exp() * (p - q)).sum())
 
 
 def in_memory(smollm, *texts, **options):
