@@ -8,18 +8,13 @@ Durability: WAL journal + synchronous=NORMAL + one commit per public write means
 loses nothing it had already written; only a power cut can drop the last few commits, never corrupt the
 file. Multi-row changes (a document's passages, an import, migrations) are single transactions.
 
-Other processes (a second app, the server, a script) may use the same file. Every write is an immediate
-transaction: it takes the write lock before its first read, waiting up to the busy timeout for another
-writer (and retrying the few "busy" answers SQLite gives without waiting), so concurrent writers queue
-instead of failing. A write that cannot be made (locked past the timeout, disk full, read-only, I/O error)
-raises DatabaseError naming the file, and leaves nothing of itself behind.
+Other processes (a second app, the server, a script) may use the same file: every write waits for theirs
+and a write that cannot be made raises DatabaseError naming the file (app.db_connection).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import sqlite3
 import time
@@ -27,22 +22,17 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import sqlite_utils
 from sqlite_utils.db import NotFoundError
 
+from .db_connection import DEFAULT_BUSY_TIMEOUT, Connection, DatabaseError, DatabaseLocked, file_identity, write_error
 from .db_schema import MIGRATIONS
+from .db_values import (DEFAULT_SAMPLING, ROLES, STATUSES, check_role, check_status, decoded,  # noqa: F401
+                        display_name, document_row, encode_json, fts_string, merged_sampling, stored_path,
+                        validated_passage)
 
-DEFAULT_BUSY_TIMEOUT = 5.0  # seconds a write waits for another process's write lock
-_BEGIN_ATTEMPTS = 5  # SQLite sometimes answers "busy" without waiting; retried while the timeout lasts
+__all__ = ["Database", "DatabaseError", "DatabaseLocked", "DEFAULT_BUSY_TIMEOUT"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-DEFAULT_SAMPLING = {"temperature": 0.2, "top_p": 0.9, "max_new_tokens": 512}  # SmolLM2 model card: 0.2 / 0.9
-
-ROLES = ("system", "user", "assistant")
-# "streaming": being written right now; a streaming row found at start-up means the app died mid-answer.
-STATUSES = ("done", "streaming", "interrupted", "cancelled", "error")
-
-_JSON_COLUMNS = ("sampling", "stats", "sources")
 _UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
 
 # Dropped from document questions so "what is the eviction policy?" ranks on "eviction" and "policy".
@@ -51,104 +41,6 @@ _STOPWORDS = frozenset(
     into is it its me my no not of on or our please should so such than that the their them then there these
     they this those to was we were what when where which who whom why will with would you your""".split()
 )
-
-
-class DatabaseError(RuntimeError):
-    """The file cannot be used: not SQLite, not ours, written by a newer version of the app, or a write to it
-    failed (locked, full, read-only, I/O error); the message names the file."""
-
-
-class DatabaseLocked(DatabaseError):
-    """Another process held the write lock for longer than the busy timeout."""
-
-
-# SQLite's primary result codes for the failures a write can meet that are not the program's fault.
-_BUSY, _LOCKED, _READONLY, _IOERR, _CORRUPT, _FULL, _CANTOPEN = 5, 6, 8, 10, 11, 13, 14
-_CODES_BY_MESSAGE = (  # Python < 3.11 gives only the message
-    ("locked", _BUSY), ("busy", _BUSY), ("readonly", _READONLY), ("read-only", _READONLY),
-    ("disk i/o", _IOERR), ("malformed", _CORRUPT), ("full", _FULL), ("unable to open", _CANTOPEN),
-)
-
-
-def _error_code(exc: sqlite3.Error) -> int | None:
-    code = getattr(exc, "sqlite_errorcode", None)
-    if code is not None:
-        return code & 0xFF
-    message = str(exc).lower()
-    return next((code for words, code in _CODES_BY_MESSAGE if words in message), None)
-
-
-def _write_error(path: Path, exc: sqlite3.Error, waited: float | None = None) -> Exception:
-    """The DatabaseError to raise for a failed write, or `exc` itself when it is a bug (bad SQL, a constraint)."""
-    code = _error_code(exc)
-    if code in (_BUSY, _LOCKED):
-        waited_text = f" (waited {waited:.1f} s)" if waited is not None else ""
-        return DatabaseLocked(f"database {path} is locked by another process{waited_text}; close the other "
-                              "KVBoost Desktop, server or script using it, or use another data folder")
-    reasons = {_READONLY: "it is read-only, or was moved or deleted while open", _FULL: "the disk is full",
-               _IOERR: f"I/O error ({exc})", _CORRUPT: f"the file is damaged ({exc})", _CANTOPEN: f"{exc}"}
-    if code in reasons:
-        return DatabaseError(f"cannot write to database {path}: {reasons[code]}")
-    return exc
-
-
-def _file_identity(path: Path) -> tuple[int, int] | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-class _Connection(sqlite_utils.Database):
-    """sqlite-utils whose outermost `atomic()` is an immediate transaction.
-
-    A deferred transaction that reads and then writes cannot wait for another process's write (SQLite
-    answers "database is locked" at once, since waiting could deadlock); taking the write lock first can.
-    Failures come out as DatabaseError (see _write_error), after the rollback.
-    """
-
-    def __init__(self, conn: sqlite3.Connection, path: Path, timeout: float):
-        super().__init__(conn, execute_plugins=False)
-        self.path = path
-        self.timeout = timeout
-        self.identity: tuple[int, int] | None = None  # (device, inode) of the file once opened
-
-    @contextlib.contextmanager
-    def atomic(self):
-        if self.conn.in_transaction:
-            with super().atomic():  # a savepoint inside the outer transaction
-                yield self
-            return
-        self._begin_immediate()
-        try:
-            self._check_still_there()
-            yield self
-            self.conn.execute("COMMIT")
-        except BaseException as exc:
-            self.rollback()
-            if isinstance(exc, sqlite3.OperationalError):
-                raise _write_error(self.path, exc) from exc
-            raise
-
-    def _check_still_there(self) -> None:
-        """In WAL mode SQLite goes on writing to a file deleted or replaced under it, so those writes would
-        vanish with it: refuse them instead."""
-        if self.identity is not None and _file_identity(self.path) != self.identity:
-            raise DatabaseError(f"cannot write to database {self.path}: it was moved or deleted while open; "
-                                "restart the app to use the file now at that path")
-
-    def _begin_immediate(self) -> None:
-        start = time.monotonic()
-        for attempt in range(1, _BEGIN_ATTEMPTS + 1):
-            try:
-                self.conn.execute("BEGIN IMMEDIATE")  # waits up to the connection's busy timeout
-                return
-            except sqlite3.OperationalError as exc:
-                waited = time.monotonic() - start
-                if _error_code(exc) not in (_BUSY, _LOCKED) or waited >= self.timeout or attempt == _BEGIN_ATTEMPTS:
-                    raise _write_error(self.path, exc, waited) from exc
-                time.sleep(0.02 * attempt)
 
 
 class Database:
@@ -171,12 +63,12 @@ class Database:
         except sqlite3.Error as exc:
             raise DatabaseError(f"cannot open database {self.path}: {exc}") from exc
         try:
-            self._db = _Connection(conn, self.path, timeout)
+            self._db = Connection(conn, self.path, timeout)
             self._open_and_migrate()
-            self._db.identity = _file_identity(self.path)
+            self._db.identity = file_identity(self.path)
         except sqlite3.DatabaseError as exc:
             conn.close()
-            error = _write_error(self.path, exc)
+            error = write_error(self.path, exc)
             if error is not exc:
                 raise error from exc
             raise DatabaseError(f"{self.path} is not a usable KVBoost database: {exc}") from exc
@@ -252,7 +144,7 @@ class Database:
 
     def conversation(self, cid: int) -> dict:
         try:
-            return _decoded(self._db["conversations"].get(cid))
+            return decoded(self._db["conversations"].get(cid))
         except NotFoundError:
             raise KeyError(f"no conversation with id {cid}") from None
 
@@ -262,7 +154,7 @@ class Database:
             sql = "SELECT * FROM conversations WHERE is_open = 1 ORDER BY tab_order, id"
         else:
             sql = "SELECT * FROM conversations ORDER BY updated_at DESC, id DESC"
-        return [_decoded(row) for row in self._db.query(sql)]
+        return [decoded(row) for row in self._db.query(sql)]
 
     def update_conversation(self, cid: int, **fields: Any) -> dict:
         """Change title/system_prompt/sampling/is_open/tab_order and bump updated_at; returns the new row.
@@ -318,8 +210,8 @@ class Database:
         sources: list | None = None,
     ) -> dict:
         """Append a message (position = last + 1) and bump the conversation's updated_at."""
-        _check_role(role)
-        _check_status(status)
+        check_role(role)
+        check_status(status)
         if not isinstance(content, str):
             raise ValueError(f"message content must be a str, got {type(content).__name__}")
         now = self._clock()
@@ -365,7 +257,7 @@ class Database:
                     raise ValueError(f"message {name} must be a str, got {type(text).__name__}")
                 updates[name] = text
         if status is not None:
-            _check_status(status)
+            check_status(status)
             updates["status"] = status
         if stats is not None:
             updates["stats"] = encode_json(stats)
@@ -380,13 +272,13 @@ class Database:
 
     def message(self, mid: int) -> dict:
         try:
-            return _decoded(self._db["messages"].get(mid))
+            return decoded(self._db["messages"].get(mid))
         except NotFoundError:
             raise KeyError(f"no message with id {mid}") from None
 
     def messages(self, cid: int) -> list[dict]:
         rows = self._db.query("SELECT * FROM messages WHERE conversation_id = ? ORDER BY position", [cid])
-        return [_decoded(row) for row in rows]
+        return [decoded(row) for row in rows]
 
     def delete_messages_from(self, cid: int, position: int) -> int:
         """Delete the messages at `position` and after (regenerate, edit-and-resend); returns how many."""
@@ -420,15 +312,15 @@ class Database:
             ORDER BY bm25(messages_fts), m.id
             LIMIT ?
             """,
-            [" AND ".join(_fts_string(word) for word in words), limit],
+            [" AND ".join(fts_string(word) for word in words), limit],
         )
         return list(rows)
 
     # -- documents ----------------------------------------------------------------------------------------
 
     def find_document(self, path: str | Path) -> dict | None:
-        rows = list(self._db.query("SELECT * FROM documents WHERE path = ?", [_stored_path(path)]))
-        return _document_row(rows[0]) if rows else None
+        rows = list(self._db.query("SELECT * FROM documents WHERE path = ?", [stored_path(path)]))
+        return document_row(rows[0]) if rows else None
 
     def upsert_document(
         self,
@@ -444,17 +336,17 @@ class Database:
         """Add a document, or re-index the one at `path`: its id (and so its attachments) and added_at stay,
         its passages are replaced. Passages are dicts with text, page, section, start, end; seq = list order.
 
-        Any path the OS gives is stored, also one whose name is not valid UTF-8 (see _stored_path); `name` is
+        Any path the OS gives is stored, also one whose name is not valid UTF-8 (see app.db_values.stored_path); `name` is
         for display, so bytes of it that are not text are kept as U+FFFD.
         """
-        passage_rows = [_validated_passage(index, passage) for index, passage in enumerate(passages)]
-        name = _LONE_SURROGATES.sub("\ufffd", name)
+        passage_rows = [validated_passage(index, passage) for index, passage in enumerate(passages)]
+        name = display_name(name)
         fields = {"name": name, "kind": kind, "sha256": sha256, "mtime": mtime, "size": size, "num_chars": num_chars}
         with self._db.atomic():
             existing = self.find_document(path)
             if existing is None:
                 doc_id = self._db["documents"].insert(
-                    {"path": _stored_path(path), **fields, "added_at": self._clock()}
+                    {"path": stored_path(path), **fields, "added_at": self._clock()}
                 ).last_pk
             else:
                 doc_id = existing["id"]
@@ -469,7 +361,7 @@ class Database:
             self._db["documents"].update(doc_id, {"mtime": mtime, "size": size})
         except NotFoundError:
             raise KeyError(f"no document with id {doc_id}") from None
-        return _document_row(self._db["documents"].get(doc_id))
+        return document_row(self._db["documents"].get(doc_id))
 
     def passages(self, doc_id: int) -> list[dict]:
         return list(self._db.query("SELECT * FROM passages WHERE document_id = ? ORDER BY seq", [doc_id]))
@@ -506,7 +398,7 @@ class Database:
             """,
             [cid],
         )
-        return [_document_row(row) for row in rows]
+        return [document_row(row) for row in rows]
 
     def search_passages(self, cid: int, query: str, limit: int = 5) -> list[dict]:
         """Passages of the documents attached to `cid` that contain any content word of `query`.
@@ -529,9 +421,9 @@ class Database:
             ORDER BY score DESC, p.document_id, p.seq
             LIMIT ?
             """,
-            [cid, " OR ".join(_fts_string(term) for term in terms), limit],
+            [cid, " OR ".join(fts_string(term) for term in terms), limit],
         )
-        return [_document_row(row) for row in rows]
+        return [document_row(row) for row in rows]
 
     # -- settings -----------------------------------------------------------------------------------------
 
@@ -559,86 +451,3 @@ class Database:
                 for position, message in enumerate(messages)
             )
         return self.conversation(cid)
-
-
-def _fts_string(word: str) -> str:
-    """`word` as an FTS5 string literal, so no character in it is read as query syntax."""
-    return '"' + word.replace('"', '""') + '"'
-
-
-def encode_json(value: Any) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"value is not JSON-serialisable: {value!r} ({exc})") from None
-
-
-def _decoded(row: dict) -> dict:
-    for column in _JSON_COLUMNS:
-        if row.get(column) is not None:
-            row[column] = json.loads(row[column])
-    return row
-
-
-def _check_role(role: Any) -> None:
-    if role not in ROLES:
-        raise ValueError(f"message role must be one of {ROLES}, got {role!r}")
-
-
-def _check_status(status: Any) -> None:
-    if status not in STATUSES:
-        raise ValueError(f"message status must be one of {STATUSES}, got {status!r}")
-
-
-def merged_sampling(base: dict, overrides: Any) -> dict:
-    """`overrides` (a dict of some sampling keys, or None) over `base`, checked."""
-    if overrides is not None and not isinstance(overrides, dict):
-        raise ValueError(f"sampling must be a dict, got {type(overrides).__name__}")
-    sampling = {**base, **(overrides or {})}
-    unknown = sorted(set(sampling) - set(DEFAULT_SAMPLING))
-    if unknown:
-        raise ValueError(f"unknown sampling keys {unknown}; allowed: {sorted(DEFAULT_SAMPLING)}")
-    for key, value in sampling.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"sampling {key} must be a number, got {value!r}")
-    if not isinstance(sampling["max_new_tokens"], int) or sampling["max_new_tokens"] < 1:
-        raise ValueError(f"sampling max_new_tokens must be a positive integer, got {sampling['max_new_tokens']!r}")
-    return sampling
-
-
-def _validated_passage(index: int, passage: Any) -> dict:
-    if not isinstance(passage, dict) or not isinstance(passage.get("text"), str):
-        raise ValueError(f"passage {index} must be a dict with a str 'text', got {passage!r:.200}")
-    try:
-        return {
-            "seq": index,
-            "text": passage["text"],
-            "page": passage.get("page"),
-            "section": passage.get("section"),
-            "start": int(passage["start"]),
-            "end": int(passage["end"]),
-        }
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"passage {index} needs integer 'start' and 'end' offsets ({exc!r})") from None
-
-
-# Python holds bytes of a file name that are not valid in the file system's encoding as lone surrogates,
-# which SQLite (UTF-8) cannot store. Such a path is stored as this mark + its bytes read as Latin-1: lossless,
-# and never equal to a real path, since no OS allows NUL in one.
-_UNDECODABLE_PATH_MARK = "\x00"
-_LONE_SURROGATES = re.compile("[\ud800-\udfff]")
-
-
-def _stored_path(path: str | Path) -> str:
-    """A document's path as the documents table keeps it (valid Unicode paths unchanged)."""
-    text = str(path)
-    if not _LONE_SURROGATES.search(text):
-        return text
-    return _UNDECODABLE_PATH_MARK + os.fsencode(text).decode("latin-1")
-
-
-def _document_row(row: dict) -> dict:
-    """A documents row with its path as the OS gave it."""
-    if row["path"].startswith(_UNDECODABLE_PATH_MARK):
-        row["path"] = os.fsdecode(row["path"][len(_UNDECODABLE_PATH_MARK):].encode("latin-1"))
-    return row

@@ -1,5 +1,8 @@
 """The persistent disk tier: one payload file per entry, an index in SQLite, shared by processes.
 
+(One subject, kept whole at ~530 lines: reading, writing and evicting share one lock, one index connection and
+one failure policy. Row checks live in engine.disk_rows, maintenance in engine.disk_maintenance.)
+
 Folder layout (default: platformdirs' per-user cache folder, see default_cache_dir):
 
     index.sqlite3          entries (bookkeeping, one row per payload file), WAL mode
@@ -44,15 +47,15 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterable
 
 import numpy as np
 import platformdirs
 import sqlite_utils
 
+from . import disk_maintenance
+from .disk_rows import _HEX_KEY, entry_fields, is_payload_name, parse_row, payload_name
 from .eviction import LRU, Candidate, rank
-from .disk_rows import _HEX_KEY, _TMP_NAME, entry_fields, is_payload_name, parse_row, payload_name
 from .payload_file import PayloadError, decode_file, encode_file
 from .tiers import QUANT_MODES, StoredKV
 
@@ -60,7 +63,6 @@ log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
 INDEX_FILENAME = "index.sqlite3"
-ORPHAN_AGE_S = 3600  # a file without a row older than this is debris of a crash (a writer renames then commits)
 
 
 def default_cache_dir() -> Path:
@@ -490,105 +492,17 @@ class DiskTier:
         with self._lock:
             return self._refresh_used()
 
+    # Maintenance (kvboost cache stats | clear | verify): engine.disk_maintenance.
     def stats(self) -> dict:
-        with self._lock:
-            total = self.db.execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
-                                    "COALESCE(SUM(LENGTH(tokens)) / 4, 0) FROM entries").fetchone()
-            per_ns = self.db.execute(
-                "SELECT e.namespace, n.model, n.settings, COUNT(*), SUM(e.num_bytes), SUM(LENGTH(e.tokens)) / 4 "
-                "FROM entries e LEFT JOIN namespaces n ON n.namespace = e.namespace GROUP BY e.namespace "
-                "ORDER BY SUM(e.num_bytes) DESC").fetchall()
-        return {
-            "folder": str(self.folder), "entries": total[0], "bytes": total[1], "raw_bytes": total[2],
-            "tokens": total[3], "budget_bytes": self.budget_bytes,
-            "namespaces": [{"namespace": ns, "model": model or "?", "settings": _json_dict(settings),
-                            "entries": n, "bytes": b, "tokens": t} for ns, model, settings, n, b, t in per_ns],
-        }
+        return disk_maintenance.stats(self)
 
     def clear(self, namespace: str | None = None) -> int:
         """Removes every entry (of `namespace` when given); returns how many."""
-        with self._lock:
-            where, args = ("WHERE namespace = ?", [namespace]) if namespace else ("", [])
-            rows = self.db.execute(f"SELECT key, file FROM entries {where}", args).fetchall()
-            self.db.execute(f"DELETE FROM entries {where}", args)
-            self._refresh_used()
-        self._unlink([file for _, file in rows])
-        if namespace is None:
-            self._remove_unreferenced(min_age_s=0)
-        return len(rows)
+        return disk_maintenance.clear(self, namespace)
 
     def verify(self, repair: bool = True) -> dict:
-        """Reads every file against its row: malformed rows, missing, truncated, corrupt or mismatched files
-        are reported (and with `repair` their rows dropped; a malformed row's path is never touched); files no
-        row points to (a crash between rename and commit) are removed when older than ORPHAN_AGE_S."""
-        with self._lock:
-            cursor = self.db.execute(
-                "SELECT id, namespace, key, kind, parent, content_key, start, tokens, exact, num_bytes, raw_bytes, "
-                "importance, hits, lossy, file FROM entries")
-            names = [d[0] for d in cursor.description]
-            rows = [dict(zip(names, row)) for row in cursor.fetchall()]
-        bad = []
-        for row in rows:
-            parsed = parse_row(row)
-            problem = None
-            if parsed is None:
-                problem = "malformed index row"
-            else:
-                path = self._safe_path(row["file"], row["key"])
-                try:
-                    if path is None:
-                        raise PayloadError("file name outside the payload folder")
-                    decode_file(path, row["namespace"], parsed["key"],
-                                expect=entry_fields(SimpleNamespace(**parsed), parsed["lossy"]),
-                                max_bytes=parsed["num_bytes"])
-                except PayloadError as exc:
-                    problem = str(exc)
-            if problem is not None:
-                bad.append({"id": row["id"], "key": row["key"], "file": row["file"], "problem": problem,
-                            "namespace": row["namespace"], "trusted_name": parsed is not None})
-        if repair and bad:
-            with self._lock:
-                with self._write():
-                    for b in bad:
-                        self.db.execute("DELETE FROM entries WHERE id = ?", [b["id"]])
-                self._refresh_used()
-            self._unlink([b["file"] for b in bad if b["trusted_name"]])
-        for b in bad:
-            del b["id"], b["trusted_name"]
-            if not isinstance(b["file"], str):
-                b["file"] = repr(b["file"])
-            if not isinstance(b["key"], str):
-                b["key"] = repr(b["key"])
-        orphans = self._remove_unreferenced(min_age_s=ORPHAN_AGE_S) if repair else []
-        return {"checked": len(rows), "bad": bad, "orphans_removed": orphans}
-
-    def _remove_unreferenced(self, min_age_s: float) -> list[str]:
-        """Payload and temp files no row names (only names this tier writes; links are removed as links)."""
-        with self._lock:
-            referenced = {row[0] for row in self.db.execute("SELECT file FROM entries").fetchall()}
-        now = time.time()
-        candidates = []
-        for sub in ("payloads", "tmp"):
-            top = self.folder / sub
-            for dirpath, dirnames, filenames in os.walk(top, followlinks=False):
-                for name in filenames:
-                    rel = Path(dirpath, name).relative_to(self.folder).as_posix()
-                    if is_payload_name(rel) or _TMP_NAME.fullmatch(rel):
-                        candidates.append(rel)
-        removed = []
-        for rel in candidates:
-            path = self.folder / rel
-            try:
-                info = os.lstat(path)
-            except OSError:
-                continue
-            if not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
-                continue
-            if rel not in referenced and now - info.st_mtime >= min_age_s:
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                    removed.append(rel)
-        return removed
+        """Every file checked against its row; see engine.disk_maintenance.verify."""
+        return disk_maintenance.verify(self, repair)
 
     def close(self) -> None:
         with self._lock:
@@ -597,14 +511,6 @@ class DiskTier:
 
 class _NoRoom(Exception):
     pass
-
-
-def _json_dict(text) -> dict:
-    try:
-        value = json.loads(text or "{}")
-    except (TypeError, ValueError, RecursionError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _is_real_dir(path: Path) -> bool:

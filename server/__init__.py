@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server over the engine (a second front end beside the desktop app).
 
-server.app: the FastAPI app, its job queue and the client deadlines; server.schema: request bodies and error
-JSON; server.thread: uvicorn in a thread of this process (the desktop app, the tests and the bench use it);
-server.cli: `kvboost-server`. Imports the engine's public names only.
+server.app: the FastAPI app and its job queue; server.guard: what is refused at the door (keys, origins, sizes,
+slow clients); server.schema: request bodies and error JSON; server.thread: uvicorn in a thread of this process
+(the desktop app, the tests and the bench use it); server.cli: `kvboost-server`. Imports the engine's public names only.
 """

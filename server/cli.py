@@ -51,7 +51,8 @@ def main(argv=None) -> int:
     from engine import ModelLoadError
 
     try:
-        from .app import Timeouts, serve
+        from .app import serve
+        from .guard import Timeouts
     except ImportError as exc:
         print(f"kvboost-server: the server needs its extra: pip install 'kvboost-desktop[server]' ({exc})",
               file=sys.stderr)

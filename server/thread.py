@@ -9,7 +9,8 @@ import time
 
 import uvicorn
 
-from .app import Timeouts, create_app, server_options
+from .app import create_app
+from .guard import Timeouts, server_options
 
 
 def free_port() -> int:
