@@ -1,9 +1,8 @@
 """The app's one SQLite file: conversations, messages, documents and their passages, settings.
 
 Built on sqlite-utils (4.x semantics: a write outside `atomic()` is committed at once); the documents half is
-app.db_documents. No Qt here, so the
-storage rules are testable on their own. Every public method returns plain dicts with the JSON columns
-(`sampling`, `stats`, `sources`) already decoded.
+app.db_documents. No Qt here, so the storage rules are testable on their own. Every public method returns
+plain dicts with the JSON columns (`sampling`, `stats`, `sources`) already decoded.
 
 Durability: WAL journal + synchronous=NORMAL + one commit per public write means a killed or crashed app
 loses nothing it had already written; only a power cut can drop the last few commits, never corrupt the
