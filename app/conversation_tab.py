@@ -3,6 +3,10 @@
 Everything the user has seen is in SQLite: the user message before the request is queued, the answer as a
 "streaming" row written each time its widget renders new text (renders are throttled to RENDER_INTERVAL_MS)
 and at the end, so killing the app mid-answer loses nothing that was on screen.
+
+Over 400 lines on purpose: the documents bar (reading dropped files, pre-warming their KV) and the chat (the
+running request) are one widget's state, and they meet where a question is sent (its passages come from the
+attached documents and wait for their pre-warm); split apart, each would need the other's state by signal.
 """
 
 from __future__ import annotations
