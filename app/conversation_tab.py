@@ -5,8 +5,8 @@ Everything the user has seen is in SQLite: the user message before the request i
 and at the end, so killing the app mid-answer loses nothing that was on screen.
 
 Over 400 lines on purpose: the documents bar (reading dropped files, pre-warming their KV) and the chat (the
-running request) are one widget's state, and they meet where a question is sent (its passages come from the
-attached documents and wait for their pre-warm); split apart, each would need the other's state by signal.
+running request) share one conversation id, database and engine client, and they meet where a question is
+sent (its prompt is built from the documents attached so far); split apart, each would reach into the other.
 """
 
 from __future__ import annotations
