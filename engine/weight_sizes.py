@@ -1,0 +1,66 @@
+"""How much memory a model's weights will take in each format, before loading it (Model > Choose model shows it).
+
+The model is built from its config on the meta device (no memory, no weights read), so the count covers every
+parameter of any architecture transformers knows; the int4 figure applies the int4 layout of engine.int4 to the
+decoder layers' linears (packed codes: half a byte a weight; per group of G inputs, a scale and an offset in
+bfloat16 for the fast kernels, a float32 scale and a byte zero for the reference path) and keeps the rest in
+the float dtype, as loading with weights="int4" does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import loader
+from .int4 import decoder_linears, padded_features
+
+# Bytes per group per output row: fast kernels keep [scale, offset] in bfloat16; the reference path keeps a
+# float32 scale and a uint8 zero.
+_GROUP_BYTES = {"fast": 4, "reference": 5}
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def weight_bytes(config, dtype: torch.dtype, *, group_size: int = 128, fast_kernel: bool = True) -> dict[str, int]:
+    """{"float": bytes of all weights in `dtype`, "int4": bytes with the decoder linears in int4} for a model of
+    `config`. Tied embeddings count once (as loaded)."""
+    model = _meta_model(config)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    element = torch.empty((), dtype=dtype).element_size()
+    params = {id(p): p for p in model.parameters()}
+    float_bytes = sum(p.numel() for p in params.values()) * element
+    int4_saving = 0
+    per_group = _GROUP_BYTES["fast" if fast_kernel else "reference"]
+    for _name, linear in decoder_linears(model):
+        padded = padded_features(linear.in_features, group_size)
+        held = linear.out_features * padded // 2 + linear.out_features * (padded // group_size) * per_group
+        int4_saving += linear.weight.numel() * element - held
+    return {"float": float_bytes, "int4": float_bytes - int4_saving}
+
+
+def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_size: int = 128) -> dict:
+    """What loading `source` (a path, a hub id or None for the embedded model) would hold in weights, per
+    format, on `device`: {"float": bytes, "int4": bytes, "awq": whether it is an AWQ int4 checkpoint (its
+    "float" is what dequantizing it would take), "dtype": the float dtype}. Reads the config only; raises
+    ModelLoadError when it cannot be read."""
+    src = loader.resolve_source(source)
+    dev = loader.pick_device(device)
+    dt = loader.pick_dtype(dtype, dev)
+    config = loader.read_config(src)
+    quant = getattr(config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    awq = str(method).lower() == "awq"
+    if awq:
+        group_size = int((quant.get("group_size") if isinstance(quant, dict) else quant.group_size) or group_size)
+        config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    from .int4 import pick_kernel
+
+    fast = pick_kernel("auto", dev)[1] is None
+    sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast)
+    return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size}

@@ -1,0 +1,49 @@
+"""The weight memory shown before loading (engine.weight_sizes) is what loading then holds, per format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from awq_checkpoints import write_awq_checkpoint
+from engine import weight_sizes
+from engine.loader import load_model, resolve_source, weights_report
+from tiny_models import build_model, build_tokenizer
+
+CPU = torch.device("cpu")
+
+
+def held_bytes(folder, **options) -> int:
+    model, _ = load_model(resolve_source(str(folder)), CPU, torch.float32, **options)
+    return weights_report(model)["resident_bytes"]
+
+
+def close(estimate: int, held: int) -> bool:
+    # Buffers that are not weights (the rotary inv_freq: a few hundred bytes) are held but not estimated.
+    return abs(estimate - held) <= 0.01 * held
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_estimate_of_a_float_folder_is_what_float_and_int4_loads_hold(tmp_path, arch, one_thread):
+    build_model(arch).save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    sizes = weight_sizes.estimate(str(tmp_path), device="cpu", group_size=32)
+    assert not sizes["awq"] and sizes["dtype"] == "float32"
+    assert close(sizes["float"], held_bytes(tmp_path)), (sizes, held_bytes(tmp_path))
+    assert close(sizes["int4"], held_bytes(tmp_path, weights="int4", group_size=32))
+    assert sizes["int4"] < sizes["float"]
+
+
+def test_an_awq_checkpoint_is_estimated_at_its_own_group_size(tmp_path, one_thread):
+    write_awq_checkpoint(tmp_path, "qwen2", 32)
+    sizes = weight_sizes.estimate(str(tmp_path), device="cpu", group_size=128)
+    assert sizes["awq"] and sizes["group_size"] == 32
+    assert close(sizes["int4"], held_bytes(tmp_path, weights="auto"))
+    assert close(sizes["float"], held_bytes(tmp_path, weights="float"))
+
+
+def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm):
+    sizes = weight_sizes.estimate(None, device="cpu")
+    assert close(sizes["float"], weights_report(smollm.model)["resident_bytes"])
+    # SmolLM2-135M: the tied 49152 x 576 embedding (113 MB in float32) stays float; the 30 layers' linears shrink
+    assert 0.25 * sizes["float"] < sizes["int4"] < 0.4 * sizes["float"]
