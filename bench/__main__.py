@@ -1,8 +1,13 @@
-"""`python -m bench [multiturn|sysprompt|rag|needle|all] ...`: the side-by-side reuse benchmark (bench.reuse)."""
+"""`python -m bench [multiturn|sysprompt|rag|needle|all] ...`: the side-by-side reuse benchmark (bench.reuse);
+`python -m bench decode ...`: weight formats side by side (bench.decode)."""
 
 import sys
 
 from bench.reuse import main
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["decode"]:
+        from bench.decode import main as decode_main
+
+        sys.exit(decode_main(sys.argv[2:]))
     sys.exit(main())

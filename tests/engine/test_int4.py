@@ -344,8 +344,10 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_shapes():
     done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run"], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    report = json.loads(done.stdout[done.stdout.index("{"):])
+    assert "| model | linear |" in done.stdout  # the markdown tables, then the numbers as one JSON line
+    report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["dry_run"] is True
     assert {row["model"] for row in report["correctness"]} == {"7b-llama", "7b-qwen", "32b-qwen"}
-    assert all(row["max_abs_err"] <= row["bound"] for row in report["correctness"])
+    assert len(report["correctness"]) == 3 * 5
+    assert all(0 < row["max_abs_err"] and row["err_over_bound"] <= 1 for row in report["correctness"])
     assert report["decode"]["tokens_per_s"] > 0 and report["decode"]["bandwidth_bound_tokens_per_s"] > 0

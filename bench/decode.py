@@ -1,0 +1,245 @@
+"""`python -m bench decode`: weight formats side by side on one model, in one process: decode and prefill speed,
+resident weight bytes, and agreement with our float weights.
+
+Rows: plain transformers `generate()` on the float model; our float model; our int4 model per kernel path
+(reference, cpu_int4pack / tinygemm where available) and group size; the float model with an int8 output head
+(the head of a 135M model is a fifth of its weights and is read at every token); llama.cpp on the same GGUF when
+`llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
+
+Each int4 row is a copy of the float model quantized in place (RTN), measured, then dropped. Decode speed is
+timed over a plain greedy loop of the model with a DynamicCache, after a prefill of ~128 and ~1k tokens;
+prefill speed is the ~1k-token prefill. Agreement: over a set of prompts, whether the greedy next token equals
+that of our float model, and the mean KL(float || row) of the next-token distributions. Numbers are noisy on a
+shared machine; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
+from engine.loader import load_model, pick_device, resolve_source, weights_report
+
+MB = 1 << 20
+
+
+def prompt_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[name] for name in sorted(topics))
+    ids = tokenizer(text[offset * 40: offset * 40 + num_tokens * 8], add_special_tokens=False)["input_ids"]
+    assert len(ids) >= num_tokens, (len(ids), num_tokens)
+    return ids[:num_tokens]
+
+
+@torch.inference_mode()
+def timed_decode(model, ids: list[int], num_new: int, device) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of a greedy loop: one prefill of ids, then num_new single-token steps."""
+    cache = DynamicCache()
+    start = time.perf_counter()
+    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    token = out.logits[:, -1:].argmax(-1)
+    prefill_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(num_new):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1:].argmax(-1)
+    decode_s = time.perf_counter() - start
+    return len(ids) / prefill_s, num_new / decode_s
+
+
+@torch.inference_mode()
+def next_token_logprobs(model, prompts: list[list[int]], device) -> torch.Tensor:
+    rows = [model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1].float().cpu()
+            for ids in prompts]
+    return torch.log_softmax(torch.stack(rows), dim=-1)  # [P, V]
+
+
+def agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """(share of prompts whose argmax agrees, mean KL(reference || other)), from log-probabilities [P, V]."""
+    agree = (reference.argmax(-1) == other.argmax(-1)).float().mean().item()
+    kl = F.kl_div(other, reference, log_target=True, reduction="none").sum(-1).mean().item()
+    return agree, kl
+
+
+@torch.inference_mode()
+def plain_generate_decode(model, ids: list[int], num_new: int, device) -> float:
+    """Decode tokens/s of transformers' own greedy generate(): the time of num_new + 1 new tokens less that of 1."""
+    def seconds(new: int) -> float:
+        start = time.perf_counter()
+        model.generate(torch.tensor([ids], device=device), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return time.perf_counter() - start
+
+    seconds(2)  # warm-up
+    extra = seconds(num_new + 1) - seconds(1)
+    return num_new / extra if extra > 0 else float("nan")
+
+
+class Int8Head(torch.nn.Module):
+    """The output head as int8 per output row (torch's _weight_int8pack_mm), for measuring its cost only."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        scales = weight.detach().float().abs().amax(1).clamp(min=1e-8) / 127
+        self.register_buffer("weight_int8", torch.round(weight.detach().float() / scales[:, None]).to(torch.int8))
+        self.register_buffer("scales", scales.to(torch.bfloat16))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def with_int8_head(model):
+    copy_ = copy.deepcopy(model)
+    head = copy_.get_output_embeddings()
+    copy_.lm_head = Int8Head(head.weight)
+    copy_.config.tie_word_embeddings = False
+    return copy_
+
+
+LLAMA_CPP_CHILD = r"""
+import json, sys, time
+import numpy as np
+from llama_cpp import Llama
+job = json.load(sys.stdin)
+llm = Llama(model_path=job["gguf"], n_ctx=2048, n_threads=job["threads"], logits_all=False, verbose=False)
+out = {}
+for name, ids in (("short", job["short"]), ("long", job["long"])):
+    llm.reset()
+    t = time.perf_counter(); llm.eval(ids); prefill = time.perf_counter() - t
+    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    t = time.perf_counter()
+    for _ in range(job["new"]):
+        llm.eval([token]); token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+    out[name] = [len(ids) / prefill, job["new"] / (time.perf_counter() - t)]
+rows = []
+for ids in job["prompts"]:
+    llm.reset(); llm.eval(ids)
+    rows.append(np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32).tolist())
+out["logits"] = rows
+json.dump(out, sys.stdout)
+"""
+
+
+def llama_cpp_row(gguf: str, short, long, prompts, num_new: int) -> dict | None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    job = json.dumps({"gguf": gguf, "threads": torch.get_num_threads(), "short": short, "long": long,
+                      "prompts": prompts, "new": num_new})
+    done = subprocess.run([sys.executable, "-c", LLAMA_CPP_CHILD], input=job, capture_output=True, text=True,
+                          timeout=600)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
+    return json.loads(done.stdout)
+
+
+def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, kernels: Sequence[str] = ("auto",),
+        num_new: int = 16, long_tokens: int = 1024, num_prompts: int = 8, llama_cpp: bool = True) -> list[dict]:
+    dev = pick_device(device)
+    src = resolve_source(source)
+    model, tokenizer = load_model(src, dev, torch.float32)
+    short, long = prompt_ids(tokenizer, 128), prompt_ids(tokenizer, long_tokens, offset=200)
+    prompts = [prompt_ids(tokenizer, 64, offset=400 + 37 * i) for i in range(num_prompts)]
+    reference = next_token_logprobs(model, prompts, dev)
+    float_report = weights_report(model)
+    rows = []
+
+    def measure(name: str, m, report: dict, logprobs=None) -> None:
+        _, decode_short = timed_decode(m, short, num_new, dev)
+        prefill_long, decode_long = timed_decode(m, long, num_new, dev)
+        agree, kl = agreement(reference, logprobs if logprobs is not None else next_token_logprobs(m, prompts, dev))
+        rows.append({"row": name, "format": report["format"], "kernel": report["kernel"],
+                     "linear_mb": report["linear_bytes"] / MB, "linear_vs_f32": report["linear_bytes"] /
+                     report["linear_float32_bytes"], "resident_mb": report["resident_bytes"] / MB,
+                     "prefill_tps": prefill_long, "decode_tps_128": decode_short, "decode_tps_long": decode_long,
+                     "agree": agree, "kl": kl})
+        print(f"  {name}: decode {decode_short:.1f} / {decode_long:.1f} tok/s", file=sys.stderr)
+
+    timed_decode(model, short[:16], 2, dev)  # warm-up: first-call costs
+    plain_decode = plain_generate_decode(model, short, num_new, dev)
+    measure("ours float", model, float_report, reference)
+    rows.insert(0, dict(rows[0], row="transformers generate()", decode_tps_128=plain_decode,
+                        prefill_tps=float("nan"), decode_tps_long=float("nan")))
+    head = with_int8_head(model)
+    measure("ours float + int8 head", head, weights_report(head))
+    del head
+    wanted = [k for k in kernels for k in (["reference", "cpu_int4pack" if dev.type == "cpu" else "tinygemm"]
+                                           if k == "auto" else [k])]
+    for kernel in dict.fromkeys(wanted):
+        why = kernel_unavailable(kernel, str(dev))
+        if why is not None:
+            print(f"  {kernel}: skipped ({why})", file=sys.stderr)
+            continue
+        for group_size in group_sizes:
+            quantized = copy.deepcopy(model)
+            quantize_model(quantized, group_size=group_size, kernel=kernel)
+            measure(f"ours int4 g{group_size} {kernel}", quantized, weights_report(quantized))
+            del quantized
+            gc.collect()
+    if llama_cpp and src.kind == "gguf":
+        result = llama_cpp_row(src.describe(), short, long, prompts, num_new)
+        if result is None:
+            print("  llama.cpp: skipped (llama_cpp is not installed)", file=sys.stderr)
+        elif "error" in result:
+            print(f"  llama.cpp: failed ({result['error']})", file=sys.stderr)
+        else:
+            logprobs = torch.log_softmax(torch.tensor(result["logits"]), dim=-1)
+            agree, kl = agreement(reference, logprobs)
+            nan = float("nan")
+            rows.append({"row": "llama.cpp (same GGUF)", "format": src.gguf_file.split(".")[-2], "kernel": "ggml",
+                         "linear_mb": nan, "linear_vs_f32": nan, "resident_mb": nan,
+                         "prefill_tps": result["long"][0], "decode_tps_128": result["short"][1],
+                         "decode_tps_long": result["long"][1], "agree": agree, "kl": kl})
+    return rows
+
+
+def table(rows: list[dict], long_tokens: int) -> str:
+    head = ("| row | format | kernel | linears MB | vs f32 | resident MB | prefill tok/s | decode tok/s @128 | "
+            f"decode tok/s @{long_tokens} | top-1 agree | mean KL |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
+                     f"{r['resident_mb']:.1f} | {r['prefill_tps']:.0f} | {r['decode_tps_128']:.1f} | "
+                     f"{r['decode_tps_long']:.1f} | {r['agree']:.2f} | {r['kl']:.4f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench decode", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="model source (default: the embedded SmolLM2 GGUF)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--groups", default="32,64,128", help="int4 group sizes, comma-separated")
+    parser.add_argument("--kernels", default="auto", help="reference, cpu_int4pack, tinygemm, or auto (all there)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per context")
+    parser.add_argument("--long", type=int, default=1024, help="the long context, in tokens")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts for agreement and KL")
+    parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
+    args = parser.parse_args(argv)
+    rows = run(args.model, args.device, [int(g) for g in args.groups.split(",")], args.kernels.split(","),
+               args.new_tokens, args.long, args.prompts, not args.no_llama_cpp)
+    print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
+    print(table(rows, args.long))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
