@@ -1,22 +1,24 @@
 """The app's only door to the engine.
 
-Every torch call runs on ONE worker thread owned by EngineClient; the UI thread only enqueues jobs and
-receives Qt signals. Signals are emitted from the worker and, because EngineClient lives on the UI thread,
-Qt queues them to it: slots always run on the UI thread. `engine` (and torch) is imported on the worker, so
-the window comes up before the multi-second torch import finishes.
+Every torch call runs on ONE thread: the engine.EngineWorker this client owns, and lends to the API server
+when the app serves its model (one torch thread, one queue). The UI thread only submits jobs and receives Qt
+signals. Signals are emitted from the worker and, because EngineClient lives on the UI thread, Qt queues them
+to it: slots always run on the UI thread. `engine` (torch, transformers) is imported on a short-lived thread
+that then starts the worker, so the window comes up before that multi-second import finishes; jobs submitted
+meanwhile wait for it, in order.
 
-Jobs run in the order submitted. Cancelling a job that is still queued drops it; cancelling the running one
-stops it at the next token (the engine checks a threading.Event every decode step).
+The window's jobs run in the order submitted and take turns with the API's (the worker's round robin between
+sources). Cancelling a job that is still queued drops it (it ends as cancelled without running); cancelling
+the running one stops it at the next token (the engine checks a threading.Event every decode step), or a
+model load at its next stage.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QTimer, Signal
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 
 # Requests whose prefill computed at least this many tokens calibrate the "time saved" estimate.
 MIN_CALIBRATION_TOKENS = 32
+SOURCE = "window"  # the worker's label for this client's jobs; the API server's are "api"
 
 
 @dataclass
@@ -35,14 +38,12 @@ class _Job:
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
-_STOP = _Job(0, "stop", {})
-
-
 class EngineClient(QObject):
     model_loading = Signal(str)  # what is being loaded
     load_stage_changed = Signal(str)
     model_loaded = Signal(dict)  # model_info
     model_load_failed = Signal(str)
+    model_load_cancelled = Signal()  # the load was stopped (quitting): nothing to report, no model loaded
     generation_started = Signal(int)
     token_generated = Signal(int, str)  # job id, visible text delta
     generation_finished = Signal(int, dict)  # job id, answer (see _run_chat)
@@ -58,15 +59,19 @@ class EngineClient(QObject):
         """`engine_options`: from_pretrained options applied to every load (the app's KV cache folder)."""
         super().__init__(parent)
         self._engine_options = dict(engine_options or {})
-        self._jobs: queue.Queue[_Job] = queue.Queue()
         self._pending: dict[int, _Job] = {}  # submitted and not finished, by id
         self._ids = itertools.count(1)
         self._engine = None  # touched on the worker only, except the read-only memory()/is_loaded
         self._info: dict | None = None
         self._ms_per_token: float | None = None  # measured prefill cost, for the time-saved estimate
         self._server = None  # (server.thread.ServerThread, url) of the in-process API server
-        self._thread = threading.Thread(target=self._work, name="kvboost-engine", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # guards the four below, which the starter thread sets
+        self._worker = None  # engine.EngineWorker, once `engine` is imported
+        self._import_error: Exception | None = None  # why `engine` could not be imported
+        self._early: list[_Job] = []  # submitted before the worker existed, in order
+        self._closed = False  # shutdown() was called: no more jobs, no more signals about them
+        self._starter = threading.Thread(target=self._start_worker, name="kvboost-engine-import", daemon=True)
+        self._starter.start()
 
     # -- UI-thread API -------------------------------------------------------------------------------------
     @property
@@ -79,7 +84,8 @@ class EngineClient(QObject):
 
     def load_model(self, source: str | None = None, **options) -> int:
         """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
-        return self._submit("load", {"source": source, "options": {**self._engine_options, **options}})
+        return self._submit("load", {"source": source, "options": {**self._engine_options, **options},
+                                     "what": source or "SmolLM2-135M-Instruct (built in)"})
 
     def use_engine(self, engine) -> int:
         """Adopts an already loaded engine (tests share one model this way; the engine must not be used
@@ -113,11 +119,11 @@ class EngineClient(QObject):
         return self._server[1] if self._server is not None else None
 
     def start_server(self, port: int = 8000, api_key: str | None = None) -> None:
-        """Serves the loaded engine on 127.0.0.1:`port` from a thread of its own; server_started(url) or
-        server_failed(reason) follows. Requests from the API and from the window share the engine in turn (its
-        lock), so the model is loaded once."""
+        """Serves the loaded engine on 127.0.0.1:`port` (HTTP on a thread of its own); server_started(url) or
+        server_failed(reason) follows. The API's requests run on this client's worker, taking turns with the
+        window's, so the model is loaded once and one thread runs torch."""
         engine = self._engine
-        if engine is None:
+        if engine is None or self._worker is None:
             self.server_failed.emit("load a model first")
             return
         self.stop_server()
@@ -130,7 +136,7 @@ class EngineClient(QObject):
 
         model_id = Path(engine.info()["name"]).name.removesuffix(".gguf")
         # kvboost-server's settings (the same client deadlines), on this process's loaded engine
-        running = ServerThread(engine, model_id=model_id, port=port, api_key=api_key).start()
+        running = ServerThread(engine, model_id=model_id, worker=self._worker, port=port, api_key=api_key).start()
         url = f"{running.url}/v1"
         self._server = (running, url)
 
@@ -149,8 +155,8 @@ class EngineClient(QObject):
         QTimer.singleShot(50, wait_until_up)
 
     def stop_server(self) -> None:
-        """Cancels the API's running and waiting requests and stops it; server_stopped follows once its thread
-        has exited (never blocks the UI thread)."""
+        """Cancels the API's running and waiting requests (the window's go on) and stops it; server_stopped
+        follows once its thread has exited (never blocks the UI thread)."""
         if self._server is None:
             return
         running, _url = self._server
@@ -163,39 +169,107 @@ class EngineClient(QObject):
 
         threading.Thread(target=join_then_report, name="kvboost-api-stop", daemon=True).start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 5.0) -> bool:
+        """Stops the API server, cancels every job (no signals about them follow) and stops the engine thread,
+        waiting up to `timeout` seconds. Returns whether it ended: False when a job outlived the deadline (a
+        model load inside one long stage, or torch still being imported)."""
         self.stop_server()
+        with self._lock:
+            self._closed = True
+            worker, self._early = self._worker, []
         self.cancel_all()
-        self._jobs.put(_STOP)
-        self._thread.join(timeout)
+        if worker is None:  # still importing torch: nothing to wait for, and it starts nothing now
+            return not self._starter.is_alive()
+        return worker.stop(timeout)
 
     def worker_alive(self) -> bool:
-        """Whether the engine thread is still running (after shutdown(): a job that outlived its deadline)."""
-        return self._thread.is_alive()
+        """Whether the engine's threads are still running (after shutdown(): a job that outlived its deadline)."""
+        worker = self._worker
+        return self._starter.is_alive() or (worker is not None and worker.is_alive())
 
     def _submit(self, kind: str, payload: dict) -> int:
         job = _Job(next(self._ids), kind, payload)
-        self._pending[job.id] = job
-        self._jobs.put(job)
+        announce = False  # a load submitted while torch is still being imported says so at once
+        with self._lock:
+            if self._closed:
+                return job.id  # quitting: nothing runs any more
+            if self._worker is not None:
+                self._pending[job.id] = job
+                self._send(job)
+                return job.id
+            if self._import_error is None:
+                self._pending[job.id] = job
+                self._early.append(job)
+                announce = payload["announced"] = kind == "load" and payload.get("engine") is None
+        if self._import_error is not None:
+            self._report_failure(job, self._import_error)
+        elif announce:
+            self.model_loading.emit(payload["what"])
+            self.load_stage_changed.emit("Starting PyTorch and transformers…")
         return job.id
 
-    # -- worker thread -------------------------------------------------------------------------------------
-    def _work(self) -> None:
-        handlers = {"load": self._run_load, "chat": self._run_chat, "warm": self._run_warm}
-        failures = {"load": lambda j, m: self.model_load_failed.emit(m),
-                    "chat": lambda j, m: self.generation_failed.emit(j.id, m),
-                    "warm": lambda j, m: self.warm_failed.emit(j.id, m)}
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            try:
-                handlers[job.kind](job)
-            except Exception as exc:  # the worker must outlive any request: report and go on
-                log.error("engine job %s (%s) failed:\n%s", job.id, job.kind, traceback.format_exc())
-                failures[job.kind](job, _describe(exc))
-            finally:
+    # -- the starter thread --------------------------------------------------------------------------------
+    def _start_worker(self) -> None:
+        try:
+            from engine import EngineWorker  # torch and transformers: seconds, kept off the UI thread
+        except Exception as exc:  # a broken install: every job fails with the reason, the window stays
+            log.exception("the engine could not be imported")
+            with self._lock:
+                self._import_error = exc
+                early, self._early = self._early, []
+            for job in early:
                 self._pending.pop(job.id, None)
+                self._report_failure(job, exc)
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._worker = EngineWorker(name="kvboost-engine")
+            for job in self._early:
+                self._send(job)
+            self._early = []
+
+    def _send(self, job: _Job) -> None:
+        """Submits `job` to the worker (called with the lock held, so jobs keep their order)."""
+        handlers = {"load": self._run_load, "chat": self._run_chat, "warm": self._run_warm}
+        run = handlers[job.kind]
+        self._worker.submit(lambda cancel: run(job), source=SOURCE, cancel=job.cancel,
+                            on_done=lambda done: self._ended(job, done))
+
+    # -- worker thread -------------------------------------------------------------------------------------
+    def _ended(self, job: _Job, done) -> None:
+        """A job has ended (on the worker; for jobs still waiting at shutdown, on the UI thread): failures and
+        jobs that never ran are reported here, the rest reported themselves."""
+        self._pending.pop(job.id, None)
+        if self._closed:
+            return
+        if done.state == done.SKIPPED:
+            if job.kind == "chat":
+                self.generation_finished.emit(job.id, {"text": "", "finish_reason": "cancelled", "stats": None,
+                                                       "segments": [], "saved_ms": 0.0})
+            elif job.kind == "warm":
+                self.warm_finished.emit(job.id, _warm_totals(cancelled=True))
+            else:
+                self.model_load_cancelled.emit()
+        elif done.state == done.FAILED:
+            from engine import Cancelled
+
+            if job.kind == "load" and isinstance(done.error, Cancelled):  # stopped between stages: no failure
+                log.info("model load cancelled")
+                self.model_load_cancelled.emit()
+            else:
+                self._report_failure(job, done.error)
+
+    def _report_failure(self, job: _Job, exc: BaseException) -> None:
+        """The one failure path: logged, then the job's failure signal (the worker goes on)."""
+        log.error("engine job %s (%s) failed", job.id, job.kind, exc_info=exc)
+        message = _describe(exc)
+        if job.kind == "load":
+            self.model_load_failed.emit(message)
+        elif job.kind == "chat":
+            self.generation_failed.emit(job.id, message)
+        else:
+            self.warm_failed.emit(job.id, message)
 
     def _run_load(self, job: _Job) -> None:
         source = job.payload.get("source")
@@ -204,12 +278,14 @@ class EngineClient(QObject):
         self._info = None
         engine = job.payload.get("engine")
         if engine is None:
-            self.model_loading.emit(source or "SmolLM2-135M-Instruct (built in)")
-            self.load_stage_changed.emit("Starting PyTorch and transformers…")
+            log.info("loading the model: %s", job.payload["what"])
+            if not job.payload.get("announced"):
+                self.model_loading.emit(job.payload["what"])
+                self.load_stage_changed.emit("Starting PyTorch and transformers…")
             from engine import KVBoost
 
             self.load_stage_changed.emit("Reading and preparing the weights…")
-            engine = KVBoost.from_pretrained(source, quiet=True, **job.payload["options"])
+            engine = KVBoost.from_pretrained(source, quiet=True, cancel=job.cancel, **job.payload["options"])
         self._engine = engine
         self._ms_per_token = None
         info = engine.info()
@@ -225,10 +301,6 @@ class EngineClient(QObject):
     def _run_chat(self, job: _Job) -> None:
         from engine import Result
 
-        if job.cancel.is_set():
-            self.generation_finished.emit(job.id, {"text": "", "finish_reason": "cancelled", "stats": None,
-                                                   "segments": [], "saved_ms": 0.0})
-            return
         engine = self._require_engine()
         ids = engine.encode(job.payload["messages"])
         self.generation_started.emit(job.id)
@@ -264,8 +336,7 @@ class EngineClient(QObject):
     def _run_warm(self, job: _Job) -> None:
         engine = self._require_engine()
         texts = job.payload["texts"]
-        totals = {"tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "ms": 0.0, "done": 0,
-                  "cancelled": False}
+        totals = _warm_totals(cancelled=False)
         for i, text in enumerate(texts):
             if job.cancel.is_set():
                 totals["cancelled"] = True
@@ -277,6 +348,10 @@ class EngineClient(QObject):
             totals["done"] = i + 1
             self.warm_progressed.emit(job.id, i + 1, len(texts))
         self.warm_finished.emit(job.id, totals)
+
+
+def _warm_totals(cancelled: bool) -> dict:
+    return {"tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "ms": 0.0, "done": 0, "cancelled": cancelled}
 
 
 def _describe(exc: BaseException) -> str:

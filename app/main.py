@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 
 SMOKE_QUESTION = "What is the capital of France?"
+# Quitting gives the engine thread this long to end (a cancelled answer stops within a token, a cancelled model
+# load at its next stage); past it, the process leaves without waiting (see leave()).
+SHUTDOWN_DEADLINE_S = 3.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,14 +100,63 @@ def main(argv=None) -> int:
             return 0
         return fail(f"KVBoost Desktop is already running on {paths.data_dir} (lock {instance.lock_path}) but did "
                     "not answer; close it, or remove the lock file if no KVBoost Desktop is running")
+    quit_signals = QuitSignals()  # before the database is opened: from then on a signal quits cleanly
     try:
-        code, worker_still_running = run_app(app, args, paths, files, instance)
+        code, engine_thread_ended = run_app(app, args, paths, files, instance, quit_signals)
     finally:
         instance.release()
-    if worker_still_running:
-        # The engine thread is still inside torch (a model load cannot be interrupted mid-stage): everything is
-        # saved and closed, so leave now rather than let interpreter shutdown tear torch down under it (which
-        # aborts the process: "terminate called without an active exception").
+    return leave(code, engine_thread_ended)
+
+
+class QuitSignals:
+    """SIGTERM (logout, shutdown, `kill`) and SIGINT (Ctrl+C) close the window like File > Quit: what is on
+    screen is saved and the app exits 0. A signal that comes before the window exists closes it as soon as it is
+    attached. Qt's event loop runs in C++, so a timer lets Python see the signal."""
+
+    def __init__(self):
+        import signal
+
+        self.window = None
+        self.received: int | None = None
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def attach(self, window) -> None:
+        from PySide6.QtCore import QTimer
+
+        self.window = window
+        heartbeat = QTimer(window)
+        heartbeat.timeout.connect(lambda: None)
+        heartbeat.start(200)
+        if self.received is not None:
+            QTimer.singleShot(0, window.close)
+
+    def _on_signal(self, signum, _frame) -> None:
+        from PySide6.QtCore import QTimer
+
+        logging.getLogger(__name__).info("signal %d: quitting", signum)
+        self.received = signum
+        if self.window is not None:
+            QTimer.singleShot(0, self.window.close)
+
+
+def close_down(window, client, db, deadline_s: float = SHUTDOWN_DEADLINE_S) -> bool:
+    """Quitting, however it came (Quit, the window closed, a signal, an error): every tab saves what it shows
+    (an answer being written as "interrupted") and stops its work, the engine's jobs are cancelled and its
+    thread given `deadline_s` to end, the database is closed. Returns whether the engine thread ended."""
+    window.close()
+    ended = client.shutdown(deadline_s)
+    db.close()
+    return ended
+
+
+def leave(code: int, engine_thread_ended: bool) -> int:
+    """`code`, for main to return. While the engine thread is still inside torch (a model load stage, torch's own
+    import: neither can be interrupted), the process exits here instead: everything is saved and closed, and
+    interpreter shutdown would tear torch down under that thread, which aborts the process ("terminate called
+    without an active exception")."""
+    if not engine_thread_ended:
+        logging.getLogger(__name__).info("the engine thread is still busy: leaving without it")
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -112,27 +164,9 @@ def main(argv=None) -> int:
     return code
 
 
-def install_quit_signals(window) -> None:
-    """SIGTERM (logout, shutdown, `kill`) and SIGINT (Ctrl+C) close the window like File > Quit: what is on
-    screen is saved and the app exits 0. Qt's event loop runs in C++, so a timer lets Python see the signal."""
-    import signal
-
-    from PySide6.QtCore import QTimer
-
-    def quit_on(signum, _frame) -> None:
-        logging.getLogger(__name__).info("signal %d: quitting", signum)
-        QTimer.singleShot(0, window.close)
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, quit_on)
-    heartbeat = QTimer(window)
-    heartbeat.timeout.connect(lambda: None)
-    heartbeat.start(200)
-
-
-def run_app(app, args, paths, files, instance) -> tuple[int, bool]:
+def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tuple[int, bool]:
     """The first (only) app on this home: the window, the model loading behind it, the event loop. Returns the
-    exit code and whether the engine thread was still busy after the shutdown deadline."""
+    exit code and whether the engine thread ended by the shutdown deadline."""
     import qasync
 
     from .db import Database, DatabaseError
@@ -144,12 +178,12 @@ def run_app(app, args, paths, files, instance) -> tuple[int, bool]:
     try:
         db = Database(paths.database)
     except DatabaseError as exc:
-        return fail(str(exc)), False
+        return fail(str(exc)), True
     try:
         interrupted = db.mark_interrupted()
     except DatabaseError as exc:
         db.close()
-        return fail(str(exc)), False
+        return fail(str(exc)), True
     # KV computed in one session answers the next (the engine's disk tier; shared with kvboost-server).
     client = EngineClient(engine_options={"disk_cache_dir": str(paths.kv_cache_dir)} if paths.kv_cache_dir else {})
     window = MainWindow(db, client, theme_choice=args.theme or "system")
@@ -159,7 +193,7 @@ def run_app(app, args, paths, files, instance) -> tuple[int, bool]:
         window.statusBar().showMessage(f"{interrupted} answer(s) were interrupted when the app last closed; "
                                        "what was shown is kept.", 10000)
     window.show()
-    install_quit_signals(window)
+    quit_signals.attach(window)
 
     def handed_over(paths: list[str]) -> None:
         logging.getLogger(__name__).info("a second start handed over %d file(s)", len(paths))
@@ -189,10 +223,8 @@ def run_app(app, args, paths, files, instance) -> tuple[int, bool]:
                 loop.run_forever()
                 code = 0
     finally:
-        window.close()  # every tab saves what it shows and stops its work (also after a signal or an error)
-        client.shutdown()
-        db.close()
-    return code, client.worker_alive()
+        engine_thread_ended = close_down(window, client, db)
+    return code, engine_thread_ended
 
 
 def startup_ms() -> float:

@@ -9,3 +9,6 @@ __all__ = [
     "KVBoost", "Result", "Stats", "TokenEvent", "EngineConfig", "ChunkingConfig", "SamplingConfig",
     "ModelLoadError", "UnsupportedModelError", "awq_streaming_unavailable",
 ]
+
+from .worker import EngineWorker, WorkerStopped  # noqa: E402  (no torch: the one engine thread and its queue)
+__all__ += ["EngineWorker", "WorkerStopped"]

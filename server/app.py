@@ -5,10 +5,10 @@
     POST /v1/chat/completions    chat template from the model; streaming (SSE, `data: [DONE]`) or not
     POST /v1/completions         a plain prompt
 
-Requests run one at a time on the engine (it holds one KV cache per request) in arrival order: a FIFO queue is
-fair, and a request's place in it is visible in the `kvboost.queue_ms` field. A streaming client that goes away
-cancels its generation at the next token; a queued request whose client went away never runs. Every response
-carries the engine's cache statistics in an extra `kvboost` field that OpenAI clients ignore.
+Requests run one at a time in arrival order on the engine's one thread (an EngineWorker: the desktop app's, where
+the window's requests take turns with the API's, or the server's own); a request's wait is its `kvboost.queue_ms`.
+A client that goes away cancels its generation at the next token, or before it runs. Every response carries the
+engine's cache statistics in an extra `kvboost` field that OpenAI clients ignore.
 
 Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with the matching status.
 Nothing in a request names a file: the model is matched by id against the one loaded. Prompts are tokenized on a
@@ -22,13 +22,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,7 +34,7 @@ from jinja2 import TemplateError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import Result, SamplingConfig, TokenEvent
+from engine import EngineWorker, Result, SamplingConfig, TokenEvent, WorkerStopped
 
 from .guard import Guard, Timeouts, server_options  # noqa: F401  (server_options: part of this module's API)
 from .schema import APIError, ChatBody, CompletionBody, RequestBody, error_response, parse
@@ -50,7 +48,7 @@ MAX_QUEUE = 64
 # -- the engine queue -------------------------------------------------------------------------------------------
 @dataclass
 class Job:
-    prompt: Any  # token ids
+    prompt: list[int]  # token ids
     sampling: dict
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
@@ -60,13 +58,16 @@ class Job:
 
 
 class Scheduler:
-    """Runs jobs one at a time on its own thread, in arrival order, and tokenizes prompts on a second one (a
-    long prompt takes seconds: it must neither block the event loop nor wait behind a generation)."""
+    """The HTTP side of the engine queue: admission (429 past `max_queue` waiting, 503 once closing), counts, and
+    tokenizing on a thread of its own (a long prompt takes seconds: it must neither block the event loop nor wait
+    behind a generation). Jobs run on `worker`, the one torch thread, as source "api": the desktop app passes its
+    own (its window's requests take turns with these); without one the server has its own."""
 
-    def __init__(self, engine, max_queue: int = MAX_QUEUE):
+    def __init__(self, engine, max_queue: int = MAX_QUEUE, worker: EngineWorker | None = None):
         self.engine = engine
         self.max_queue = max_queue
-        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._owns_worker = worker is None
+        self.worker = worker if worker is not None else EngineWorker(name="kvboost-server-engine")
         self._lock = threading.Lock()
         self._waiting: list[Job] = []
         self._current: Job | None = None
@@ -74,8 +75,6 @@ class Scheduler:
         self.num_served = 0  # jobs that ran (to the end, or cancelled part way)
         self.num_cancelled = 0  # of those, stopped by a cancel (client gone, server closing)
         self.num_skipped = 0  # cancelled before they ran
-        self._thread = threading.Thread(target=self._work, name="kvboost-server-engine", daemon=True)
-        self._thread.start()
         # One thread: the tokenizer is one object, and its Rust side refuses some concurrent use.
         self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-server-tokenize")
 
@@ -91,7 +90,7 @@ class Scheduler:
         """`engine.encode(prompt)` off the event loop; its errors come through as they are."""
         try:
             return await asyncio.get_running_loop().run_in_executor(self._encoder, self.engine.encode, prompt)
-        except RuntimeError as exc:
+        except RuntimeError:
             if self._closed:  # the executor was shut down under this request
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
             raise
@@ -104,16 +103,25 @@ class Scheduler:
                 raise APIError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                                "rate_limit_error", code="queue_full")
             self._waiting.append(job)
-        self._jobs.put(job)
+        try:
+            self.worker.submit(lambda cancel: self._run(job), source="api", cancel=job.cancel,
+                               sink=lambda event: self._emit(job, event), on_done=lambda done: self._ended(job, done))
+        except WorkerStopped:  # the app's worker, stopped as the app quits
+            with self._lock:
+                self._waiting.remove(job)
+            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
 
     def close(self) -> None:
-        """Stops taking jobs and cancels the running and waiting ones (each gets an error or its partial end)."""
+        """Stops taking jobs and cancels its running and waiting ones (each gets an error or its partial end); a
+        worker it was given goes on with its other jobs, its own worker stops."""
         with self._lock:
             self._closed = True
-            for job in self._waiting + ([self._current] if self._current else []):
-                job.cancel.set()
-        self._jobs.put(None)
+            jobs = self._waiting + ([self._current] if self._current else [])
+        for job in jobs:
+            job.cancel.set()
         self._encoder.shutdown(wait=False, cancel_futures=True)
+        if self._owns_worker:
+            self.worker.stop(deadline_s=0)  # cancelled, and ends by itself; never waited for here
 
     def _emit(self, job: Job, item) -> None:
         try:
@@ -121,31 +129,29 @@ class Scheduler:
         except RuntimeError:  # the server's loop is closed: nobody is listening any more
             job.cancel.set()
 
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
+    def _run(self, job: Job):
+        with self._lock:
+            self._waiting.remove(job)
+            self._current = job
+        job.started = time.perf_counter()
+        for event in self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling):
+            if isinstance(event, Result) and event.finish_reason == "cancelled":
+                self.num_cancelled += 1
+            yield event
+
+    def _ended(self, job: Job, done) -> None:
+        with self._lock:  # one step: once nothing runs, the counts are final
+            if done.state == done.SKIPPED:  # its client went away while it waited, or the server is closing
                 self._waiting.remove(job)
-                if job.cancel.is_set():  # its client went away while it waited, or the server is closing
-                    self.num_skipped += 1
-                    self._emit(job, APIError(499, "the request was cancelled before it ran", code="cancelled"))
-                    continue
-                self._current = job
-            job.started = time.perf_counter()
-            try:
-                for event in self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling):
-                    self._emit(job, event)
-                    if isinstance(event, Result) and event.finish_reason == "cancelled":
-                        self.num_cancelled += 1
-            except Exception as exc:  # reported to the one request; the server goes on
-                log.exception("request failed")
-                self._emit(job, exc)
-            finally:
-                with self._lock:  # one step: once nothing runs, the counts are final
-                    self._current = None
-                    self.num_served += 1
+                self.num_skipped += 1
+            else:
+                self._current = None
+                self.num_served += 1
+        if done.state == done.SKIPPED:
+            self._emit(job, APIError(499, "the request was cancelled before it ran", code="cancelled"))
+        elif done.state == done.FAILED:  # reported to the one request; the server goes on
+            log.error("request failed", exc_info=done.error)
+            self._emit(job, done.error)
 
 
 # -- translation ------------------------------------------------------------------------------------------------
@@ -166,12 +172,9 @@ def sampling_kwargs(body: RequestBody, max_tokens: int) -> dict:
 
 
 def _chat_messages(body: ChatBody) -> list[dict]:
-    messages = []
-    for i, m in enumerate(body.messages):
-        content = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": content})
-    return messages
+    return [{"role": "system" if m.role == "developer" else m.role,
+             "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])}
+            for m in body.messages]
 
 
 def kvboost_stats(result: Result, job: Job) -> dict:
@@ -186,6 +189,10 @@ def kvboost_stats(result: Result, job: Job) -> dict:
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "reuse": s.reuse}
 
 
+def _include_usage(body: RequestBody) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
 def _usage(result: Result) -> dict:
     prompt, completion = result.stats.prompt_tokens, result.stats.generated_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -196,23 +203,23 @@ def _finish_reason(result: Result) -> str:
 
 
 # -- the app ------------------------------------------------------------------------------------------------------
-def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-               max_queue: int = MAX_QUEUE, loopback_only: bool = True, timeouts: Timeouts = Timeouts()) -> FastAPI:
-    """The HTTP app over `engine`, served under `model_id`. The engine must not be used by anyone else
-    without its own lock (the desktop app shares it: the engine's lock serialises the two). `loopback_only`:
-    the server listens on 127.0.0.1, so requests naming another Host are refused (DNS rebinding). Of
-    `timeouts` the app keeps the body's; `server_options` applies the others."""
+def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api_key: str | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, loopback_only: bool = True,
+               timeouts: Timeouts = Timeouts()) -> FastAPI:
+    """The HTTP app over `engine`, served under `model_id`. Generation runs on `worker`, the thread that runs
+    everything else on this engine (the desktop app passes its own); None: a worker of the server's own.
+    `loopback_only`: the server listens on 127.0.0.1, so requests naming another Host are refused (DNS
+    rebinding). Of `timeouts` the app keeps the body's; `server_options` applies the others."""
     app = FastAPI(title="KVBoost", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, loopback_only=loopback_only,
                        body_timeout=timeouts.body_s)
-    scheduler = Scheduler(engine, max_queue)
+    scheduler = Scheduler(engine, max_queue, worker)
     app.state.scheduler = scheduler
-    created = int(time.time())
+    card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "kvboost"}
 
     @app.exception_handler(APIError)
     async def on_api_error(_request, exc: APIError):
         return exc.response()
-
 
     @app.exception_handler(Exception)
     async def on_unexpected(_request, exc: Exception):
@@ -248,13 +255,12 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
-                                            "owned_by": "kvboost"}]}
+        return {"object": "list", "data": [card]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         check_model(name)
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "kvboost"}
+        return card
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -265,8 +271,7 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
         job = start(ids, sampling_kwargs(body, max_tokens))
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(stream_chat(job, rid, include_usage), ping=15)
+            return EventSourceResponse(stream_chat(job, rid, _include_usage(body)), ping=15)
         result = await collect(job, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
@@ -284,16 +289,13 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
             if len(prompt) != 1:
                 raise APIError(400, "send one prompt per request", param="prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str) and not prompt:
-            raise APIError(400, "prompt is empty", param="prompt")
-        if isinstance(prompt, list) and not prompt:
+        if isinstance(prompt, (str, list)) and not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         ids = await encode(prompt, chat=False)
         job = start(ids, sampling_kwargs(body, body.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventSourceResponse(stream_completion(job, rid, include_usage), ping=15)
+            return EventSourceResponse(stream_completion(job, rid, _include_usage(body)), ping=15)
         result = await collect(job, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
                 "choices": [{"index": 0, "text": result.text, "logprobs": None,
@@ -317,10 +319,7 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
 
         watcher = asyncio.create_task(watch())
         try:
-            while True:
-                item = await job.events.get()
-                if isinstance(item, Exception):
-                    raise _engine_error(item)
+            async for item in events(job):
                 if isinstance(item, Result):
                     return item
         finally:
@@ -350,17 +349,19 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
         try:
             if opening is not None:
                 yield chunk(rid, obj, opening)
-            async for item in _safe(events(job), rid, obj):
-                if isinstance(item, dict):
-                    yield item
-                elif isinstance(item, TokenEvent):
-                    if item.text:
-                        yield chunk(rid, obj, text_choice(item.text))
-                else:
-                    yield chunk(rid, obj, end_choice(_finish_reason(item)), kvboost=kvboost_stats(item, job))
-                    if include_usage:
-                        yield {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()),
-                                                   "model": model_id, "choices": [], "usage": _usage(item)})}
+            try:
+                async for item in events(job):
+                    if isinstance(item, TokenEvent):
+                        if item.text:
+                            yield chunk(rid, obj, text_choice(item.text))
+                    else:
+                        yield chunk(rid, obj, end_choice(_finish_reason(item)), kvboost=kvboost_stats(item, job))
+                        if include_usage:
+                            yield {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()),
+                                                       "model": model_id, "choices": [], "usage": _usage(item)})}
+            except APIError as exc:  # an engine failure mid-stream: one error event (the status line is sent)
+                yield {"data": json.dumps({"error": {"message": exc.message, "type": exc.type, "param": exc.param,
+                                                     "code": exc.code}})}
             yield {"data": "[DONE]"}
         finally:  # however the stream ends, a client gone included
             job.cancel.set()
@@ -376,16 +377,6 @@ def create_app(engine, *, model_id: str, api_key: str | None = None, max_body_by
                       lambda text: {"index": 0, "text": text, "logprobs": None, "finish_reason": None},
                       lambda reason: {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
 
-    async def _safe(source, rid: str, obj: str):
-        """Passes items through; an engine failure mid-stream becomes one OpenAI error event (the status line
-        has been sent already)."""
-        try:
-            async for item in source:
-                yield item
-        except APIError as exc:
-            yield {"data": json.dumps({"error": {"message": exc.message, "type": exc.type, "param": exc.param,
-                                                 "code": exc.code}})}
-
     return app
 
 
@@ -399,7 +390,10 @@ def _engine_error(exc: Exception) -> APIError:
 
 def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           log_level: str = "warning", timeouts: Timeouts = Timeouts()) -> None:
-    """Runs the server in this thread until interrupted."""
+    """Runs the server in this thread until interrupted, its requests on an engine thread of its own."""
     app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS,
                      timeouts=timeouts)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **server_options(timeouts))
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, **server_options(timeouts))
+    finally:
+        app.state.scheduler.close()

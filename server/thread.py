@@ -22,13 +22,15 @@ def free_port() -> int:
 class ServerThread:
     """create_app(engine, ...) served by uvicorn from a daemon thread. start() returns at once; `started` and
     `alive` tell how it goes (a port in use ends the thread), wait_started() blocks for it. stop() cancels the
-    server's running and waiting requests and ends the thread."""
+    server's running and waiting requests and ends the thread. `worker`: the EngineWorker that runs this
+    engine for its other users (the desktop app's); requests then take turns with theirs on its one thread,
+    and stop() leaves it and their jobs running. None: the server has a worker of its own, stopped with it."""
 
-    def __init__(self, engine, *, model_id: str, port: int | None = None, api_key: str | None = None,
+    def __init__(self, engine, *, model_id: str, worker=None, port: int | None = None, api_key: str | None = None,
                  timeouts: Timeouts = Timeouts(), name: str = "kvboost-api"):
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(engine, model_id=model_id, api_key=api_key, timeouts=timeouts)
+        self.app = create_app(engine, model_id=model_id, worker=worker, api_key=api_key, timeouts=timeouts)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                      log_level="warning", **server_options(timeouts)))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

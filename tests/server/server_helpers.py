@@ -29,9 +29,9 @@ class RunningServer:
 
 
 class EngineBusy:
-    """The engine generating for someone else, as the desktop app does on the engine it shares with the server:
-    from `__enter__` to `__exit__` it holds the engine (a real generation, paused between two tokens), so the
-    server's jobs wait for it in its queue."""
+    """The engine generating for someone else, on the test's thread: from `__enter__` to `__exit__` it holds the
+    engine (a real generation, paused between two tokens), so the job the server's worker has taken waits for it
+    and the others wait in the queue."""
 
     def __init__(self, engine):
         self.engine = engine
