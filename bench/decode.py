@@ -6,9 +6,10 @@ Rows: plain transformers `generate()` on the float model; our float model; our i
 (the head of a 135M model is a fifth of its weights and is read at every token); llama.cpp on the same GGUF when
 `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
 
-Each int4 row is a copy of the float model quantized in place (RTN), measured, then dropped. Decode speed is
-timed over a plain greedy loop of the model with a DynamicCache, after a prefill of ~128 and ~1k tokens;
-prefill speed is the ~1k-token prefill. Agreement: over a set of prompts, whether the greedy next token equals
+Each int4 row is a copy of the float model quantized in place (RTN); all rows stay resident and are timed
+interleaved, step by step, so the noise of a shared machine hits them alike. Decode speed is the median step of
+a plain greedy loop of the model with a DynamicCache, after a prefill of ~128 and ~1k tokens (the reference path,
+which dequantizes every weight at every step, takes a quarter of the steps); prefill speed is the ~1k prefill. Agreement: over a set of prompts, whether the greedy next token equals
 that of our float model, and the mean KL(float || row) of the next-token distributions. Numbers are noisy on a
 shared machine; compare rows of one run.
 """
@@ -17,8 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -44,20 +45,27 @@ def prompt_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
 
 
 @torch.inference_mode()
-def timed_decode(model, ids: list[int], num_new: int, device) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of a greedy loop: one prefill of ids, then num_new single-token steps."""
-    cache = DynamicCache()
-    start = time.perf_counter()
-    out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True,
-                logits_to_keep=1)
-    token = out.logits[:, -1:].argmax(-1)
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(num_new):
-        out = model(input_ids=token, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
-    decode_s = time.perf_counter() - start
-    return len(ids) / prefill_s, num_new / decode_s
+def interleaved_speeds(models: dict, ids: list[int], num_new: int, few: set, device) -> dict[str, tuple[float, float]]:
+    """{name: (prefill tokens/s, decode tokens/s)}: every model prefills ids, then each decode step runs on every
+    model in turn, so a stall of the shared machine hits all rows alike. Decode speed is that of the median step;
+    models in `few` take only the first quarter of the steps."""
+    caches, tokens, prefill, steps = {}, {}, {}, {name: [] for name in models}
+    for name, model in models.items():
+        caches[name] = DynamicCache()
+        start = time.perf_counter()
+        out = model(input_ids=torch.tensor([ids], device=device), past_key_values=caches[name], use_cache=True,
+                    logits_to_keep=1)
+        tokens[name] = out.logits[:, -1:].argmax(-1)
+        prefill[name] = len(ids) / (time.perf_counter() - start)
+    for step in range(num_new):
+        for name, model in models.items():
+            if name in few and step >= max(3, num_new // 4):
+                continue
+            start = time.perf_counter()
+            out = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
+            tokens[name] = out.logits[:, -1:].argmax(-1)
+            steps[name].append(time.perf_counter() - start)
+    return {name: (prefill[name], 1 / statistics.median(steps[name])) for name in models}
 
 
 @torch.inference_mode()
@@ -115,16 +123,19 @@ import json, sys, time
 import numpy as np
 from llama_cpp import Llama
 job = json.load(sys.stdin)
-llm = Llama(model_path=job["gguf"], n_ctx=2048, n_threads=job["threads"], logits_all=False, verbose=False)
+# Timing without per-position logits (the token fed back does not change the time of a step) ...
+llm = Llama(model_path=job["gguf"], n_ctx=2048, n_batch=2048, n_threads=job["threads"], verbose=False)
 out = {}
 for name, ids in (("short", job["short"]), ("long", job["long"])):
     llm.reset()
     t = time.perf_counter(); llm.eval(ids); prefill = time.perf_counter() - t
-    token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    t = time.perf_counter()
+    steps = []
     for _ in range(job["new"]):
-        llm.eval([token]); token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-    out[name] = [len(ids) / prefill, job["new"] / (time.perf_counter() - t)]
+        t = time.perf_counter(); llm.eval([ids[-1]]); steps.append(time.perf_counter() - t)
+    out[name] = [len(ids) / prefill, 1 / sorted(steps)[len(steps) // 2]]
+del llm
+# ... and next-token logits from an instance that keeps them (logits_all: scores stay zero otherwise).
+llm = Llama(model_path=job["gguf"], n_ctx=512, n_batch=512, n_threads=job["threads"], logits_all=True, verbose=False)
 rows = []
 for ids in job["prompts"]:
     llm.reset(); llm.eval(ids)
@@ -156,28 +167,8 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     short, long = prompt_ids(tokenizer, 128), prompt_ids(tokenizer, long_tokens, offset=200)
     prompts = [prompt_ids(tokenizer, 64, offset=400 + 37 * i) for i in range(num_prompts)]
     reference = next_token_logprobs(model, prompts, dev)
-    float_report = weights_report(model)
-    rows = []
-
-    def measure(name: str, m, report: dict, logprobs=None) -> None:
-        _, decode_short = timed_decode(m, short, num_new, dev)
-        prefill_long, decode_long = timed_decode(m, long, num_new, dev)
-        agree, kl = agreement(reference, logprobs if logprobs is not None else next_token_logprobs(m, prompts, dev))
-        rows.append({"row": name, "format": report["format"], "kernel": report["kernel"],
-                     "linear_mb": report["linear_bytes"] / MB, "linear_vs_f32": report["linear_bytes"] /
-                     report["linear_float32_bytes"], "resident_mb": report["resident_bytes"] / MB,
-                     "prefill_tps": prefill_long, "decode_tps_128": decode_short, "decode_tps_long": decode_long,
-                     "agree": agree, "kl": kl})
-        print(f"  {name}: decode {decode_short:.1f} / {decode_long:.1f} tok/s", file=sys.stderr)
-
-    timed_decode(model, short[:16], 2, dev)  # warm-up: first-call costs
-    plain_decode = plain_generate_decode(model, short, num_new, dev)
-    measure("ours float", model, float_report, reference)
-    rows.insert(0, dict(rows[0], row="transformers generate()", decode_tps_128=plain_decode,
-                        prefill_tps=float("nan"), decode_tps_long=float("nan")))
-    head = with_int8_head(model)
-    measure("ours float + int8 head", head, weights_report(head))
-    del head
+    t0 = time.perf_counter()
+    models = {"ours float": model, "ours float + int8 head": with_int8_head(model)}
     wanted = [k for k in kernels for k in (["reference", "cpu_int4pack" if dev.type == "cpu" else "tinygemm"]
                                            if k == "auto" else [k])]
     for kernel in dict.fromkeys(wanted):
@@ -185,12 +176,30 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         if why is not None:
             print(f"  {kernel}: skipped ({why})", file=sys.stderr)
             continue
-        for group_size in group_sizes:
+        for group_size in group_sizes:  # every row resident at once (a 135M model: ~170 MB per int4 copy)
             quantized = copy.deepcopy(model)
             quantize_model(quantized, group_size=group_size, kernel=kernel)
-            measure(f"ours int4 g{group_size} {kernel}", quantized, weights_report(quantized))
-            del quantized
-            gc.collect()
+            models[f"ours int4 g{group_size} {kernel}"] = quantized
+    reports = {name: weights_report(m) for name, m in models.items()}
+    few = {name for name, r in reports.items() if r["kernel"] == "reference"}
+    interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs
+    speeds_short = interleaved_speeds(models, short, num_new, few, dev)
+    print(f"  decode at {len(short)} tokens done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    speeds_long = interleaved_speeds(models, long, num_new, few, dev)
+    print(f"  decode at {len(long)} tokens done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    plain_decode = plain_generate_decode(model, short, num_new, dev)
+    rows = []
+    for name, m in models.items():
+        r = reports[name]
+        agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
+        rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "linear_mb": r["linear_bytes"] / MB,
+                     "linear_vs_f32": r["linear_bytes"] / r["linear_float32_bytes"],
+                     "resident_mb": r["resident_bytes"] / MB, "prefill_tps": speeds_long[name][0],
+                     "decode_tps_128": speeds_short[name][1], "decode_tps_long": speeds_long[name][1],
+                     "agree": agree, "kl": kl})
+    nan = float("nan")
+    rows.insert(0, dict(rows[0], row="transformers generate()", decode_tps_128=plain_decode, prefill_tps=nan,
+                        decode_tps_long=nan))
     if llama_cpp and src.kind == "gguf":
         result = llama_cpp_row(src.describe(), short, long, prompts, num_new)
         if result is None:
@@ -198,13 +207,12 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         elif "error" in result:
             print(f"  llama.cpp: failed ({result['error']})", file=sys.stderr)
         else:
-            logprobs = torch.log_softmax(torch.tensor(result["logits"]), dim=-1)
-            agree, kl = agreement(reference, logprobs)
-            nan = float("nan")
+            agree, kl = agreement(reference, torch.log_softmax(torch.tensor(result["logits"]), dim=-1))
             rows.append({"row": "llama.cpp (same GGUF)", "format": src.gguf_file.split(".")[-2], "kernel": "ggml",
                          "linear_mb": nan, "linear_vs_f32": nan, "resident_mb": nan,
                          "prefill_tps": result["long"][0], "decode_tps_128": result["short"][1],
                          "decode_tps_long": result["long"][1], "agree": agree, "kl": kl})
+    print(f"  done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return rows
 
 
@@ -229,8 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long", type=int, default=1024, help="the long context, in tokens")
     parser.add_argument("--prompts", type=int, default=8, help="prompts for agreement and KL")
     parser.add_argument("--no-llama-cpp", action="store_true")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch and llama.cpp threads (default 1: on a shared machine, spinning intra-op "
+                             "threads make step times swing by 10x and more; 0 keeps torch's default)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH")
     args = parser.parse_args(argv)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     rows = run(args.model, args.device, [int(g) for g in args.groups.split(",")], args.kernels.split(","),
                args.new_tokens, args.long, args.prompts, not args.no_llama_cpp)
     print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")

@@ -219,7 +219,9 @@ class Int4Linear(nn.Module):
             return dequantize_codes(unpack_nibbles(self.packed), self.scales, self.zeros, self.in_features, dtype)
         rows = []
         for start in range(0, self.padded_in, 1024):  # identity rows in blocks: [<=1024, in_padded]
-            eye = torch.eye(self.padded_in, device=self.packed.device, dtype=FAST_DTYPE)[start:start + 1024]
+            block = torch.arange(start, min(start + 1024, self.padded_in), device=self.packed.device)
+            eye = torch.zeros(len(block), self.padded_in, device=self.packed.device, dtype=FAST_DTYPE)
+            eye[torch.arange(len(block), device=block.device), block] = 1
             rows.append(self._fast_mm(eye))  # [block, out]
         return torch.cat(rows).t()[:, :self.in_features].to(dtype).contiguous()
 
@@ -277,7 +279,10 @@ def quantize_model(model, group_size: int = 128, kernel: str = "auto") -> dict:
     fallbacks: list[tuple[str, str]] = []
     float_bytes = int4_bytes = 0
     chosen: dict[torch.device, tuple[str, str | None]] = {}
-    for name, linear in linears:
+    num_linears = len(linears)
+    linears.reverse()
+    while linears:  # popped, so each float weight is freed once its module is replaced
+        name, linear = linears.pop()
         device = linear.weight.device
         if device not in chosen:
             chosen[device] = pick_kernel(kernel, device)
@@ -296,6 +301,6 @@ def quantize_model(model, group_size: int = 128, kernel: str = "auto") -> dict:
         kernels[path] += 1
         replace_module(model, name, new)
         del linear, new
-    return {"format": f"int4-g{group_size}", "num_linears": len(linears), "kernels": dict(kernels),
+    return {"format": f"int4-g{group_size}", "num_linears": num_linears, "kernels": dict(kernels),
             "fallbacks": fallbacks, "reason": next((r for _, r in chosen.values() if r), None),
             "float_bytes": float_bytes, "int4_bytes": int4_bytes}

@@ -91,6 +91,10 @@ def test_cpu_int4pack_matches_the_reference_within_bf16_rounding(group_size, dty
         bound = bound + 2**-9 * exact.abs()
     assert torch.all((got.float() - exact).abs() <= bound)
     assert (got.float() - exact).abs().max() > 0  # it did compute in bfloat16: the test can tell the paths apart
+    # the kernel's own dequantized weight (read back through it) is the reference weight up to the same roundings
+    w = reference.dequantize(torch.float32)
+    s = scales.repeat_interleave(group_size, dim=1)[:, :576]
+    assert torch.all((fast.dequantize(torch.float32) - w).abs() <= 2**-8 * (w.abs() + 8 * s))
 
 
 def test_an_unknown_group_size_or_kernel_is_refused():
