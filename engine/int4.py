@@ -1,17 +1,20 @@
 """Int4 weights: the canonical group layout, round-to-nearest quantization, and `Int4Linear` with its matmul paths.
 
-Canonical layout (the AWQ convention), per output row and per group of G consecutive input columns:
+Canonical layout, per output row and per group of G consecutive input columns:
 
-    w = (q - zero) * scale      q, zero: integers in 0..15;  scale: float32
+    w = (q - zero) * scale + offset      q, zero: integers in 0..15;  scale, offset: float32
 
-`in_features` that G does not divide are padded to a multiple of G with columns whose code equals the group's
-zero (they dequantize to exactly 0 and never change a result).
+Weights quantized here (RTN) and AWQ checkpoints have no offset (offset = 0: the AWQ convention); GGUF Q4_1 blocks
+have zero = 0 and offset = m (w = q * d + m), Q4_0 blocks zero = 8 and no offset (engine.gguf_int4). The reference
+path evaluates exactly this expression in float32, in this order, so it reproduces the source's own dequantization
+bit for bit. `in_features` that G does not divide are padded to a multiple of G with columns whose code equals the
+group's zero (they dequantize to exactly 0 and never change a result); a layer with offsets is never padded.
 
 Matmul paths, chosen once per layer at load (`pick_kernel`):
 - "reference": dequantize to the activation dtype, then F.linear. Runs everywhere; it defines the numerics.
 - "cpu_int4pack": torch's `_weight_int4pack_mm_for_cpu`; "tinygemm": torch's `_weight_int4pack_mm` (CUDA,
   compute capability >= 8.0). Both take per group [scale, offset] with w = (q - 8) * scale + offset, so the
-  integer zero becomes the float offset (8 - zero) * scale once, at load. Both compute in bfloat16 (the CPU
+  canonical zero and offset become the kernel's offset (8 - zero) * scale + offset once, at load. Both compute in bfloat16 (the CPU
   kernel's float32 variant is a scalar loop, ~20x slower than its bfloat16 one on AVX-512 machines; tinygemm
   has bfloat16 only): activations are cast to bfloat16 and the result back to the activation dtype.
 """
@@ -22,6 +25,7 @@ import functools
 import logging
 import re
 from collections import Counter
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -69,12 +73,14 @@ def quantize_rtn(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The [out, in_features] weight of canonical codes: (q - zero) * scale in float32, then cast to dtype."""
+                     dtype: torch.dtype = torch.float32, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """The [out, in_features] weight of canonical codes: (q - zero) * scale (+ offset) in float32, cast to dtype."""
     out_features, padded = codes.shape
     group_size = padded // scales.shape[1]
-    q = codes.view(out_features, -1, group_size).to(torch.float32)
+    q = codes.reshape(out_features, -1, group_size).to(torch.float32)
     w = (q - zeros[..., None].to(torch.float32)) * scales[..., None].to(torch.float32)
+    if offsets is not None:
+        w = w + offsets[..., None].to(torch.float32)
     return w.reshape(out_features, padded)[:, :in_features].to(dtype)
 
 
@@ -92,10 +98,14 @@ def _inner_k_tiles(padded_in: int) -> int:
     return next(t for t in (8, 4, 2) if padded_in % (t * 16) == 0)
 
 
-def _to_kernel_layout(kernel: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor):
+def _to_kernel_layout(kernel: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                      offsets: torch.Tensor | None = None):
     """(packed weight, scales_and_zeros [groups, out, 2] bfloat16) for an int4pack kernel, on codes' device."""
-    offsets = (KERNEL_ZERO - zeros.to(torch.float32)) * scales  # w = (q - 8) * scale + offset
-    scales_and_zeros = torch.stack([scales, offsets], dim=-1).transpose(0, 1).contiguous().to(FAST_DTYPE)
+    # w = (q - zero) * scale + offset = (q - 8) * scale + kernel_offset
+    kernel_offsets = (KERNEL_ZERO - zeros.to(torch.float32)) * scales
+    if offsets is not None:
+        kernel_offsets = kernel_offsets + offsets.to(torch.float32)
+    scales_and_zeros = torch.stack([scales, kernel_offsets], dim=-1).transpose(0, 1).contiguous().to(FAST_DTYPE)
     if kernel == "cpu_int4pack":
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
     else:  # tinygemm takes [out, K/2] uint8 with the even column in the high nibble
@@ -163,7 +173,8 @@ class Int4Linear(nn.Module):
     """A linear layer over int4 weights held in the layout of one matmul path (`kernel`).
 
     Buffers (all on one device; a layout is specific to its kernel, so move a model before quantizing it):
-      reference:     packed uint8 [out, in_padded/2], scales float32 [out, groups], zeros uint8 [out, groups]
+      reference:     packed uint8 [out, in_padded/2], scales float32 [out, groups], zeros uint8 [out, groups],
+                     offsets float32 [out, groups] or None (no offset)
       cpu_int4pack:  packed uint8 [out, in_padded/2] (the kernel's order), scales_and_zeros bf16 [groups, out, 2]
       tinygemm:      packed int32 [out/8, in_padded/(16*k_tiles), 32, k_tiles/2], scales_and_zeros as above
     """
@@ -177,17 +188,21 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.padded_in = padded_features(in_features, group_size)
         self.kernel = kernel
-        self.origin = origin  # "rtn" (quantized at load) | "awq" (read from an AWQ checkpoint)
+        # "rtn" (quantized at load) | "awq" (an AWQ checkpoint) | "gguf-q4_0" / "gguf-q4_1" (GGUF blocks as they are)
+        self.origin = origin
         self.fallback_reason: str | None = None  # why the reference path runs where a fast one was wanted
         self.bias: nn.Parameter | None = None
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
-                   bias: torch.Tensor | None, kernel: str, origin: str = "rtn") -> "Int4Linear":
-        """From canonical codes uint8 [out, in_padded], scales [out, groups], zeros [out, groups] (integers)."""
+                   bias: torch.Tensor | None, kernel: str, origin: str = "rtn",
+                   offsets: torch.Tensor | None = None) -> "Int4Linear":
+        """From canonical codes uint8 [out, in_padded], scales [out, groups], zeros [out, groups] (integers) and
+        optional offsets [out, groups] (float)."""
         out_features, padded = codes.shape
         group_size = padded // scales.shape[1]
         assert scales.shape == zeros.shape == (out_features, padded // group_size), (codes.shape, scales.shape)
+        assert offsets is None or (offsets.shape == scales.shape and padded == in_features), (offsets, in_features)
         layer = cls(in_features, out_features, group_size, kernel, origin)
         assert layer.padded_in == padded, (in_features, padded, group_size)
         problem = shape_problem(kernel, out_features, padded)
@@ -198,8 +213,9 @@ class Int4Linear(nn.Module):
             layer.register_buffer("packed", pack_nibbles(codes).contiguous())
             layer.register_buffer("scales", scales.contiguous())
             layer.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+            layer.register_buffer("offsets", None if offsets is None else offsets.to(torch.float32).contiguous())
         else:
-            packed, scales_and_zeros = _to_kernel_layout(kernel, codes, scales, zeros)
+            packed, scales_and_zeros = _to_kernel_layout(kernel, codes, scales, zeros, offsets)
             layer.register_buffer("packed", packed)
             layer.register_buffer("scales_and_zeros", scales_and_zeros)
         if bias is not None:
@@ -216,7 +232,8 @@ class Int4Linear(nn.Module):
         dequantization (read back through an identity matmul) for the fast paths."""
         dtype = dtype or (self.bias.dtype if self.bias is not None else torch.float32)
         if self.kernel == "reference":
-            return dequantize_codes(unpack_nibbles(self.packed), self.scales, self.zeros, self.in_features, dtype)
+            return dequantize_codes(unpack_nibbles(self.packed), self.scales, self.zeros, self.in_features, dtype,
+                                    self.offsets)
         rows = []
         for start in range(0, self.padded_in, 1024):  # identity rows in blocks: [<=1024, in_padded]
             block = torch.arange(start, min(start + 1024, self.padded_in), device=self.packed.device)
@@ -234,7 +251,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
         if self.kernel == "reference":
-            weight = dequantize_codes(unpack_nibbles(self.packed), self.scales, self.zeros, self.in_features, x.dtype)
+            weight = dequantize_codes(unpack_nibbles(self.packed), self.scales, self.zeros, self.in_features, x.dtype,
+                                      self.offsets)
             return F.linear(x, weight, self.bias)
         x2 = x.reshape(-1, self.in_features)
         if self.padded_in != self.in_features:
@@ -265,11 +283,14 @@ def module_bytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def quantize_model(model, group_size: int = 128, kernel: str = "auto") -> dict:
-    """Replaces every nn.Linear of the decoder layers with an Int4Linear (RTN), in place, one layer at a time
-    so the float weight of each is freed before the next is quantized. Embeddings and the output head stay.
+def quantize_model(model, group_size: int = 128, kernel: str = "auto", *,
+                   layers_from: Callable[[str, nn.Linear, str], "Int4Linear | None"] | None = None) -> dict:
+    """Replaces every nn.Linear of the decoder layers with an Int4Linear, in place, one layer at a time so the
+    float weight of each is freed before the next is replaced. Embeddings and the output head stay.
 
-    Returns a report: format, kernels used (with counts), fallbacks (layer, reason), bytes before and after.
+    `layers_from(name, linear, kernel)`, when given, may return the layer already in int4 (e.g. read from the
+    source's own blocks, engine.gguf_int4); a layer it returns None for is quantized here (RTN at `group_size`).
+    Returns a report: format, kernels used (with counts), origins, fallbacks (layer, reason), bytes before/after.
     """
     check_group_size(group_size)
     linears = decoder_linears(model)
@@ -289,18 +310,104 @@ def quantize_model(model, group_size: int = 128, kernel: str = "auto") -> dict:
             if chosen[device][1]:
                 log.info("int4 on %s: reference path (%s)", device, chosen[device][1])
         path, reason = chosen[device]
-        problem = shape_problem(path, linear.out_features, padded_features(linear.in_features, group_size))
-        if problem is not None:
-            log.info("int4 %s: reference path (%s)", name, problem)
-            fallbacks.append((name, problem))
-            path, reason = "reference", problem
+        new = layers_from(name, linear, path) if layers_from is not None else None
+        if new is None:
+            problem = shape_problem(path, linear.out_features, padded_features(linear.in_features, group_size))
+            if problem is not None:
+                log.info("int4 %s: reference path (%s)", name, problem)
+                fallbacks.append((name, problem))
+                path, reason = "reference", problem
+            new = Int4Linear.from_float(linear.weight, linear.bias, group_size, path)
+            new.fallback_reason = reason
         float_bytes += module_bytes(linear)
-        new = Int4Linear.from_float(linear.weight, linear.bias, group_size, path)
-        new.fallback_reason = reason
         int4_bytes += module_bytes(new)
-        kernels[path] += 1
+        kernels[new.kernel] += 1
         replace_module(model, name, new)
         del linear, new
-    return {"format": f"int4-g{group_size}", "num_linears": num_linears, "kernels": dict(kernels),
+    return {"format": weights_format(model), "num_linears": num_linears, "kernels": dict(kernels),
             "fallbacks": fallbacks, "reason": next((r for _, r in chosen.values() if r), None),
             "float_bytes": float_bytes, "int4_bytes": int4_bytes}
+
+
+def layer_format(layer: "Int4Linear | Int4Embedding") -> str:
+    """ "int4-g128" (RTN at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF blocks as they are)."""
+    if layer.origin == "rtn":
+        return f"int4-g{layer.group_size}"
+    if layer.origin == "awq":
+        return f"awq-int4-g{layer.group_size}"
+    return f"{layer.origin}-g{layer.group_size}"
+
+
+def weights_format(model) -> str:
+    """The decoder linears' int4 formats, most common first, joined by "+" ("gguf-q4_1-g32+int4-g128")."""
+    head = model.get_output_embeddings()
+    counts = Counter(layer_format(m) for m in model.modules() if isinstance(m, Int4Linear) and m is not head)
+    return "+".join(label for label, _ in counts.most_common())
+
+
+# -- the output head and the embedding table ---------------------------------------------------------------------
+
+HEAD_FORMATS = ("float", "int4", "int4+embedding")
+
+
+class Int4Embedding(nn.Module):
+    """An embedding table held as canonical int4 rows (packed nibbles, scales, zeros): a lookup unpacks and
+    dequantizes only the rows it gathers, in float32, then casts to `dtype`."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, embedding_dim: int,
+                 dtype: torch.dtype, origin: str = "rtn"):
+        super().__init__()
+        self.num_embeddings, padded = codes.shape
+        self.embedding_dim = embedding_dim
+        self.group_size = padded // scales.shape[1]
+        self.dtype = dtype
+        self.origin = origin
+        self.register_buffer("packed", pack_nibbles(codes).contiguous())
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
+        self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)  # [T] -> rows [T, embedding_dim]
+        rows = dequantize_codes(unpack_nibbles(self.packed[flat]), self.scales[flat], self.zeros[flat],
+                                self.embedding_dim, self.dtype)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}"
+
+
+def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str = "auto") -> dict:
+    """The output head as an Int4Linear (RTN at `group_size`), in place. With head == "int4" a tied embedding
+    table keeps the float weight for its lookups (the head's codes are a second, smaller copy); "int4+embedding"
+    replaces the table too, by an Int4Embedding over the same codes, and the float table is freed. "float" leaves
+    the model as it is. Returns {"head": format, "embedding": format, "reason": why not the fast kernel}."""
+    if head not in HEAD_FORMATS:
+        raise ValueError(f"head must be one of {HEAD_FORMATS}, got {head!r}")
+    check_group_size(group_size)
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    if head == "float":
+        return {"head": head_format(output), "embedding": head_format(inputs), "reason": None}
+    if not isinstance(output, nn.Linear):
+        raise ValueError(f"the output head of {type(model).__name__} is a {type(output).__name__}, not an nn.Linear")
+    path, reason = pick_kernel(kernel, output.weight.device)
+    problem = shape_problem(path, output.out_features, padded_features(output.in_features, group_size))
+    if problem is not None:
+        path, reason = "reference", problem
+    weight = output.weight.detach()
+    codes, scales, zeros = quantize_rtn(weight, group_size)
+    new_head = Int4Linear.from_codes(codes, scales, zeros, output.in_features, output.bias, path)
+    new_head.fallback_reason = reason
+    name = next(n for n, m in model.named_modules() if m is output)
+    replace_module(model, name, new_head)
+    model.config.tie_word_embeddings = False  # the head no longer shares a Parameter with the table
+    if head == "int4+embedding":
+        model.set_input_embeddings(Int4Embedding(codes, scales, zeros, output.in_features, weight.dtype))
+    del output, weight
+    return {"head": head_format(new_head), "embedding": head_format(model.get_input_embeddings()), "reason": reason}
+
+
+def head_format(module: nn.Module) -> str:
+    """ "int4-g32" for a quantized head or table, else the float dtype ("float32")."""
+    if isinstance(module, (Int4Linear, Int4Embedding)):
+        return layer_format(module)
+    return str(next(module.parameters()).dtype).replace("torch.", "")

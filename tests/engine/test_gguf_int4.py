@@ -1,0 +1,167 @@
+"""GGUF Q4_0 / Q4_1 blocks read as int4 layers as they are: against gguf's own dequantize, against the float
+weights transformers loads from the real model's GGUF (llama's q/k row permutation included), the int4pack kernel
+within its bfloat16 rounding; and the output head / embedding table in int4."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from torch import nn
+
+from tiny_models import build_model, random_ids
+
+from engine.gguf_int4 import GGUFBlocks, decode_blocks
+from engine.int4 import Int4Embedding, Int4Linear, decoder_linears, dequantize_codes, kernel_unavailable, \
+    quantize_head, quantize_model, quantize_rtn
+from engine.loader import default_model_path, load_model, resolve_source, weights_report
+
+CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
+needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
+
+
+def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: torch.Tensor) -> torch.Tensor:
+    """How far the int4pack kernel's dequantized weight may be from the exact one: it holds scale and the kernel
+    offset in bfloat16 (2^-9 of each; |q - 8| <= 8) and rounds the weight it reads back to bfloat16 (2^-9 |w|)."""
+    s = scales.repeat_interleave(32, dim=1)
+    o = kernel_offsets.repeat_interleave(32, dim=1)
+    return 2**-8 * (weight.abs() + 8 * s + o.abs())
+
+
+# -- blocks against gguf's dequantize ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_decoded_blocks_dequantize_exactly_as_gguf_does(kind):
+    qtype = GGMLQuantizationType[kind]
+    rng = np.random.default_rng(7)
+    weight = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
+    weight[3] += 0.2  # a row of mostly positive weights: m far from 0
+    blocks = quants.quantize(weight, qtype)  # uint8 [48, 8 blocks * bytes]
+    expected = torch.from_numpy(quants.dequantize(blocks, qtype))
+    codes, scales, zeros, offsets = decode_blocks(blocks, kind)
+    assert codes.shape == (48, 256) and scales.shape == zeros.shape == (48, 8)
+    assert (offsets is None) == (kind == "Q4_0")
+    assert torch.equal(dequantize_codes(codes, scales, zeros, 256, torch.float32, offsets), expected)
+    layer = Int4Linear.from_codes(codes, scales, zeros, 256, None, "reference", origin=f"gguf-{kind.lower()}",
+                                  offsets=offsets)
+    assert torch.equal(layer.dequantize(torch.float32), expected)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(layer(x), x @ expected.t(), atol=1e-5, rtol=0)
+
+
+@needs_cpu_kernel
+def test_a_q4_1_layer_on_the_cpu_kernel_is_within_bf16_rounding_of_gguf():
+    rng = np.random.default_rng(8)
+    weight = (rng.standard_normal((64, 576)) * 0.05 + 0.03).astype(np.float32)
+    blocks = quants.quantize(weight, GGMLQuantizationType.Q4_1)
+    expected = torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_1))
+    codes, scales, zeros, offsets = decode_blocks(blocks, "Q4_1")
+    fast = Int4Linear.from_codes(codes, scales, zeros, 576, None, "cpu_int4pack", offsets=offsets)
+    got = fast.dequantize(torch.float32)
+    assert torch.all((got - expected).abs() <= kernel_bound(expected, scales, offsets + 8 * scales))
+    assert (got - expected).abs().max() > 0  # bfloat16, not the reference path
+
+
+# -- the real model ----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def real_blocks(smollm):
+    return GGUFBlocks(default_model_path(), smollm.model)
+
+
+def test_every_q4_1_linear_of_the_real_model_maps_to_exactly_transformers_float_weight(smollm, real_blocks):
+    linears = decoder_linears(smollm.model)
+    assert len(linears) == 30 * 7 and real_blocks.refused == {}
+    permuted = 0
+    for name, linear in linears:
+        layer = real_blocks.layer(name, linear, "reference")
+        assert layer is not None and layer.origin == "gguf-q4_1" and layer.group_size == 32, name
+        # bit for bit: transformers dequantizes the same blocks in float32 (d * q + m) and so does the reference
+        assert torch.equal(layer.dequantize(torch.float32), linear.weight), name
+        permuted += real_blocks.tensors[f"{name}.weight"][2] is not None
+    assert permuted == 2 * 30  # attn_q and attn_k of every layer carry llama.cpp's row permutation
+
+
+def test_without_the_row_permutation_q_proj_would_differ(smollm, real_blocks):
+    tensor, kind, order = real_blocks.tensors["model.layers.0.self_attn.q_proj.weight"]
+    assert order is not None
+    codes, scales, zeros, offsets = decode_blocks(np.asarray(tensor.data), kind)
+    weight = smollm.model.get_submodule("model.layers.0.self_attn.q_proj").weight
+    unpermuted = dequantize_codes(codes, scales, zeros, 576, torch.float32, offsets)
+    assert not torch.equal(unpermuted, weight)
+    assert torch.equal(unpermuted[torch.from_numpy(order)], weight)
+
+
+@needs_cpu_kernel
+def test_the_real_models_q4_1_layers_on_the_cpu_kernel_are_within_bf16_rounding(smollm, real_blocks):
+    for name, linear in decoder_linears(smollm.model)[:14]:  # two decoder layers: every projection shape
+        tensor, kind, order = real_blocks.tensors[f"{name}.weight"]
+        layer = real_blocks.layer(name, linear, "cpu_int4pack")
+        assert layer.kernel == "cpu_int4pack"
+        _, scales, _, offsets = decode_blocks(np.asarray(tensor.data), kind)
+        if order is not None:
+            scales, offsets = scales[torch.from_numpy(order)], offsets[torch.from_numpy(order)]
+        w = linear.weight.detach()
+        assert torch.all((layer.dequantize(torch.float32) - w).abs() <= kernel_bound(w, scales, offsets + 8 * scales))
+
+
+def test_quantizing_the_real_model_takes_its_blocks_and_reports_them(smollm, real_blocks, one_thread):
+    model = copy.deepcopy(smollm.model)
+    report = quantize_model(model, group_size=128, kernel="reference", layers_from=real_blocks.layer)
+    assert report["format"] == "gguf-q4_1-g32" == weights_report(model)["format"]
+    assert report["kernels"] == {"reference": 210}
+    ids = torch.tensor([random_ids(24, seed=2)])
+    with torch.inference_mode():  # the same weights, bit for bit: the same logits up to matmul order
+        assert (model(ids).logits - smollm.model(ids).logits).abs().max() < 1e-3
+
+
+@needs_cpu_kernel
+def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm, one_thread):
+    model, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", head="int4")
+    report = weights_report(model)
+    assert report["format"] == "gguf-q4_1-g32" and report["kernel"] == "cpu_int4pack"
+    assert report["head"] == "int4-g128" and report["embedding"] == "float32"
+    # per 32 weights: 16 bytes of codes, a bfloat16 scale and offset (the size of the Q4_1 block itself: 20 / 128
+    # bytes = 0.156 of float32)
+    assert report["linear_bytes"] == sum(m.out_features * m.in_features * 20 // 32 for _, m in
+                                         decoder_linears(smollm.model))
+    float_head = smollm.model.get_output_embeddings().weight
+    assert 0 < report["head_bytes"] < float_head.numel() * 4 / 6
+
+
+# -- the output head and the embedding table ---------------------------------------------------------------------
+
+def test_an_int4_head_multiplies_by_its_dequantized_weight_and_a_tied_table_keeps_the_float_rows(one_thread):
+    model = build_model("qwen3")
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied, as SmolLM2's are
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    report = quantize_head(model, "int4", group_size=32, kernel="reference")
+    assert report == {"head": "int4-g32", "embedding": "float32", "reason": None}
+    head = model.get_output_embeddings()
+    assert isinstance(head, Int4Linear) and isinstance(model.get_input_embeddings(), nn.Embedding)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    codes, scales, zeros = quantize_rtn(embedding, 32)
+    assert torch.equal(head.dequantize(torch.float32), dequantize_codes(codes, scales, zeros, embedding.shape[1]))
+    x = torch.randn(4, embedding.shape[1], generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(head(x), x @ dequantize_codes(codes, scales, zeros, embedding.shape[1]).t(), atol=1e-5)
+
+
+def test_an_int4_table_looks_up_the_rows_of_the_int4_head(one_thread):
+    model = build_model("qwen3")
+    model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    report = quantize_head(model, "int4+embedding", group_size=32, kernel="reference")
+    assert report["embedding"] == "int4-g32" == report["head"]
+    table = model.get_input_embeddings()
+    assert isinstance(table, Int4Embedding) and table.num_embeddings == embedding.shape[0]
+    ids = torch.tensor([[5, 0, 17], [3, 3, 9]])
+    codes, scales, zeros = quantize_rtn(embedding, 32)
+    rows = dequantize_codes(codes, scales, zeros, embedding.shape[1])
+    assert torch.equal(table(ids), rows[ids])
+    assert torch.equal(table(ids), model.get_output_embeddings().dequantize(torch.float32)[ids])
+    with torch.inference_mode():
+        assert model(torch.tensor([random_ids(16, seed=5)])).logits.isfinite().all()
+    assert not any(p.numel() == embedding.numel() for p in model.parameters())  # the float table is gone
