@@ -3,10 +3,13 @@ resident weight bytes, and agreement with our float weights.
 
 Rows: plain transformers `generate()` on the float model; our float model; our int4 model per kernel path
 (reference, cpu_int4pack / tinygemm where available) and group size; the float model with an int8 output head
-(the head of a 135M model is a fifth of its weights and is read at every token); llama.cpp on the same GGUF when
-`llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
+(the head of a 135M model is a fifth of its weights and is read at every token); for a GGUF with Q4_0 / Q4_1
+tensors, those read as they are (engine.gguf_int4), with the output head in float, int8, int4 at each group size,
+and int4 with the embedding table in int4 too; llama.cpp on the same GGUF when `llama_cpp` is importable (in a
+child process: llama.cpp and torch in one process crash).
 
-Each int4 row is a copy of the float model quantized in place (RTN); all rows stay resident and are timed
+Each int4 row is a copy of the float model quantized in place (RTN, or the GGUF's blocks); all rows stay resident
+and are timed
 interleaved, step by step, so the noise of a shared machine hits them alike. Decode speed is the median step of
 a plain greedy loop of the model with a DynamicCache, after a prefill of ~128 and ~1k tokens (the reference path,
 which dequantizes every weight at every step, takes a quarter of the steps); prefill speed is the ~1k prefill. Agreement: over a set of prompts, whether the greedy next token equals
@@ -29,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
+from engine.gguf_int4 import GGUFBlocks
+from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_head, quantize_model
 from engine.loader import load_model, pick_device, resolve_source, weights_report
 
 MB = 1 << 20
@@ -110,6 +114,26 @@ class Int8Head(torch.nn.Module):
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+@torch.inference_mode()
+def needle_accuracy(models: dict, tokenizer, num_questions: int, device) -> dict[str, float]:
+    """{name: share of needle questions (bench.needle, its default documents, 5 per prompt) whose greedy
+    24-token answer holds the planted code}, each prompt prefilled whole (no reuse)."""
+    from bench import needle
+
+    docs = needle.make_documents()
+    questions = needle.make_questions(docs, num_questions)
+    prompts = [tokenizer.apply_chat_template(needle.messages_for(docs, q), add_generation_prompt=True,
+                                             return_dict=False) for q in questions]
+    scores = {}
+    for name, model in models.items():
+        right = 0
+        for ids, question in zip(prompts, questions):
+            out = model.generate(torch.tensor([ids], device=device), max_new_tokens=24, do_sample=False)
+            right += needle.is_correct(tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), question)
+        scores[name] = right / len(questions)
+    return scores
+
+
 def with_int8_head(model):
     copy_ = copy.deepcopy(model)
     head = copy_.get_output_embeddings()
@@ -159,8 +183,27 @@ def llama_cpp_row(gguf: str, short, long, prompts, num_new: int) -> dict | None:
     return json.loads(done.stdout)
 
 
+def gguf_rows(model, src, kernel: str, head_groups: Sequence[int]) -> dict:
+    """{row name: model} for the GGUF's Q4_0 / Q4_1 tensors read as they are, per output head format."""
+    blocks = GGUFBlocks(src.describe(), model)
+    if not blocks.tensors:
+        print(f"  gguf blocks: none mapped ({blocks.refused})", file=sys.stderr)
+        return {}
+    direct = copy.deepcopy(model)
+    quantize_model(direct, group_size=64, kernel=kernel, layers_from=blocks.layer)
+    name = f"ours {weights_report(direct)['format']} {kernel}"
+    rows = {name: direct, f"{name} + int8 head": with_int8_head(direct)}
+    for group_size in head_groups:
+        for head in ("int4", "int4+embedding"):
+            copy_ = copy.deepcopy(direct)
+            quantize_head(copy_, head, group_size=group_size, kernel=kernel)
+            rows[f"{name} + {head} g{group_size} head"] = copy_
+    return rows
+
+
 def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, kernels: Sequence[str] = ("auto",),
-        num_new: int = 16, long_tokens: int = 1024, num_prompts: int = 8, llama_cpp: bool = True) -> list[dict]:
+        num_new: int = 16, long_tokens: int = 1024, num_prompts: int = 8, llama_cpp: bool = True,
+        head_groups: Sequence[int] = (32, 64), needle_questions: int = 0) -> list[dict]:
     dev = pick_device(device)
     src = resolve_source(source)
     model, tokenizer = load_model(src, dev, torch.float32)
@@ -180,6 +223,8 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
             quantized = copy.deepcopy(model)
             quantize_model(quantized, group_size=group_size, kernel=kernel)
             models[f"ours int4 g{group_size} {kernel}"] = quantized
+        if src.kind == "gguf" and kernel != "reference":
+            models.update(gguf_rows(model, src, kernel, head_groups))
     reports = {name: weights_report(m) for name, m in models.items()}
     few = {name for name, r in reports.items() if r["kernel"] == "reference"}
     interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs
@@ -188,15 +233,19 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     speeds_long = interleaved_speeds(models, long, num_new, few, dev)
     print(f"  decode at {len(long)} tokens done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     plain_decode = plain_generate_decode(model, short, num_new, dev)
+    needle_rows = {name: m for name, m in models.items() if name == "ours float" or
+                   (name.startswith("ours gguf") and "int8" not in name and "g64 head" not in name)}
+    needle_scores = needle_accuracy(needle_rows, tokenizer, needle_questions, dev) if needle_questions else {}
     rows = []
     for name, m in models.items():
         r = reports[name]
         agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
-        rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "linear_mb": r["linear_bytes"] / MB,
+        rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "head": r["head"],
+                     "embedding": r["embedding"], "linear_mb": r["linear_bytes"] / MB,
                      "linear_vs_f32": r["linear_bytes"] / r["linear_float32_bytes"],
                      "resident_mb": r["resident_bytes"] / MB, "prefill_tps": speeds_long[name][0],
                      "decode_tps_128": speeds_short[name][1], "decode_tps_long": speeds_long[name][1],
-                     "agree": agree, "kl": kl})
+                     "agree": agree, "kl": kl, "needle": needle_scores.get(name, float("nan"))})
     nan = float("nan")
     rows.insert(0, dict(rows[0], row="transformers generate()", decode_tps_128=plain_decode, prefill_tps=nan,
                         decode_tps_long=nan))
@@ -209,21 +258,23 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         else:
             agree, kl = agreement(reference, torch.log_softmax(torch.tensor(result["logits"]), dim=-1))
             rows.append({"row": "llama.cpp (same GGUF)", "format": src.gguf_file.split(".")[-2], "kernel": "ggml",
+                         "head": "?", "embedding": "?",
                          "linear_mb": nan, "linear_vs_f32": nan, "resident_mb": nan,
                          "prefill_tps": result["long"][0], "decode_tps_128": result["short"][1],
-                         "decode_tps_long": result["long"][1], "agree": agree, "kl": kl})
+                         "decode_tps_long": result["long"][1], "agree": agree, "kl": kl, "needle": nan})
     print(f"  done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return rows
 
 
 def table(rows: list[dict], long_tokens: int) -> str:
-    head = ("| row | format | kernel | linears MB | vs f32 | resident MB | prefill tok/s | decode tok/s @128 | "
-            f"decode tok/s @{long_tokens} | top-1 agree | mean KL |")
+    head = ("| row | format | kernel | head | embedding | linears MB | vs f32 | resident MB | prefill tok/s | "
+            f"decode tok/s @128 | decode tok/s @{long_tokens} | top-1 agree | mean KL | needle acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
+        lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r.get('head', '?')} | {r.get('embedding', '?')} | "
+                     f"{r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
                      f"{r['resident_mb']:.1f} | {r['prefill_tps']:.0f} | {r['decode_tps_128']:.1f} | "
-                     f"{r['decode_tps_long']:.1f} | {r['agree']:.2f} | {r['kl']:.4f} |")
+                     f"{r['decode_tps_long']:.1f} | {r['agree']:.2f} | {r['kl']:.4f} | {r.get('needle', float('nan')):.2f} |")
     return "\n".join(lines)
 
 
@@ -233,9 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--groups", default="32,64,128", help="int4 group sizes, comma-separated")
     parser.add_argument("--kernels", default="auto", help="reference, cpu_int4pack, tinygemm, or auto (all there)")
+    parser.add_argument("--head-groups", default="32,64", help="group sizes of the int4 output head rows (GGUF)")
     parser.add_argument("--new-tokens", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--long", type=int, default=1024, help="the long context, in tokens")
     parser.add_argument("--prompts", type=int, default=8, help="prompts for agreement and KL")
+    parser.add_argument("--needle", type=int, default=0, metavar="N",
+                        help="also answer N needle questions with the float row and the GGUF int4 rows (0: not run)")
     parser.add_argument("--no-llama-cpp", action="store_true")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch and llama.cpp threads (default 1: on a shared machine, spinning intra-op "
@@ -245,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     rows = run(args.model, args.device, [int(g) for g in args.groups.split(",")], args.kernels.split(","),
-               args.new_tokens, args.long, args.prompts, not args.no_llama_cpp)
+               args.new_tokens, args.long, args.prompts, not args.no_llama_cpp,
+               [int(g) for g in args.head_groups.split(",")], args.needle)
     print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
     print(table(rows, args.long))
     if args.json:

@@ -407,7 +407,8 @@ def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str =
 
 
 def head_format(module: nn.Module) -> str:
-    """ "int4-g32" for a quantized head or table, else the float dtype ("float32")."""
+    """ "int4-g32" for a quantized head or table, else the dtype of its first tensor ("float32", "int8")."""
     if isinstance(module, (Int4Linear, Int4Embedding)):
         return layer_format(module)
-    return str(next(module.parameters()).dtype).replace("torch.", "")
+    first = next(iter([*module.parameters(), *module.buffers()]), None)
+    return "none" if first is None else str(first.dtype).replace("torch.", "")
