@@ -133,7 +133,8 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     """Replays the trace against the real chunk store (device tier only) under a tight budget, with real KV
     (each document's chunks computed once by the model): a request looks up its document's chunks by chained
     key, counts hits, and stores the misses, as the engine does."""
-    from engine.assemble import chain_keys, slice_kv
+    from engine.plan import chain_keys
+    from engine.prefill import slice_kv
     from engine.chunking import chunk_spans
     from engine.eviction import POLICIES
     from engine.keys import content_key

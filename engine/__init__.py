@@ -2,12 +2,12 @@
 
 from .config import ChunkingConfig, EngineConfig, SamplingConfig
 from .engine import KVBoost, UnsupportedModelError, awq_streaming_unavailable
-from .generate import Result, Stats, TokenEvent
+from .generate import Cancelled, Result, Stats, TokenEvent
 from .loader import ModelLoadError
 
 __all__ = [
     "KVBoost", "Result", "Stats", "TokenEvent", "EngineConfig", "ChunkingConfig", "SamplingConfig",
-    "ModelLoadError", "UnsupportedModelError", "awq_streaming_unavailable",
+    "ModelLoadError", "UnsupportedModelError", "awq_streaming_unavailable", "Cancelled",
 ]
 
 from .worker import EngineWorker, WorkerStopped  # noqa: E402  (no torch: the one engine thread and its queue)

@@ -1,4 +1,4 @@
-"""APPROXIMATE reuse: finding cached text wherever it sits in a prompt, and repairing the seams.
+"""APPROXIMATE reuse: finding cached text wherever it sits in a prompt, and choosing the seams to repair.
 
 Lookup is alignment-free. Every stored chunk is indexed by anchors (its tokens at offsets 0, 16, 32, ...).
 The planner scans each not-yet-covered range of the prompt position by position, looks the next 16 tokens up
@@ -9,24 +9,17 @@ neighbours, and whatever the chunk cuts were in either prompt. Only the tokens t
 
 A reused run's keys are re-rotated exactly from their stored positions to the new ones (engine.rope). Its
 KV still carries the context it was computed in (other neighbours, or none); repair recomputes part of it in
-the true context:
-- selective: the first `selective_tokens` tokens after every seam (where reused text starts after something
-  it did not follow before), and optionally the last `selective_before` reused tokens before it, in full
-  context, at the cost of those tokens only.
-- cacheblend: one batched pass over everything after the first APPROXIMATE token. The first layers run for
-  every token; at the probe layer each reused token's fresh value is compared with its cached value, and only
-  the `blend_ratio` most deviating reused tokens (plus every computed token) go on through the remaining
-  layers, attending to a cache that mixes their fresh KV with everyone else's cached KV.
+the true context. Selective repair is decided here, in the plan: the first `selective_tokens` tokens after
+every seam (where reused text starts after something it did not follow before), and optionally the last
+`selective_before` reused tokens before it, become MISS segments, computed in full context at the cost of
+those tokens only. CacheBlend repair is a forward pass, not a plan (engine.blend).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import torch
-
-from .assemble import APPROXIMATE, MISS, Segment
-from .config import RepairConfig
+from .plan import APPROXIMATE, MISS, Segment
 from .rope import can_rerotate
 from .store import ANCHOR_LEN, ChunkStore
 
@@ -166,77 +159,3 @@ def apply_selective(segments: list[Segment], after: int, before: int = 0) -> lis
         if pos < seg.end:
             out.append(Segment(pos, seg.end, APPROXIMATE, seg.record, seg.offset + (pos - seg.start)))
     return merge_misses(out)
-
-
-class BlendCache:
-    """The cache the decoder layers see during a CacheBlend pass.
-
-    For layer l it holds K/V for every prompt position: the exact prefix, then the cached (re-rotated) KV of
-    the blended range. `update` writes the active tokens' fresh K/V over their positions and returns the whole
-    K/V, so the active queries attend to a mix of fresh and cached KV. At the probe layer it first records how
-    far each active token's fresh value is from its cached value."""
-
-    def __init__(self, layers_k: list[torch.Tensor], layers_v: list[torch.Tensor], offset: int):
-        self.keys = layers_k  # per layer [1, H_kv, n, D]
-        self.values = layers_v
-        self.offset = offset  # first position of the blended range
-        self.active: torch.Tensor | None = None  # positions of the active tokens [A]
-        self.probe_layer = -1
-        self.deviation: torch.Tensor | None = None  # [A] at the probe layer
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        if layer_idx == self.probe_layer:
-            cached = v[:, :, self.active]  # [1, H_kv, A, D]
-            self.deviation = (value_states - cached).float().norm(dim=-1).mean(dim=(0, 1))
-        k[:, :, self.active] = key_states
-        v[:, :, self.active] = value_states
-        return k, v
-
-
-def blend_forward(model, ids: Sequence[int], start: int, layers_k, layers_v, reused: torch.Tensor,
-                  repair: RepairConfig, device) -> torch.Tensor:
-    """One batched pass over positions [start, n): `layers_k/v` hold per layer the full-length KV (the exact
-    prefix [0, start) and cached KV where `reused` [n - start] is True; anything elsewhere is overwritten).
-    cacheblend: every token through the layers up to the probe, then the computed tokens and the most deviating
-    reused ones. selective: the computed tokens (seams and new text) alone through every layer, which equals
-    computing them one run at a time but costs one forward pass instead of one per seam. Returns the last
-    position's logits [V]; `layers_k/v` end up as the cache to decode from."""
-    decoder = model.get_decoder()
-    n = len(ids)
-    positions = torch.arange(start, n, device=device)
-    hidden = decoder.embed_tokens(torch.tensor([ids[start:]], device=device))
-    cache = BlendCache(layers_k, layers_v, start)
-    cache.active = positions
-    num_reused = int(reused.sum())
-    probe_layer = repair.probe_layer if repair.mode == "cacheblend" else -1
-    cache.probe_layer = probe_layer
-    if probe_layer < 0:  # selective: only the computed tokens, through every layer
-        keep = torch.nonzero(~reused).squeeze(1)
-        hidden = hidden[:, keep]
-        cache.active = positions[keep]
-    for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
-        if layer_idx == probe_layer + 1 and probe_layer >= 0:
-            keep = _select(cache.deviation, reused, repair.blend_ratio, num_reused)
-            hidden = hidden[:, keep]
-            cache.active = positions[keep]
-        active = cache.active
-        # Query at position p sees every key at a position <= p.
-        mask = (torch.arange(n, device=device)[None, :] <= active[:, None])[None, None]
-        cos_sin = decoder.rotary_emb(hidden, active[None])
-        hidden = layer(hidden, attention_mask=mask, position_ids=active[None], past_key_values=cache,
-                       use_cache=True, position_embeddings=cos_sin)
-    hidden = decoder.norm(hidden[:, -1:])
-    return model.lm_head(hidden)[0, -1]
-
-
-def _select(deviation: torch.Tensor, reused: torch.Tensor, ratio: float, num_reused: int) -> torch.Tensor:
-    """Indices (into the blended range, sorted) of every computed token plus the `ratio` most deviating
-    reused tokens. The last token is always computed (it is never reused)."""
-    num_keep = int(round(ratio * num_reused))
-    score = deviation.masked_fill(~reused, float("inf"))
-    keep = torch.topk(score, int((~reused).sum()) + num_keep).indices
-    return torch.sort(keep).values
-
-
-BLEND_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "smollm3"})

@@ -39,7 +39,7 @@ def is_payload_name(file, key_hex: str | None = None) -> bool:
 
 
 def expected_key(kind: str, parent: bytes, tokens, exact: bool) -> bytes:
-    """The key an entry of this kind, parent and tokens is stored under (engine.assemble, engine.engine)."""
+    """The key an entry of this kind, parent and tokens is stored under (engine.reuse: store_chunks, store_tail)."""
     if kind == "tail":
         return chain_key(parent + b"tail", tokens)
     key = chain_key(parent, tokens)

@@ -1,10 +1,13 @@
-"""The facade users import: KVBoost.from_pretrained, generate, chat, stream, warm, cache_stats."""
+"""The facade users import: KVBoost.from_pretrained, generate, chat, stream, warm, info, memory, cache_stats.
+
+A request runs in three steps, each a module of its own: plan and fetch (engine.reuse), prefill (engine.prefill),
+decode (engine.generate); the facade stores what the prefill computed, after the first token and in `finally`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import logging
-import sqlite3
 import threading
 import time
 from typing import Iterator, Sequence
@@ -12,38 +15,21 @@ from typing import Iterator, Sequence
 import torch
 
 from . import loader
-from .approx import BLEND_MODEL_TYPES, apply_selective, fill_approximate, merge_misses
-from .assemble import EXACT, PREFIX, QUANTIZED, cache_kv, plan_prompt, store_new_chunks
-from .chunking import TokenBreaks, chunk_spans
+from .blend import BLEND_MODEL_TYPES, blend_unavailable
+from .chunking import TokenBreaks
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
-from .disk import DiskTier, default_cache_dir
-from .payload_file import FORMAT_VERSION
-from .eviction import POLICIES
-from .generate import Result, TokenEvent, generate_events
-from .keys import chain_key, root_key
-from .paged import spill_unsupported
-from .rope import rope_params
-from .store import ChunkStore
-from .tiers import MemoryTier, default_device_budget, default_host_budget
-
-log = logging.getLogger(__name__)
-
-Messages = Sequence[dict]
-
-# Below this share of the prompt, reuse costs more than it saves (see KVBoost._plan).
-MIN_REUSE_FRACTION = 0.25
+from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens
+from .keys import root_key
+from .paged import make_cache, spill_unsupported
+from .prefill import prefill
+from .prompt import Messages, encode
+from .reuse import KVReuse
+from .rope import rope_params, rotary_module
+from .tiered_store import build_store
 
 
 class UnsupportedModelError(ValueError):
     """A model this engine cannot serve correctly (no RoPE, ...)."""
-
-
-def rope_module(model):
-    """The rotary embedding module of a decoder, or None for models without RoPE (gpt2, ALiBi models)."""
-    for name, module in model.named_modules():
-        if name.endswith("rotary_emb"):
-            return module
-    return None
 
 
 def awq_streaming_unavailable(model_config, device: torch.device) -> str | None:
@@ -57,11 +43,9 @@ def awq_streaming_unavailable(model_config, device: torch.device) -> str | None:
     return None
 
 
-def _serves_its_tokens(seg, ids: list[int]) -> bool:
-    """Whether the entry a segment reuses holds the very tokens of the prompt there (it always should; this is
-    the last check before reuse, against entries whose bookkeeping was changed behind the store's back)."""
-    record = seg.record
-    return tuple(ids[seg.start:seg.end]) == record.tokens[seg.offset:seg.offset + seg.num_tokens]
+def _check_cancel(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise Cancelled("model load cancelled")
 
 
 class KVBoost:
@@ -69,7 +53,7 @@ class KVBoost:
                  name: str = "model"):
         config = config or EngineConfig()
         config.validate()
-        if rope_module(model) is None:
+        if rotary_module(model) is None:
             raise UnsupportedModelError(
                 f"{model.config.model_type!r} does not use rotary position embeddings (RoPE); KVBoost reuses KV "
                 "only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
@@ -82,13 +66,13 @@ class KVBoost:
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")
-        self.disk_error: str | None = None
-        self.store = self._make_store()
+        self.store, self.disk_error = build_store(config, self.device, self._root, name, model.dtype)
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
-        self.max_context = self._find_max_context()
+        self.max_context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self._batch_repair = False
         self._rope = self._check_approx_support() if config.reuse == "approx" else None
+        self._reuse = KVReuse(self.store, self._root, config.chunking, self._breaks, config.repair, self._rope)
         if config.live_kv_bytes is not None:
             reason = spill_unsupported(model)
             if reason is not None:
@@ -97,35 +81,6 @@ class KVBoost:
         self._owner: int | None = None
         self._weights_bytes: int | None = None
 
-    def _make_store(self) -> ChunkStore:
-        config = self.config
-        policy = POLICIES[config.eviction]()
-        budget = config.cache_bytes if config.cache_bytes is not None else default_device_budget(self.device)
-        host = None
-        host_budget = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else \
-            default_host_budget(self.device)
-        if host_budget > 0:
-            host = MemoryTier("host", host_budget, torch.device("cpu"), config.kv_quant.host,
-                              pin=self.device.type == "cuda")
-        disk = None
-        if config.disk_cache_bytes != 0 and config.reuse != "off":
-            folder = config.disk_cache_dir or str(default_cache_dir())
-            # Entries are shared only within one namespace: same weights, dtype, chunking and storage format.
-            namespace = chain_key(self._root, [FORMAT_VERSION]).hex() + f"-{config.kv_quant.disk}"
-            try:
-                disk = DiskTier(folder, config.disk_cache_bytes, config.kv_quant.disk, namespace, policy,
-                                model_name=self.name, timeout_s=config.disk_busy_timeout_s)
-                disk.describe_namespace({"chunking": self.config.chunking.mode,
-                                         "chunk_size": self.config.chunking.size,
-                                         "kv_quant": config.kv_quant.disk, "dtype": str(self.model.dtype)})
-            except (ValueError, OSError, sqlite3.Error) as exc:
-                # The engine still works from memory; the reason is in memory() and cache_stats().
-                self.disk_error = f"disk KV tier off: {exc}"
-                log.warning(self.disk_error)
-                disk = None
-        return ChunkStore(budget, policy, device=self.device, device_quant=config.kv_quant.device, host=host,
-                          disk=disk)
-
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
         chosen repair cannot run on it."""
@@ -133,13 +88,10 @@ class KVBoost:
             rope = rope_params(self.model)
         except ValueError as exc:
             raise UnsupportedModelError(f"reuse='approx' needs exact RoPE re-rotation: {exc}") from None
-        config = self.model.config
-        model_type = config.model_type
-        windowed = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
+        why = blend_unavailable(self.model)
         # Selective repair runs batched where the blend pass can run, one forward per seam elsewhere.
-        self._batch_repair = model_type in BLEND_MODEL_TYPES and not windowed
-        if self.config.repair.mode == "cacheblend" and not self._batch_repair:
-            why = "a sliding attention window" if windowed else f"model type {model_type!r}"
+        self._batch_repair = why is None
+        if self.config.repair.mode == "cacheblend" and why is not None:
             raise UnsupportedModelError(
                 f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)} without a sliding window, not on "
                 f"{why}; use repair='selective' or 'none'"
@@ -152,8 +104,8 @@ class KVBoost:
                         chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
                         cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
-                        repair_options: dict | None = None, awq_streaming: bool = False,
-                        quiet: bool = False) -> "KVBoost":
+                        repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
+                        cancel: threading.Event | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -162,7 +114,8 @@ class KVBoost:
         being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
         `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
         awq_streaming_unavailable). `quiet`: only errors from transformers' logging (no warnings or progress
-        bars), for front ends."""
+        bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
+        weights loaded); once set, the load stops there with engine.Cancelled."""
         if quiet:
             loader.quiet_transformers()
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
@@ -176,6 +129,7 @@ class KVBoost:
                               live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens)
         config.validate()
         src = loader.resolve_source(source)
+        _check_cancel(cancel)
         dev = loader.pick_device(device)
         dt = loader.pick_dtype(dtype, dev)
         if awq_streaming:
@@ -185,8 +139,10 @@ class KVBoost:
                 f"AWQ layer streaming: {reason}" if reason else
                 "AWQ layer streaming is not available in this version of the engine; load without it"
             )
+        _check_cancel(cancel)
         model, tokenizer = loader.load_model(src, dev, dt)
-        if rope_module(model) is None:
+        _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
+        if rotary_module(model) is None:
             raise UnsupportedModelError(
                 f"{src.describe()} is a {model.config.model_type!r} model without rotary position embeddings "
                 "(RoPE); KVBoost reuses KV only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
@@ -202,8 +158,8 @@ class KVBoost:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
                                       size=changes.pop("chunk_size", chunking.size))
         repair = self.config.repair
-        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio", "probe_layer", "blend_seam_tokens")
-                         if k in changes}
+        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio",
+                                                     "probe_layer", "blend_seam_tokens") if k in changes}
         if "repair" in changes:
             repair = RepairConfig(mode=changes.pop("repair"))
         repair = dataclasses.replace(repair, **repair_fields)
@@ -233,63 +189,16 @@ class KVBoost:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _find_max_context(self) -> int:
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
-        return int(limit)
-
     # -- prompts ---------------------------------------------------------------------------------------
     def encode(self, prompt: str | Messages | Sequence[int], *, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a plain prompt, of a messages list rendered by the model's chat template, or of
-        token ids given as they are."""
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) for t in prompt):
-            vocab = self.model.get_input_embeddings().num_embeddings
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
-            return list(prompt)
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return list(self.tokenizer(prompt)["input_ids"])
-        messages = list(prompt)
-        if not messages:
-            raise ValueError("messages list is empty")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {m!r}")
-            if not isinstance(m["content"], str):
-                raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"{self.name} has no chat template; pass a plain string prompt")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        token ids given as they are (engine.prompt)."""
+        return encode(self.tokenizer, prompt, vocab_size=self.model.get_input_embeddings().num_embeddings,
+                      name=self.name, add_generation_prompt=add_generation_prompt)
 
     def _plan(self, ids: list[int], reuse: str):
-        spans, num_complete = chunk_spans(ids, self.config.chunking, self._breaks)
-        plan = self._plan_reuse(ids, spans, num_complete, reuse)
-        if 0 < plan.reused_tokens < MIN_REUSE_FRACTION * len(ids):
-            # Attention over a cached past runs with an explicit mask, which on CPU costs about twice the
-            # causal fast path (measured: 68 vs 36 ms per layer, 1945 queries over 1980 keys): reusing a small
-            # part of a long prompt is slower than not reusing it.
-            plan = plan_prompt(ids, spans, num_complete, self._root, self.store, "off")
-        return plan
-
-    def _plan_reuse(self, ids, spans, num_complete, reuse):
-        if reuse != "approx":
-            return plan_prompt(ids, spans, num_complete, self._root, self.store, reuse)
-        repair = self.config.repair
-
-        def approximate(segments):
-            segments = fill_approximate(merge_misses(segments), ids, self.store, self._rope)
-            if repair.mode == "selective":
-                segments = apply_selective(segments, repair.selective_tokens, repair.selective_before)
-            elif repair.mode == "cacheblend" and repair.blend_seam_tokens:
-                # Seam tokens become computed tokens, which the blend pass always recomputes.
-                segments = apply_selective(segments, repair.blend_seam_tokens)
-            return segments
-
-        return plan_prompt(ids, spans, num_complete, self._root, self.store, "chunk", refine=approximate)
+        """The plan of `ids` in reuse mode `reuse`, without fetching anything (what tests inspect)."""
+        return self._reuse.plan(ids, reuse)
 
     # -- generation ------------------------------------------------------------------------------------
     def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None, return_logits: bool = False,
@@ -306,94 +215,67 @@ class KVBoost:
         return self._events(ids, params, t_enter, cancel, return_logits)
 
     def _events(self, ids, params, t_enter, cancel, return_logits=False):
+        with self._one_request():
+            mode = self.config.reuse
+            repair = self.config.repair if mode == "approx" else None
+            # 1) plan and fetch: every entry the plan reuses is acquired, on the device, until released below.
+            plan, reused_by_tier = self._reuse.plan_and_fetch(ids, mode)
+            try:
+                approximate = repair is not None and plan.first_approximate < len(ids)
+                stats = Stats(prompt_tokens=len(ids), reused_tokens=plan.reused_tokens,
+                              recomputed_tokens=len(ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=mode,
+                              repair=repair.mode if approximate else "none", reused_by_tier=reused_by_tier)
+                # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
+                cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
+                logits, stats.repaired_tokens = prefill(self.model, plan, self.store, cache, self.device,
+                                                        self._rope, repair, self._batch_repair)
+                # 3) decode. The new chunks are stored once the first token is out (time to first token does
+                # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
+                tokens = list(ids)  # the prompt, then every sampled token
+                events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
+                                       device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
+                                       t_enter=t_enter, cancel=cancel, return_logits=return_logits)
+                storing, chunks_stored = mode != "off", False
+                try:
+                    for event in events:
+                        if isinstance(event, Result):
+                            break
+                        yield event
+                        if storing and not chunks_stored:
+                            chunks_stored = True
+                            self._store(stats, plan, cache)
+                finally:
+                    events.close()
+                    if storing:
+                        self._store(stats, plan, cache, tokens, chunks=not chunks_stored)
+                assert isinstance(event, Result), "the decode loop ends with its Result"
+                stats.total_ms = (time.perf_counter() - t_enter) * 1000  # storing the tail is part of the call
+                yield event
+            finally:
+                self._reuse.release(plan)
+
+    def _store(self, stats: Stats, plan, cache, tokens: list[int] | None = None, *, chunks: bool = True) -> None:
+        """Stores the prompt's new chunks and, given the prompt and answer `tokens`, the tail; timed into
+        stats.store_ms."""
+        t0 = time.perf_counter()
+        if chunks:
+            self._reuse.store_chunks(plan, cache)
+        if tokens is not None:
+            self._reuse.store_tail(plan, cache, tokens)
+        stats.store_ms += (time.perf_counter() - t0) * 1000
+
+    @contextlib.contextmanager
+    def _one_request(self):
         # Requests on one engine run one at a time; a second stream opened and iterated on the thread that
         # holds the first would wait for itself forever, so that is an error.
         if self._owner == threading.get_ident():
             raise RuntimeError("a stream is still open on this engine in this thread; finish or close it first")
-        self._lock.acquire()
-        self._owner = threading.get_ident()
-        try:
-            reuse = self.config.reuse
-            plan, reused_by_tier = self._plan_and_fetch(ids, reuse)
-            storing = reuse != "off"
+        with self._lock:
+            self._owner = threading.get_ident()
             try:
-                yield from generate_events(
-                    self.model, self.tokenizer, plan, self.store, params, device=self.device,
-                    eos_ids=self._eos_ids, max_context=self.max_context, t_enter=t_enter, reuse=reuse,
-                    cancel=cancel, rope=self._rope, repair=self.config.repair if reuse == "approx" else None,
-                    batch_repair=self._batch_repair,
-                    return_logits=return_logits, reused_by_tier=reused_by_tier,
-                    live_kv=(self.config.live_kv_bytes, self.config.live_page_tokens),
-                    on_prefilled=(lambda cache: store_new_chunks(plan, cache, self.store, self._root.hex()))
-                    if storing else None,
-                    on_finished=(lambda cache, all_ids: self._store_tail(plan, cache, all_ids))
-                    if storing else None,
-                )
+                yield
             finally:
-                self._release(plan)
-        finally:
-            self._owner = None
-            self._lock.release()
-
-    def _plan_and_fetch(self, ids: list[int], reuse: str):
-        """The plan, with every entry it reuses acquired and its payload on the device. An entry whose disk
-        payload turns out missing, corrupt or not the KV of the tokens it would serve is dropped and the prompt
-        planned again without it (its text becomes a MISS and is computed and stored afresh). Hits served
-        lossy values are relabelled QUANTIZED. Returns the plan and reused tokens per tier served from."""
-        if reuse != "off":
-            self.store.sync_disk()  # entries other processes wrote since the last request
-        served_from: dict[bytes, tuple[str, bool]] = {}  # where each entry was before any fetch moved it
-        while True:
-            plan = self._plan(ids, reuse)
-            records = list({id(s.record): s.record for s in plan.segments if s.record is not None}.values())
-            for record in records:
-                served_from.setdefault(record.key, (record.tier, self.store.served_lossy(record)))
-            for seg in plan.segments:
-                if seg.record is not None:
-                    self.store.acquire(seg.record)
-            try:
-                bad = [r for r in records if not self.store.fetch(r)]
-            except BaseException:  # e.g. out of device memory while promoting: nothing stays acquired
-                self._release(plan)
-                raise
-            bad += [seg.record for seg in plan.segments if seg.record is not None
-                    and all(r is not seg.record for r in bad) and not _serves_its_tokens(seg, ids)]
-            if not bad:
-                break
-            self._release(plan)
-            for record in bad:
-                served_from.pop(record.key, None)
-                self.store.drop(record)
-        self.store.counters.misses += sum(1 for s in plan.segments if s.kind == "MISS")
-        reused_by_tier: dict[str, int] = {}
-        for seg in plan.segments:
-            if seg.record is None:
-                continue
-            tier, lossy = served_from[seg.record.key]
-            if lossy and seg.kind in (EXACT, PREFIX):
-                seg.kind = QUANTIZED
-            self.store.touch(seg.record, seg.kind, tier)
-            reused_by_tier[tier] = reused_by_tier.get(tier, 0) + seg.num_tokens
-        self.store.touch_disk(records)
-        return plan, reused_by_tier
-
-    def _release(self, plan) -> None:
-        for seg in plan.segments:
-            if seg.record is not None:
-                self.store.release(seg.record)
-
-    def _store_tail(self, plan, cache, all_ids: list[int]) -> None:
-        """The KV after the last complete chunk (partial chunk + answer), for the next turn's token-level
-        reuse. The last sampled token was never fed to the model, so the KV ends one before it. Not stored
-        when the prompt had APPROXIMATE hits: tails serve exact continuations only."""
-        end = cache.get_seq_length()
-        start = plan.tail_start
-        if end <= start or plan.first_approximate < len(plan.ids):
-            return
-        tokens = all_ids[start:end]
-        key = chain_key(plan.tail_parent + b"tail", tokens)
-        self.store.put_tail(key, plan.tail_parent, start, tokens, cache_kv(cache, start, end),
-                            lossy=plan.first_lossy < end)
+                self._owner = None
 
     def generate(self, prompt: str | Messages, **kwargs) -> Result:
         result = None

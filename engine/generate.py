@@ -1,8 +1,9 @@
-"""The one hot loop: prefill a planned prompt, then decode token by token, as a generator of events.
+"""The decode loop: sample, detokenize, and decode token by token over a filled cache, as a generator of events.
 
 The CLI, the server and the GUI all consume the same events: `TokenEvent` per visible text delta, then one
-`Result` as the last event. Tokenization happens in the caller; this module only turns text deltas out of
-token ids for streaming.
+`Result` as the last event. Tokenization happens in the caller, and so does building the prompt's cache
+(engine.prefill) and storing what it computed (engine.reuse): this module only samples, feeds tokens back and
+turns token ids into text deltas for streaming.
 """
 
 from __future__ import annotations
@@ -16,12 +17,8 @@ from typing import Iterator, Sequence
 import torch
 from transformers import DynamicCache
 
-from .approx import blend_forward
-from .assemble import APPROXIMATE, MISS, Plan, append_kv, slice_kv
-from .paged import SpillingCache, kv_range, make_cache, spill_stats, spilling
-from .rope import rerotate_kv
 from .config import SamplingConfig
-from .store import ChunkStore
+from .paged import spill_stats, spilling
 
 
 @dataclass
@@ -68,112 +65,8 @@ class Result:
 
 
 class Cancelled(Exception):
-    pass
-
-
-def run_segments(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None,
-                 repair=None, batch_repair: bool = True) -> tuple[torch.Tensor, int]:
-    """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V] and
-    the number of reused tokens that repair recomputed.
-
-    Consecutive reuse segments are appended in one concatenation (APPROXIMATE ones re-rotated to their new
-    positions first); each MISS run is one forward pass over the base model (no LM head), except the last,
-    which computes logits for its last position only. With repair "cacheblend", everything from the first
-    APPROXIMATE token on is one CacheBlend pass instead, and with "selective" one batched pass over every
-    computed token after it (engine.approx.blend_forward).
-    """
-    segments = plan.segments
-    assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
-    # batch_repair: the model runs engine.approx.blend_forward (Llama-family layers, no sliding window).
-    batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
-    blend_from = plan.first_approximate if batched else len(plan.ids)
-    decoder = model.get_decoder()
-    i = 0
-    logits = None
-    while i < len(segments) and segments[i].start < blend_from:
-        if segments[i].kind != MISS:
-            parts = []
-            while i < len(segments) and segments[i].kind != MISS and segments[i].start < blend_from:
-                parts.append(_segment_kv(segments[i], store, rope, device))
-                i += 1
-            append_kv(cache, parts)
-            continue
-        start = segments[i].start
-        while i < len(segments) and segments[i].kind == MISS and segments[i].start < blend_from:
-            i += 1
-        end = segments[i - 1].end
-        input_ids = torch.tensor([plan.ids[start:end]], device=device)
-        if i == len(segments):
-            out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            logits = out.logits[0, -1]
-        else:
-            decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
-    repaired = 0
-    if i < len(segments):
-        logits, repaired = _blend(model, plan, segments[i:], store, cache, rope, repair, device)
-    assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
-    return logits, repaired
-
-
-def _segment_kv(seg, store, rope, device):
-    kv = _to_device(slice_kv(store.payload(seg.record.key), seg.offset, seg.offset + seg.num_tokens), device)
-    if seg.kind == APPROXIMATE:
-        kv = rerotate_kv(kv, seg.record.start + seg.offset, seg.start, rope)
-    return kv
-
-
-def _blend(model, plan, segments, store, cache, rope, repair, device):
-    """Builds full-length per-layer K/V (exact prefix in `cache`, then cached KV of the reused segments and
-    zeros where tokens are computed) and runs the CacheBlend pass over the rest of the prompt."""
-    start = segments[0].start
-    num_layers = model.config.num_hidden_layers
-    reused = torch.zeros(len(plan.ids) - start, dtype=torch.bool, device=device)
-    pieces = []
-    for seg in segments:
-        if seg.kind == MISS:
-            pieces.append(None)
-        else:
-            pieces.append(_segment_kv(seg, store, rope, device))
-            reused[seg.start - start:seg.end - start] = True
-    layers_k, layers_v = [], []
-    spilled = isinstance(cache, SpillingCache)
-    prefix = kv_range(cache, 0, start) if spilled and start > 0 else None  # pages included
-    for layer in range(num_layers):
-        ks, vs = [], []
-        if start > 0:
-            ks.append(prefix[layer][0] if prefix else cache.layers[layer].keys)
-            vs.append(prefix[layer][1] if prefix else cache.layers[layer].values)
-        for seg, kv in zip(segments, pieces):
-            if kv is None:
-                ks.append(_zeros_kv(model, seg.num_tokens, device))
-                vs.append(_zeros_kv(model, seg.num_tokens, device))
-            else:
-                ks.append(kv[layer][0])
-                vs.append(kv[layer][1])
-        layers_k.append(torch.cat(ks, dim=2).contiguous())
-        layers_v.append(torch.cat(vs, dim=2).contiguous())
-    logits = blend_forward(model, plan.ids, start, layers_k, layers_v, reused, repair, device)
-    for layer in range(num_layers):
-        if layer < len(cache.layers) and start > 0 and not spilled:
-            cache.layers[layer].keys, cache.layers[layer].values = layers_k[layer], layers_v[layer]
-        else:
-            if layer < len(cache.layers) and start > 0:
-                cache.layers[layer].reset()  # refilled whole below; the layer spills again by its budget
-            cache.update(layers_k[layer], layers_v[layer], layer)
-    repaired = int(round(repair.blend_ratio * int(reused.sum()))) if repair.mode == "cacheblend" else 0
-    return logits, repaired
-
-
-def _zeros_kv(model, num_tokens, device):
-    """Placeholder K or V [1, H_kv, T, D] for tokens the blend pass computes (overwritten at every layer)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return torch.zeros(1, heads, num_tokens, head_dim, dtype=model.dtype, device=device)
-
-
-def _to_device(kv, device):
-    return tuple((k.to(device, non_blocking=True), v.to(device, non_blocking=True)) for k, v in kv)
+    """A cancel event was set: a generation ends at the next token (finish_reason "cancelled"), a model load
+    (KVBoost.from_pretrained) before its next stage."""
 
 
 def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch.Tensor:
@@ -267,74 +160,50 @@ class Detokenizer:
         return delta
 
 
-def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, params: SamplingConfig, *,
-                    device, eos_ids: set[int], max_context: int, t_enter: float, reuse: str,
-                    cancel: threading.Event | None = None, rope=None, repair=None, batch_repair=True,
-                    return_logits=False, reused_by_tier: dict[str, int] | None = None,
-                    live_kv: tuple[int | None, int] = (None, 128),
-                    on_prefilled=None, on_finished=None) -> Iterator[TokenEvent | Result]:
-    """Prefill per `plan`, then sample up to max_new_tokens. `on_prefilled(cache)` runs right after the first
-    token is out (storing new chunks); `on_finished(cache, all_ids)` runs however the loop ends, cancellation
-    and consumer close included, so the store stays consistent."""
-    stats = Stats(prompt_tokens=len(plan.ids), reused_tokens=plan.reused_tokens,
-                  recomputed_tokens=len(plan.ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=reuse,
-                  repair=repair.mode if repair is not None and plan.first_approximate < len(plan.ids) else "none",
-                  reused_by_tier=dict(reused_by_tier or {}))
+def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
+                  params: SamplingConfig, stats: Stats, *, device, eos_ids: set[int], max_context: int,
+                  t_enter: float, cancel: threading.Event | None = None,
+                  return_logits: bool = False) -> Iterator[TokenEvent | Result]:
+    """Samples up to max_new_tokens from `logits`, the next-token logits [V] after the prompt `ids` whose KV
+    fills `cache`, feeding each token back, until EOS, a stop string, the context limit or `cancel` (checked
+    before every step). Every sampled token is appended to `ids`, so the caller can store the KV of
+    ids[:cache length] however the loop ended. Completes `stats` (times from `t_enter`, the call's start) and
+    yields it in the Result, after the TokenEvents."""
+    prompt_len = len(ids)
     generator = None
     if params.temperature > 0:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
     detok = Detokenizer(tokenizer, params.stop)
-    cache = make_cache(model, live_kv[0], page_tokens=live_kv[1])  # live_kv: (device bytes, page tokens)
-    generated: list[int] = []
     finish_reason = "length"
-    first_logits = None
     t_first = None
-    prefill_stored = False
-    try:
-        with torch.inference_mode():
-            with spilling(cache):
-                logits, stats.repaired_tokens = run_segments(model, plan, store, cache, device, rope, repair,
-                                                             batch_repair)
-            first_logits = logits.float().cpu().clone() if return_logits else None
-            while True:
-                token = sample(logits, params, plan.ids + generated, generator)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    stats.ttft_ms = (t_first - t_enter) * 1000
-                if token in eos_ids:
-                    finish_reason = "stop"
-                    break
-                generated.append(token)
-                delta = detok.add(token)
-                if delta:
-                    yield TokenEvent(delta, token)
-                if not prefill_stored and on_prefilled is not None:
-                    prefill_stored = True
-                    t0 = time.perf_counter()
-                    on_prefilled(cache)
-                    stats.store_ms += (time.perf_counter() - t0) * 1000
-                if detok.stopped:
-                    finish_reason = "stop"
-                    break
-                if len(generated) >= params.max_new_tokens or len(plan.ids) + len(generated) >= max_context:
-                    finish_reason = "length"
-                    break
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled
-                logits = decode_one_token(model, token, cache, device)
-    except Cancelled:
-        finish_reason = "cancelled"
-    finally:
-        # Runs on normal end, on cancel, and when the consumer closes the stream (GeneratorExit).
-        if on_finished is not None and cache.get_seq_length() >= len(plan.ids):
-            t0 = time.perf_counter()
-            if not prefill_stored and on_prefilled is not None:
-                on_prefilled(cache)
-            on_finished(cache, plan.ids + generated)
-            stats.store_ms += (time.perf_counter() - t0) * 1000
+    with torch.inference_mode():
+        first_logits = logits.float().cpu().clone() if return_logits else None
+        while True:
+            token = sample(logits, params, ids, generator)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_ms = (t_first - t_enter) * 1000
+            if token in eos_ids:
+                finish_reason = "stop"
+                break
+            ids.append(token)
+            delta = detok.add(token)
+            if delta:
+                yield TokenEvent(delta, token)
+            if detok.stopped:
+                finish_reason = "stop"
+                break
+            if len(ids) - prompt_len >= params.max_new_tokens or len(ids) >= max_context:
+                finish_reason = "length"
+                break
+            if cancel is not None and cancel.is_set():
+                finish_reason = "cancelled"
+                break
+            logits = decode_one_token(model, token, cache, device)
+    generated = ids[prompt_len:]
     tail = detok.finish()
     if tail:
         yield TokenEvent(tail, generated[-1])
@@ -345,4 +214,3 @@ def generate_events(model, tokenizer, plan: Plan, store: ChunkStore | None, para
     if t_first is not None and len(generated) > 1:
         stats.decode_tokens_per_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
     yield Result(detok.text, generated, finish_reason, stats, first_logits)
-

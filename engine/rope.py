@@ -83,7 +83,9 @@ def rope_params(model, context_len: int = 1) -> tuple[RopeParams, ...]:
             f"re-rotation is not verified for model type {config.model_type!r}; supported: "
             f"{sorted(VERIFIED_MODEL_TYPES)}"
         )
-    rotary = _rotary_module(model)
+    rotary = rotary_module(model)
+    if rotary is None:
+        raise ValueError(f"{type(model).__name__} has no rotary_emb module")
     interleaved = _is_interleaved(rotary)
     num_layers = config.num_hidden_layers
     per_type = isinstance(rotary.rope_type, dict)  # Gemma3: local and global layers differ
@@ -103,12 +105,14 @@ def rope_params(model, context_len: int = 1) -> tuple[RopeParams, ...]:
     return tuple(layers)
 
 
-def _rotary_module(model):
+def rotary_module(model):
+    """The rotary embedding module of a decoder: its `rotary_emb`, else (models that rotate inside each attention
+    module) the first submodule of that name; None for models without RoPE (gpt2, ALiBi models)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     rotary = getattr(decoder, "rotary_emb", None)
-    if rotary is None:
-        raise ValueError(f"{type(model).__name__} has no rotary_emb module on its decoder")
-    return rotary
+    if rotary is not None:
+        return rotary
+    return next((module for name, module in model.named_modules() if name.endswith("rotary_emb")), None)
 
 
 def _is_interleaved(rotary) -> bool:

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.config import RepairConfig
-from engine.generate import run_segments
+from engine.prefill import prefill
 from tiny_models import ATOL, build_model, build_tokenizer, random_ids
 
 CHUNK = 32
@@ -42,8 +42,8 @@ def rag_prompt(order, question_seed):
 def logits_of(eng, ids):
     plan = eng._plan(ids, eng.config.reuse)
     with torch.inference_mode():
-        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                                 eng.config.repair if eng.config.reuse == "approx" else None)
+        logits, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                            eng.config.repair if eng.config.reuse == "approx" else None)
     return plan, logits
 
 
@@ -203,10 +203,10 @@ def test_batched_selective_pass_equals_computing_each_seam_in_turn(parts, arch):
     plan = eng._plan(ids, "approx")
     assert sum(1 for s in plan.segments if s.kind == "MISS") >= 3
     with torch.inference_mode():
-        batched, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                                  eng.config.repair, batch_repair=True)
-        in_turn, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                                  eng.config.repair, batch_repair=False)
+        batched, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                             eng.config.repair, batch_repair=True)
+        in_turn, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
+                             eng.config.repair, batch_repair=False)
     assert torch.max(torch.abs(batched - in_turn)).item() < ATOL
 
 
@@ -275,8 +275,8 @@ def test_selective_repair_equals_an_independent_reference(parts, arch, batch_rep
     ref_logits, ref_cache = selective_reference(eng.model, ids, docs_at, seam)
     cache = DynamicCache()
     with torch.inference_mode():
-        logits, _ = run_segments(eng.model, plan, eng.store, cache, eng.device, eng._rope, eng.config.repair,
-                                 batch_repair=batch_repair)
+        logits, _ = prefill(eng.model, plan, eng.store, cache, eng.device, eng._rope, eng.config.repair,
+                            batch_repair=batch_repair)
         full = eng.full_prefill_logits(ids)
     assert torch.max(torch.abs(full - ref_logits)).item() > 10 * ATOL  # the reference is not a full prefill
     # float32 rounding alone: measured 1.2e-7 on the logits, 1.3e-6 on the keys (a re-rotation one position

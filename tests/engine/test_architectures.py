@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
-from engine.generate import run_segments
+from engine.prefill import prefill
 from tiny_models import ARCHS, ATOL, CHUNK, EOS, SLIDING_ARCHS, VOCAB, WINDOW, build_model, build_tokenizer, random_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,7 +63,7 @@ def reused_logits(eng: KVBoost, ids: list[int], mode: str = "chunk"):
     """The plan for `ids` against the engine's store, and the next-token logits [V] of running it."""
     plan = eng._plan(ids, mode)
     with torch.inference_mode():
-        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
+        logits, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device)
     return plan, logits
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import pytest
 import torch
 
-from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine import Cancelled, ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.disk import default_disk_budget
 from engine.loader import fingerprint
 from engine.tiers import default_device_budget, default_host_budget
@@ -88,6 +89,46 @@ def test_awq_streaming_is_refused_with_the_reason_where_it_cannot_run(model_fold
     with pytest.raises(UnsupportedModelError, match="AWQ layer streaming: needs a CUDA GPU"):
         KVBoost.from_pretrained(model_folder, device="cpu", awq_streaming=True)
     assert time.perf_counter() - t0 < 10  # refused from the config, before the weights load
+
+
+class SetAfter(threading.Event):
+    """A real Event that reads as set from its (n + 1)-th is_set() on, as if a user pressed Cancel right after the
+    load checked it n times; `calls` counts the checks."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.calls = 0
+
+    def is_set(self) -> bool:
+        self.calls += 1
+        return self.calls > self.n or super().is_set()
+
+
+def test_a_load_cancelled_before_it_starts_raises_cancelled(model_folder, tmp_path):
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled, match="model load cancelled"):
+        KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", cancel=cancel)
+    assert not (tmp_path / "kv").exists()  # no engine was built
+
+
+@pytest.mark.parametrize("checks_before_cancel", [0, 1, 2])
+def test_each_stage_of_a_load_checks_cancel(model_folder, tmp_path, checks_before_cancel):
+    """Set after the source is resolved, after the config, after the weights: each stage stops the load there."""
+    cancel = SetAfter(checks_before_cancel)
+    with pytest.raises(Cancelled):
+        KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", cancel=cancel)
+    assert cancel.calls == checks_before_cancel + 1
+    assert not (tmp_path / "kv").exists()  # the engine (and its disk tier) comes after the last check
+
+
+def test_a_load_never_cancelled_checks_three_times_and_loads(model_folder, tmp_path):
+    cancel = SetAfter(3)
+    engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", cancel=cancel)
+    assert cancel.calls == 3
+    assert (tmp_path / "kv").is_dir()
+    assert engine.generate(random_ids(20, seed=2), max_new_tokens=2).token_ids
 
 
 def _mem_total_bytes() -> int:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from engine.generate import run_segments
+from engine.prefill import prefill
 
 DOC = pydoc_data.topics.topics["assignment"][:3000]
 QUESTION = "In one sentence, what does an augmented assignment do?"
@@ -17,7 +17,7 @@ QUESTION = "In one sentence, what does an augmented assignment do?"
 def reused_logits(eng, ids):
     plan = eng._plan(ids, eng.config.reuse)
     with torch.inference_mode():
-        logits, _ = run_segments(eng.model, plan, eng.store, DynamicCache(), eng.device)
+        logits, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device)
     return plan, logits
 
 

@@ -1,25 +1,25 @@
-"""Planning a prompt against the chunk store and building the HF cache from the hits.
+"""Segments and plans: which token ranges of a prompt are reused from which store entry, and which are computed.
 
 A plan is a list of segments covering [0, n) in order. A reuse segment takes KV from a store entry
 (EXACT: a chunk under its chained key; PREFIX: the longest common token prefix of a tail or of a chunk whose
 text went on differently, hung under the same parent, or, in "prefix" mode, the leading run of chunks);
-APPROXIMATE segments come from engine.approx; a MISS segment is computed by a forward pass over its tokens with every
-earlier segment already in the cache, so its KV is the KV of a real prefill in its true context.
+APPROXIMATE segments come from engine.approx; a MISS segment is computed by a forward pass over its tokens with
+every earlier segment already in the cache, so its KV is the KV of a real prefill in its true context.
+
+Planning is bookkeeping only: it reads records, never tensors (engine.prefill builds the cache from a plan).
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Sequence
-
-import torch
-from transformers import DynamicCache
+from typing import TYPE_CHECKING, Sequence
 
 from .chunking import Span
-from .keys import chain_key, content_key
-from .paged import kv_range
-from .store import KV, ChunkRecord, ChunkStore
+from .keys import chain_key
+
+if TYPE_CHECKING:  # records and the store are only read here, never built
+    from .store import ChunkRecord, ChunkStore
 
 EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
 # An EXACT or PREFIX hit whose KV values are not the computed ones (served from a quantized tier, or computed over
@@ -181,51 +181,3 @@ def _split_misses_at_spans(segments: list[Segment], spans: list[Span]) -> list[S
                 start = cut
         out.append(Segment(start, seg.end, MISS))
     return out
-
-
-def slice_kv(kv: KV, start: int, end: int) -> KV:
-    return tuple((k[:, :, start:end], v[:, :, start:end]) for k, v in kv)
-
-
-def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
-    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation."""
-    num_layers = len(parts[0])
-    for layer in range(num_layers):
-        keys = torch.cat([p[layer][0] for p in parts], dim=2)
-        values = torch.cat([p[layer][1] for p in parts], dim=2)
-        cache.update(keys, values, layer)
-
-
-def cache_kv(cache: DynamicCache, start: int, end: int) -> KV:
-    """An independent copy of positions [start, end) of every layer of `cache` (a view would pin the whole
-    cache tensor in memory and defeat the byte budget), spilled pages included (engine.paged)."""
-    return kv_range(cache, start, end)
-
-
-def store_new_chunks(plan: Plan, cache: DynamicCache, store: ChunkStore, fingerprint: str) -> int:
-    """Stores every complete chunk of the prompt that is not in the store yet, from the prefill's own KV.
-
-    A chunk that starts at or after the first APPROXIMATE token holds approximate KV: it is stored for
-    approximate reuse only (never under its chained key), and only if part of it was computed here (a chunk
-    served wholly from another entry would just duplicate it). A chunk ending after the first QUANTIZED token is
-    stored as lossy (its hits are QUANTIZED). Returns the number stored."""
-    stored = 0
-    first_approx = plan.first_approximate
-    first_lossy = plan.first_lossy
-    for index in range(plan.num_complete):
-        key = plan.keys[index]
-        start, end = plan.spans[index]
-        exact = end <= first_approx
-        if exact and store.get_chunk(key) is not None:
-            continue
-        if not exact:
-            if not any(s.kind == MISS and s.start < end and s.end > start for s in plan.segments):
-                continue
-            key = chain_key(key + b"inexact", [])
-            if key in store.records:
-                continue
-        tokens = plan.ids[start:end]
-        if store.put_chunk(key, plan.parent_of(index), content_key(fingerprint, tokens), start, tokens,
-                           cache_kv(cache, start, end), exact=exact, lossy=first_lossy < end):
-            stored += 1
-    return stored

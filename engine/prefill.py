@@ -1,0 +1,86 @@
+"""Building the cache of a prompt from its plan: reused KV appended, computed runs forwarded, the blend pass.
+
+Consecutive reuse segments are appended in one concatenation (APPROXIMATE ones re-rotated to their new positions
+first); each MISS run is one forward pass over the base model (no LM head), except the last, which computes
+logits for its last position only. With repair "cacheblend", everything from the first APPROXIMATE token on is
+one CacheBlend pass instead, and with "selective" one batched pass over every computed token after it
+(engine.blend), where the model's layers allow it.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .blend import blend
+from .paged import KV, spilling
+from .plan import APPROXIMATE, MISS, Plan, Segment
+from .rope import rerotate_kv
+from .store import ChunkStore
+
+
+@torch.inference_mode()
+def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
+            batch_repair: bool = True) -> tuple[torch.Tensor, int]:
+    """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V] and
+    the number of reused tokens that repair recomputed. `batch_repair`: the model can run the batched pass
+    (engine.blend.blend_unavailable is None), so selective repair runs as one pass rather than one per seam."""
+    segments = plan.segments
+    assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
+    batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
+    blend_from = plan.first_approximate if batched else len(plan.ids)
+    decoder = model.get_decoder()
+    i = 0
+    logits = None
+    repaired = 0
+    with spilling(cache):  # a SpillingCache pages its cold KV out as it fills; a no-op for any other cache
+        while i < len(segments) and segments[i].start < blend_from:
+            if segments[i].kind != MISS:
+                parts = []
+                while i < len(segments) and segments[i].kind != MISS and segments[i].start < blend_from:
+                    parts.append(_segment_kv(segments[i], store, rope, device))
+                    i += 1
+                append_kv(cache, parts)
+                continue
+            start = segments[i].start
+            while i < len(segments) and segments[i].kind == MISS and segments[i].start < blend_from:
+                i += 1
+            end = segments[i - 1].end
+            input_ids = torch.tensor([plan.ids[start:end]], device=device)
+            if i == len(segments):
+                out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                logits = out.logits[0, -1]
+            else:
+                decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+        if i < len(segments):
+            rest = segments[i:]
+            pieces = [None if seg.kind == MISS else _segment_kv(seg, store, rope, device) for seg in rest]
+            logits, repaired = blend(model, plan.ids, rest, pieces, cache, repair, device)
+    assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
+    return logits, repaired
+
+
+def _segment_kv(seg: Segment, store: ChunkStore, rope, device) -> KV:
+    """The KV a reuse segment serves, on `device`, at the segment's positions."""
+    kv = _to_device(slice_kv(store.payload(seg.record.key), seg.offset, seg.offset + seg.num_tokens), device)
+    if seg.kind == APPROXIMATE:
+        kv = rerotate_kv(kv, seg.record.start + seg.offset, seg.start, rope)
+    return kv
+
+
+def _to_device(kv: KV, device) -> KV:
+    return tuple((k.to(device, non_blocking=True), v.to(device, non_blocking=True)) for k, v in kv)
+
+
+def slice_kv(kv: KV, start: int, end: int) -> KV:
+    """Positions [start, end) of every layer (views, no copy)."""
+    return tuple((k[:, :, start:end], v[:, :, start:end]) for k, v in kv)
+
+
+def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
+    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation."""
+    num_layers = len(parts[0])
+    for layer in range(num_layers):
+        keys = torch.cat([p[layer][0] for p in parts], dim=2)
+        values = torch.cat([p[layer][1] for p in parts], dim=2)
+        cache.update(keys, values, layer)

@@ -1,0 +1,48 @@
+"""The chunk store an engine runs with, built from its EngineConfig: the device tier, host RAM and the disk
+tier, each budget from the config or, where not given, from the machine; the disk namespace its entries share.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+
+import torch
+
+from .config import EngineConfig
+from .disk import DiskTier, default_cache_dir
+from .eviction import POLICIES
+from .keys import chain_key
+from .payload_file import FORMAT_VERSION
+from .store import ChunkStore
+from .tiers import MemoryTier, default_device_budget, default_host_budget
+
+log = logging.getLogger(__name__)
+
+
+def build_store(config: EngineConfig, device: torch.device, root: bytes, model_name: str,
+                dtype: torch.dtype) -> tuple[ChunkStore, str | None]:
+    """The store, and why its disk tier is off when it could not be opened (None otherwise): the engine still
+    works from memory then."""
+    policy = POLICIES[config.eviction]()
+    budget = config.cache_bytes if config.cache_bytes is not None else default_device_budget(device)
+    host = None
+    host_budget = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else default_host_budget(device)
+    if host_budget > 0:
+        host = MemoryTier("host", host_budget, torch.device("cpu"), config.kv_quant.host, pin=device.type == "cuda")
+    disk, disk_error = None, None
+    if config.disk_cache_bytes != 0 and config.reuse != "off":
+        folder = config.disk_cache_dir or str(default_cache_dir())
+        # Entries are shared only within one namespace: same weights, dtype, chunking and storage format.
+        namespace = chain_key(root, [FORMAT_VERSION]).hex() + f"-{config.kv_quant.disk}"
+        try:
+            disk = DiskTier(folder, config.disk_cache_bytes, config.kv_quant.disk, namespace, policy,
+                            model_name=model_name, timeout_s=config.disk_busy_timeout_s)
+            disk.describe_namespace({"chunking": config.chunking.mode, "chunk_size": config.chunking.size,
+                                     "kv_quant": config.kv_quant.disk, "dtype": str(dtype)})
+        except (ValueError, OSError, sqlite3.Error) as exc:
+            disk_error = f"disk KV tier off: {exc}"
+            log.warning(disk_error)
+            disk = None
+    store = ChunkStore(budget, policy, device=device, device_quant=config.kv_quant.device, host=host, disk=disk)
+    return store, disk_error
