@@ -30,6 +30,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
     p.add_argument("--live-kv-bytes", type=int, default=None,
                    help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")
+    p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
+                   help="auto: AWQ checkpoints as int4, others float; int4: quantize at load (GGUF Q4 as is)")
+    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (RTN)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -61,7 +64,8 @@ def load_engine(args):
                                    chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
                                    disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
-                                   eviction=args.eviction, live_kv_bytes=args.live_kv_bytes)
+                                   eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
+                                   weights=args.weights, group_size=args.group_size)
 
 
 def _badge(stats) -> str:

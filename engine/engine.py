@@ -79,7 +79,7 @@ class KVBoost:
                 raise UnsupportedModelError(f"live_kv_bytes (spilling the live KV to host RAM): {reason}")
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._weights_bytes: int | None = None
+        self._weights_report: dict | None = None
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
@@ -105,7 +105,8 @@ class KVBoost:
                         cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
                         repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
-                        cancel: threading.Event | None = None) -> "KVBoost":
+                        cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
+                        head: str = "float", kernel: str = "auto") -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -115,7 +116,11 @@ class KVBoost:
         `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
         awq_streaming_unavailable). `quiet`: only errors from transformers' logging (no warnings or progress
         bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
-        weights loaded); once set, the load stops there with engine.Cancelled."""
+        weights loaded); once set, the load stops there with engine.Cancelled.
+        Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
+        "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
+        tensors taken as they are); `head` "float" | "int4" | "int4+embedding"; `kernel` the int4 matmul path
+        ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says what was loaded."""
         if quiet:
             loader.quiet_transformers()
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
@@ -140,7 +145,8 @@ class KVBoost:
                 "AWQ layer streaming is not available in this version of the engine; load without it"
             )
         _check_cancel(cancel)
-        model, tokenizer = loader.load_model(src, dev, dt)
+        model, tokenizer = loader.load_model(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel,
+                                             head=head)
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
             raise UnsupportedModelError(
@@ -315,7 +321,8 @@ class KVBoost:
 
     def info(self) -> dict:
         """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
-        disk cache folder (None when off) and why it is off, and why AWQ layer streaming could not run."""
+        disk cache folder (None when off) and why it is off, why AWQ layer streaming could not run, and the
+        weights (`format`, `kernel`, `resident_bytes`, ...: engine.loader.weights_report)."""
         return {
             "name": self.name,
             "model_type": self.model.config.model_type,
@@ -326,7 +333,14 @@ class KVBoost:
             "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             "disk_error": self.disk_error,
             "awq_unavailable": awq_streaming_unavailable(self.model.config, self.device),
+            "weights": dict(self._weights()),
         }
+
+    def _weights(self) -> dict:
+        """loader.weights_report of the model, made once (the weights never change under an engine)."""
+        if self._weights_report is None:
+            self._weights_report = loader.weights_report(self.model)
+        return self._weights_report
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (the cache map shows each segment's text)."""
@@ -335,9 +349,7 @@ class KVBoost:
     def memory(self) -> dict:
         """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), and the device's
         totals when it is CUDA. Reads counters only (no lock), so a UI can call it while a request runs."""
-        if self._weights_bytes is None:  # counted once: the UI asks every second
-            self._weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        weights = self._weights_bytes
+        weights = self._weights()["resident_bytes"]  # packed int4 codes, scales and offsets included
         report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": self.store.tier_bytes(),
                   "kv_budget_bytes": self.store.tier_budgets()}
         if self.disk_error:
