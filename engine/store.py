@@ -12,9 +12,13 @@ The store never computes anything; it holds, finds, counts, moves between tiers 
 Tiers (engine.tiers, engine.disk): every record lives in the fastest tier holding its payload (`record.tier`):
 "device" (where the model runs), "host" (RAM; pinned under a GPU), "disk" (files shared by processes, kept
 across restarts). A tier over its budget demotes its policy's first victims one tier down (device -> host ->
-disk -> gone); a hit promotes the entry back to the device (engine.engine fetches before computing). With a
+disk -> gone); a hit promotes the entry back to the device (engine.reuse fetches before computing). With a
 disk tier every new entry is also written through to disk, so what was computed survives a restart. Entries
 in use (ref_count > 0) never move or leave.
+
+Over 400 lines on purpose: records, their indexes (chained key, content key, anchors, children) and their
+moves between tiers change together under one rule (an entry in use never moves); split, every move would
+reach into another module's dictionaries.
 """
 
 from __future__ import annotations
