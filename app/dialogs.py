@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 
+from PySide6.QtCore import Signal
 from PySide6.QtWidgets import (
     QButtonGroup,
     QCheckBox,
@@ -37,6 +38,11 @@ REUSE_CHOICES = (
     ("prefix", "Prefix: reuse only a shared beginning"),
     ("approx", "Approximate: also reuses moved documents, may change answers"),
     ("off", "Off: compute every prompt in full"),
+)
+WEIGHT_CHOICES = (
+    ("auto", "Auto: AWQ checkpoints as int4, others as float"),
+    ("float", "Float: full precision, the most memory"),
+    ("int4", "Int4: 4-bit, about a third of the memory, faster decode"),
 )
 
 # Hugging Face repository ids: "owner/name", each part starting with a letter or digit.
@@ -182,7 +188,9 @@ def source_problem(kind: str, text: str) -> str | None:
 
 
 class ModelDialog(QDialog):
-    """Which model to load and how the engine reuses cached text."""
+    """Which model to load, in which weight format, and how the engine reuses cached text."""
+
+    weight_sizes_wanted = Signal(object)  # source (None: built in): the window asks the engine client
 
     def __init__(self, parent: QWidget | None = None, *, current: dict | None, awq_unavailable: str | None):
         super().__init__(parent)
@@ -220,6 +228,19 @@ class ModelDialog(QDialog):
             raise ValueError(f"reuse must be one of {[m for m, _ in REUSE_CHOICES]}, got {reuse!r}")
         self._reuse_combo.setCurrentIndex(index)
 
+        self._weights_combo = QComboBox()
+        self._weights_combo.setObjectName("weightsCombo")
+        for fmt, label in WEIGHT_CHOICES:
+            self._weights_combo.addItem(label, fmt)
+        weights = current.get("weights", "auto")
+        index = self._weights_combo.findData(weights)
+        if index < 0:
+            raise ValueError(f"weights must be one of {[f for f, _ in WEIGHT_CHOICES]}, got {weights!r}")
+        self._weights_combo.setCurrentIndex(index)
+        self._weight_sizes_label = QLabel("")
+        self._weight_sizes_label.setObjectName("weightSizes")
+        self._weight_sizes_label.setWordWrap(True)
+
         self._awq_check = QCheckBox("AWQ layer streaming")
         self._awq_check.setObjectName("awqCheck")
         self._awq_reason = QLabel(awq_unavailable or "")
@@ -251,6 +272,8 @@ class ModelDialog(QDialog):
         layout.addWidget(self._error_label)
         options = QFormLayout()
         options.addRow("Reuse", self._reuse_combo)
+        options.addRow("Weights", self._weights_combo)
+        options.addRow("", self._weight_sizes_label)
         options.addRow(awq_row)
         layout.addLayout(options)
         layout.addWidget(self._buttons)
@@ -294,9 +317,35 @@ class ModelDialog(QDialog):
         kind = next(k for k, radio in self._radios.items() if radio is button)
         self._show_kind(kind)
         self._validate()
+        self.request_weight_sizes()
 
     def on_source_edit_text_changed(self, _text: str) -> None:
         self._validate()
+        self.request_weight_sizes()
+
+    def _chosen_source(self) -> str | None:
+        return None if self._kind == "default" else os.path.expanduser(self._source_edit.text().strip())
+
+    def request_weight_sizes(self) -> None:
+        """Asks (weight_sizes_wanted) for the memory of the chosen model per weight format, when it is valid."""
+        if source_problem(self._kind, self._source_edit.text()) is not None:
+            self._weight_sizes_label.setText("")
+            return
+        self._weight_sizes_label.setText("Reading the model's size…")
+        self.weight_sizes_wanted.emit(self._chosen_source())
+
+    def show_weight_sizes(self, source: str, sizes: dict) -> None:
+        """The weights' memory per format for `source` ("" = built in); answers for another source are stale."""
+        if source != (self._chosen_source() or ""):
+            return
+        if "error" in sizes:
+            self._weight_sizes_label.setText(f"Size unknown: {sizes['error']}")
+            return
+        float_mb, int4_mb = sizes["float"] / 2**20, sizes["int4"] / 2**20
+        auto = "int4" if sizes["awq"] else "float"
+        self._weight_sizes_label.setText(
+            f"Weights in memory: float ({sizes['dtype']}) {float_mb:,.0f} MB · int4 {int4_mb:,.0f} MB"
+            f" · auto loads {auto}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
 
     def on_browse_button_clicked(self) -> None:
         start = os.path.expanduser(self._source_edit.text().strip()) or os.path.expanduser("~")
@@ -313,6 +362,7 @@ class ModelDialog(QDialog):
             "source": None if self._kind == "default" else os.path.expanduser(text),
             "reuse": self._reuse_combo.currentData(),
             "awq_streaming": self._awq_unavailable is None and self._awq_check.isChecked(),
+            "weights": self._weights_combo.currentData(),
         }
 
 

@@ -54,6 +54,7 @@ class EngineClient(QObject):
     server_started = Signal(str)  # base URL of the OpenAI-compatible API
     server_stopped = Signal()
     server_failed = Signal(str)
+    weights_estimated = Signal(str, dict)  # source ("" for the built-in model), engine.weight_sizes.estimate
 
     def __init__(self, parent=None, engine_options: dict | None = None):
         """`engine_options`: from_pretrained options applied to every load (the app's KV cache folder)."""
@@ -86,6 +87,21 @@ class EngineClient(QObject):
         """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
         return self._submit("load", {"source": source, "options": {**self._engine_options, **options},
                                      "what": source or "SmolLM2-135M-Instruct (built in)"})
+
+    def estimate_weights(self, source: str | None) -> None:
+        """The memory `source`'s weights would take per format (weights_estimated(source, sizes) follows;
+        sizes {"error": reason} when its config cannot be read). Reads the config on a thread of its own: no
+        torch work, so it neither waits behind a generation nor delays one."""
+        def run():
+            try:
+                from engine import weight_sizes
+
+                sizes = weight_sizes.estimate(source)
+            except Exception as exc:  # a path being typed, a damaged file: the dialog says why
+                sizes = {"error": _describe(exc)}
+            self.weights_estimated.emit(source or "", sizes)  # queued to the UI thread
+
+        threading.Thread(target=run, name="kvboost-weight-sizes", daemon=True).start()
 
     def use_engine(self, engine) -> int:
         """Adopts an already loaded engine (tests share one model this way; the engine must not be used

@@ -205,6 +205,8 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
     options = {"reuse": model.get("reuse", "chunk")}
     if model.get("awq_streaming"):
         options["awq_streaming"] = True
+    if model.get("weights", "auto") != "auto":
+        options["weights"] = model["weights"]
     # Let the window paint before the worker starts importing torch.
     from PySide6.QtCore import QTimer
 

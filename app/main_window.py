@@ -342,10 +342,19 @@ class MainWindow(QMainWindow):
         info = self.client.model_info or {}
         dialog = dialogs.ModelDialog(self, current=current,
                                      awq_unavailable=info.get("awq_unavailable", "load a model first"))
-        if dialog.exec():
+        # The memory each weight format would take, read from the chosen model's config off the UI thread.
+        dialog.weight_sizes_wanted.connect(self.client.estimate_weights)
+        self.client.weights_estimated.connect(dialog.show_weight_sizes)
+        dialog.request_weight_sizes()
+        try:
+            accepted = dialog.exec()
+        finally:
+            self.client.weights_estimated.disconnect(dialog.show_weight_sizes)
+        if accepted:
             values = dialog.values()
             self.db.set_setting("model", values)
-            self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"])
+            self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
+                            weights=values["weights"])
 
     # -- the OpenAI-compatible API over the loaded model -------------------------------------------------------
     def api_server_setting(self) -> dict:
@@ -397,7 +406,9 @@ class MainWindow(QMainWindow):
     def on_client_model_loaded(self, info: dict) -> None:
         self._load_timer.stop()
         self.load_bar.hide()
-        self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {info['dtype']} · "
+        weights = info.get("weights") or {}
+        held = f"{weights['format']} ({weights['resident_bytes'] / 2**20:.0f} MB)" if weights else info["dtype"]
+        self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {held} · "
                                  f"{info['max_context']} ctx · reuse {info['reuse']} · "
                                  f"loaded in {info['load_s']:.1f} s")
         if info.get("disk_error"):

@@ -121,7 +121,8 @@ def test_model_dialog_defaults_to_the_built_in_model(qtbot):
     assert not dialog.findChild(QLineEdit, "sourceEdit").isEnabled()
     assert not dialog.findChild(QPushButton, "browseButton").isEnabled()
     assert ok_button(dialog).isEnabled()
-    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": False}
+    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": False,
+                               "weights": "auto"}
 
 
 def test_reuse_combo_offers_every_mode_with_chunk_first(qtbot):
@@ -219,11 +220,11 @@ def test_current_settings_are_preselected(qtbot, tmp_path):
 
     assert dialog.findChild(QRadioButton, "folderRadio").isChecked()
     assert dialog.findChild(QCheckBox, "awqCheck").isChecked()
-    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True}
+    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True, "weights": "auto"}
 
     hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "awq_streaming": False})
     assert hub.findChild(QRadioButton, "hubRadio").isChecked()
-    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False}
+    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False, "weights": "auto"}
 
 
 def test_unknown_reuse_mode_is_rejected(qtbot):
@@ -483,3 +484,51 @@ def test_cache_map_summary_names_disk_hits_and_never_invents_a_saving():
     assert "not estimated yet" in text and "ms saved" not in text
     answer["saved_ms"] = 1234.0
     assert "≈1234 ms saved" in cache_map_html(answer, "light")
+
+
+# -- weight format -------------------------------------------------------------------------------------------
+def test_the_model_dialog_returns_the_chosen_weight_format(qtbot):
+    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "weights": "int4"})
+    combo = dialog.findChild(QComboBox, "weightsCombo")
+    assert dialog.values()["weights"] == "int4"
+    combo.setCurrentIndex(combo.findData("float"))
+    assert dialog.values()["weights"] == "float"
+    with pytest.raises(ValueError, match="weights must be one of"):
+        ModelDialog(None, current={"source": None, "weights": "int3"}, awq_unavailable=None)
+
+
+def test_the_model_dialog_shows_each_formats_memory_for_the_chosen_model_only(qtbot, tmp_path):
+    dialog = model_dialog(qtbot)
+    asked = []
+    dialog.weight_sizes_wanted.connect(asked.append)
+    dialog.findChild(QRadioButton, "ggufRadio").setChecked(True)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF")
+    dialog.findChild(QLineEdit, "sourceEdit").setText(str(path))
+    assert asked[-1] == str(path)
+    label = dialog.findChild(QLabel, "weightSizes")
+    dialog.show_weight_sizes("", {"float": 9 * 2**20, "int4": 3 * 2**20, "awq": False, "dtype": "float32"})
+    assert "9 MB" not in label.text()  # an answer about another model is ignored
+    dialog.show_weight_sizes(str(path), {"float": 513 * 2**20, "int4": 166 * 2**20, "awq": False,
+                                         "dtype": "float32"})
+    assert "float (float32) 513 MB" in label.text() and "int4 166 MB" in label.text()
+    assert "auto loads float" in label.text()
+    dialog.show_weight_sizes(str(path), {"error": "not a GGUF file"})
+    assert label.text() == "Size unknown: not a GGUF file"
+
+
+def test_the_engine_client_estimates_the_built_in_models_weights_off_the_ui_thread(qtbot, tmp_path):
+    from app.engine_client import EngineClient
+
+    client = EngineClient()
+    try:
+        with qtbot.waitSignal(client.weights_estimated, timeout=120_000) as built_in:
+            client.estimate_weights(None)
+        source, sizes = built_in.args
+        # SmolLM2-135M: 134.5M parameters, float32 on the CPU; its decoder linears shrink ~6x in int4
+        assert source == "" and 500 * 2**20 < sizes["float"] < 530 * 2**20 and sizes["int4"] < sizes["float"] / 2
+        with qtbot.waitSignal(client.weights_estimated, timeout=60_000) as missing:
+            client.estimate_weights(str(tmp_path / "nothing.gguf"))
+        assert "not found" in missing.args[1]["error"]
+    finally:
+        client.shutdown()
