@@ -187,6 +187,19 @@ def source_problem(kind: str, text: str) -> str | None:
     return None
 
 
+def _choice_combo(name: str, what: str, choices, value: str) -> QComboBox:
+    """A combo box of (value, label) choices with `value` selected; ValueError naming the choices otherwise."""
+    combo = QComboBox()
+    combo.setObjectName(name)
+    for data, label in choices:
+        combo.addItem(label, data)
+    index = combo.findData(value)
+    if index < 0:
+        raise ValueError(f"{what} must be one of {[data for data, _ in choices]}, got {value!r}")
+    combo.setCurrentIndex(index)
+    return combo
+
+
 class ModelDialog(QDialog):
     """Which model to load, in which weight format, and how the engine reuses cached text."""
 
@@ -218,25 +231,8 @@ class ModelDialog(QDialog):
         self._error_label.setObjectName("errorLabel")
         self._error_label.setWordWrap(True)
 
-        self._reuse_combo = QComboBox()
-        self._reuse_combo.setObjectName("reuseCombo")
-        for mode, label in REUSE_CHOICES:
-            self._reuse_combo.addItem(label, mode)
-        reuse = current.get("reuse", "chunk")
-        index = self._reuse_combo.findData(reuse)
-        if index < 0:
-            raise ValueError(f"reuse must be one of {[m for m, _ in REUSE_CHOICES]}, got {reuse!r}")
-        self._reuse_combo.setCurrentIndex(index)
-
-        self._weights_combo = QComboBox()
-        self._weights_combo.setObjectName("weightsCombo")
-        for fmt, label in WEIGHT_CHOICES:
-            self._weights_combo.addItem(label, fmt)
-        weights = current.get("weights", "auto")
-        index = self._weights_combo.findData(weights)
-        if index < 0:
-            raise ValueError(f"weights must be one of {[f for f, _ in WEIGHT_CHOICES]}, got {weights!r}")
-        self._weights_combo.setCurrentIndex(index)
+        self._reuse_combo = _choice_combo("reuseCombo", "reuse", REUSE_CHOICES, current.get("reuse", "chunk"))
+        self._weights_combo = _choice_combo("weightsCombo", "weights", WEIGHT_CHOICES, current.get("weights", "auto"))
         self._weight_sizes_label = QLabel("")
         self._weight_sizes_label.setObjectName("weightSizes")
         self._weight_sizes_label.setWordWrap(True)
