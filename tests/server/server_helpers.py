@@ -47,6 +47,22 @@ class EngineBusy:
         self._generation.close()
 
 
+def wait_healthy(proc, url: str, timeout_s: float = 180) -> None:
+    """Waits for a kvboost-server process to answer GET /health (which needs no key); fails with its stderr if it
+    exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "the server did not come up"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.5)
+
+
 def wait_until(condition, timeout_s: float = 30, what: str = "the condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

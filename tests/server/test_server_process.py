@@ -6,14 +6,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from server_helpers import free_port
+from server_helpers import free_port, wait_healthy
 
 BIN = Path(sys.executable).parent
 
@@ -25,15 +23,7 @@ def test_kvboost_server_serves_the_default_model_with_an_api_key():
                              "--model-name", "smol", "--device", "cpu"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k1", max_retries=0)
         resp = client.chat.completions.create(model="smol", temperature=0, max_tokens=12,
                                               messages=[{"role": "user", "content": "What is the capital of France?"}])

@@ -11,14 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from server_helpers import EngineBusy, RunningServer, free_port, wait_until
+from server_helpers import EngineBusy, RunningServer, free_port, wait_healthy, wait_until
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 ERROR_FIELDS = {"message", "type", "param", "code"}
@@ -176,15 +175,7 @@ def test_a_kvboost_server_process_requires_the_key_from_KVBOOST_API_KEY():
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-2000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(url + "/health").status_code == 200:  # /health needs no key
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+        wait_healthy(proc, url)
         resp = httpx.get(url + "/v1/models")
         assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
         good = openai.OpenAI(base_url=url + "/v1", api_key="env-key", max_retries=0, timeout=120)
