@@ -30,6 +30,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .live_cache import GrowingCache
+
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each [1, H_kv, T, D] (as engine.tiers.KV)
 
 PAGE_TOKENS = 128
@@ -279,10 +281,10 @@ def spill_unsupported(model) -> str | None:
 
 def make_cache(model, device_budget_bytes: int | None, page_tokens: int = PAGE_TOKENS,
                host_device: str | torch.device = "cpu") -> DynamicCache:
-    """A plain DynamicCache without a budget, else a SpillingCache for `model` (ValueError, with the reason,
+    """A GrowingCache (a DynamicCache that grows in blocks) without a budget, else a SpillingCache for `model` (ValueError, with the reason,
     for a model whose attention cannot be paged exactly)."""
     if device_budget_bytes is None:
-        return DynamicCache()
+        return GrowingCache()
     reason = spill_unsupported(model)
     if reason is not None:
         raise ValueError(f"cannot spill the KV cache to host memory: {reason}")

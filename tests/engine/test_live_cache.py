@@ -1,0 +1,100 @@
+"""The live cache grown in blocks: the logits of transformers' own DynamicCache bit for bit (tiny models of
+each family, a prefill and decoding across block boundaries), writes in place between growths, and layers
+whose keys someone else assigned or cropped (the CacheBlend pass does) carry on correctly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import build_model, random_ids
+from transformers import DynamicCache
+
+from engine import live_cache
+from engine.live_cache import BLOCK_TOKENS, GrowingCache, GrowingLayer
+from engine.paged import make_cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
+@torch.inference_mode()
+def test_decoding_over_a_growing_cache_gives_dynamic_cache_logits_bit_for_bit(arch, monkeypatch):
+    monkeypatch.setattr(live_cache, "BLOCK_TOKENS", 16)  # many growths in a short run
+    model = build_model(arch)
+    ids = random_ids(37, seed=1)
+    caches = {"dynamic": DynamicCache(), "growing": GrowingCache()}
+    logits = {name: [] for name in caches}
+    for name, cache in caches.items():
+        out = model(input_ids=torch.tensor([ids[:30]]), past_key_values=cache, use_cache=True)
+        logits[name].append(out.logits)
+        out = model(input_ids=torch.tensor([ids[30:]]), past_key_values=cache, use_cache=True)
+        logits[name].append(out.logits)
+        token = int(out.logits[0, -1].argmax())
+        for _ in range(40):  # 37 -> 77 positions: past the blocks ending at 48, 64
+            out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+            logits[name].append(out.logits)
+            token = int(out.logits[0, -1].argmax())
+    assert len(logits["growing"]) == len(logits["dynamic"])
+    for got, want in zip(logits["growing"], logits["dynamic"]):
+        assert torch.equal(got, want)
+    dynamic, growing = caches["dynamic"], caches["growing"]
+    assert growing.get_seq_length() == dynamic.get_seq_length() == 77
+    for mine, theirs in zip(growing.layers, dynamic.layers):
+        assert isinstance(mine, GrowingLayer)
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def kv(tokens: int, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((1, 2, tokens, 4), fill), torch.full((1, 2, tokens, 4), -fill)
+
+
+def test_updates_write_in_place_until_the_block_is_full():
+    layer = GrowingLayer()
+    layer.update(*kv(3, 1.0))
+    buffer = layer.keys.data_ptr()
+    for step in range(BLOCK_TOKENS - 4):  # 3 + (BLOCK - 4) + 1 = BLOCK + 0: the reserved room is not exceeded
+        keys, _ = layer.update(*kv(1, 2.0 + step))
+        assert keys.data_ptr() == buffer, f"moved at step {step}"
+    assert layer.get_seq_length() == BLOCK_TOKENS - 1
+    layer.update(*kv(2, 99.0))  # past the capacity: one new buffer, the old content copied over
+    assert layer.keys.data_ptr() != buffer
+    assert layer.get_seq_length() == BLOCK_TOKENS + 1
+    assert torch.equal(layer.keys[:, :, :3], torch.full((1, 2, 3, 4), 1.0))
+    assert torch.equal(layer.keys[:, :, 3], torch.full((1, 2, 4), 2.0))
+    assert torch.equal(layer.values[:, :, -1], torch.full((1, 2, 4), -99.0))
+    assert layer.capacity_bytes() >= layer.keys.nbytes * 2
+
+
+def test_keys_assigned_from_outside_start_a_new_buffer_holding_them():
+    layer = GrowingLayer()
+    layer.update(*kv(5, 1.0))
+    replaced_k, replaced_v = kv(7, 3.0)
+    layer.keys, layer.values = replaced_k, replaced_v  # what engine.blend does after its pass
+    keys, values = layer.update(*kv(1, 4.0))
+    assert keys.shape[2] == 8
+    assert torch.equal(keys[:, :, :7], replaced_k) and torch.equal(values[:, :, :7], replaced_v)
+    assert torch.equal(keys[:, :, 7], torch.full((1, 2, 4), 4.0))
+    assert torch.equal(replaced_k, torch.full((1, 2, 7, 4), 3.0))  # the assigned tensors are not written to
+
+
+def test_a_crop_then_an_update_overwrites_the_cropped_positions_only():
+    layer = GrowingLayer()
+    layer.update(*kv(6, 1.0))
+    layer.crop(-2)
+    assert layer.get_seq_length() == 4
+    keys, _ = layer.update(*kv(1, 5.0))
+    assert keys.shape[2] == 5
+    assert torch.equal(keys[:, :, :4], torch.full((1, 2, 4, 4), 1.0))
+    assert torch.equal(keys[:, :, 4], torch.full((1, 2, 4), 5.0))
+
+
+def test_a_reset_layer_starts_empty():
+    cache = GrowingCache()
+    cache.update(*kv(4, 1.0), 0)
+    cache.reset()
+    cache.update(*kv(2, 7.0), 0)
+    assert cache.get_seq_length() == 2
+    assert torch.equal(cache.layers[0].keys, torch.full((1, 2, 2, 4), 7.0))
+
+
+def test_the_engine_decodes_over_a_growing_cache_without_a_kv_budget():
+    model = build_model("llama")
+    assert isinstance(make_cache(model, None), GrowingCache)
