@@ -1,7 +1,9 @@
 """`kvboost-desktop`: starts the window at once, then loads the model in the background.
 
 `kvboost-desktop --smoke OUT.png` runs the real app offscreen: loads the model, opens a tab, sends one
-message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure).
+message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure). `kvboost-desktop --self-test` is the
+same check for an installed app: the bundled default model, a screenshot into the log folder (or
+--self-test-dir), the timings from process start, exit 0 or 1 with the reason.
 
 One app runs per home: a second `kvboost-desktop [FILE ...]` on the same home hands its files to the running
 one (which comes to the front and adds them to the current conversation) and exits 0. A folder or database
@@ -12,16 +14,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import logging
 import logging.handlers
 import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 SMOKE_QUESTION = "What is the capital of France?"
+SMOKE_ANSWER = "paris"  # the self-test fails on an answer without it (a broken tokenizer, a wrong model file)
+SELF_TEST_SCREENSHOT = "kvboost-self-test.png"
+# The window icon's sizes in resources/icons (kvboost-SIZE.png).
+ICON_SIZES = (16, 32, 48, 64, 128, 256, 512)
 # Quitting gives the engine thread this long to end (a cancelled answer stops within a token, a cancelled model
 # load at its next stage); past it, the process leaves without waiting (see leave()).
 SHUTDOWN_DEADLINE_S = 3.0
@@ -40,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--theme", choices=("system", "light", "dark"), default=None)
     p.add_argument("--smoke", metavar="OUT.png", default=None,
                    help="offscreen self-test: one message through the real app, screenshot to OUT.png")
-    p.add_argument("--timeout", type=float, default=600.0, help="smoke mode: give up after this many seconds")
+    p.add_argument("--self-test", action="store_true",
+                   help="check an installed app offscreen: load the default (bundled) model, answer one question, "
+                   "save a screenshot, print the timings; exit 0, or 1 with the reason")
+    p.add_argument("--self-test-dir", metavar="DIR", default=None,
+                   help="self-test: write the screenshot here instead of the log folder")
+    p.add_argument("--timeout", type=float, default=600.0, help="smoke mode and self-test: give up after this many "
+                   "seconds")
     p.add_argument("--report-startup", action="store_true",
                    help="print how long the window took to come up (from process start) and exit")
     return p
@@ -55,6 +69,64 @@ def setup_logging(log_dir) -> None:
     root.addHandler(handler)
 
 
+class LogStream(io.TextIOBase):
+    """Stands in for a missing sys.stdout or sys.stderr: a frozen windowed app (Windows, a macOS .app) starts
+    without them, and the first print or traceback would raise. Each line becomes one record of the `name`
+    logger, i.e. a line of kvboost-desktop.log once setup_logging has run (nothing is kept before that)."""
+
+    def __init__(self, name: str, level: int):
+        super().__init__()
+        self._log = logging.getLogger(name)
+        self._level = level
+        self._pending = ""
+        # NOTE: logging reports its own failures on sys.stderr, i.e. here; such a write is dropped, not looped.
+        self._inside = threading.local()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if getattr(self._inside, "active", False):
+            return len(text)
+        self._inside.active = True
+        try:
+            *lines, self._pending = (self._pending + text).split("\n")
+            for line in lines:
+                if line.strip():
+                    self._log.log(self._level, "%s", line)
+        finally:
+            self._inside.active = False
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending.strip():
+            self.write("\n")
+
+
+def route_missing_streams() -> None:
+    """Gives a frozen windowed app the sys.stdout / sys.stderr it lacks (see LogStream); a no-op otherwise."""
+    if sys.stdout is None:
+        sys.stdout = LogStream("stdout", logging.INFO)
+    if sys.stderr is None:
+        sys.stderr = LogStream("stderr", logging.WARNING)
+
+
+def window_icon():
+    """The app icon from resources/icons, which sits beside the packages both in a source checkout and in the
+    frozen bundle (packaging/kvboost-desktop.spec puts it there); an installed Linux package's theme icon
+    otherwise. A null icon (Qt's default) when neither exists."""
+    from PySide6.QtCore import QSize
+    from PySide6.QtGui import QIcon
+
+    folder = Path(__file__).resolve().parent.parent / "resources" / "icons"
+    icon = QIcon()
+    for size in ICON_SIZES:
+        file = folder / f"kvboost-{size}.png"
+        if file.is_file():
+            icon.addFile(str(file), QSize(size, size))
+    return icon if not icon.isNull() else QIcon.fromTheme("kvboost-desktop")
+
+
 def fail(message: str) -> int:
     """A start-up failure the user can fix (a folder, a locked or unusable database): one line, exit 2."""
     print(f"kvboost-desktop: {message}", file=sys.stderr)
@@ -65,8 +137,9 @@ def main(argv=None) -> int:
     # Documents are read in worker processes (app.document_worker); in a frozen build the spawned worker starts
     # this same executable, which must then run the worker instead of the app.
     multiprocessing.freeze_support()
+    route_missing_streams()
     args = build_parser().parse_args(argv)
-    if args.smoke:
+    if args.smoke or args.self_test:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
         if args.home is None and "KVBOOST_HOME" not in os.environ:
             args.home = tempfile.mkdtemp(prefix="kvboost-smoke-")  # never touches the user's conversations
@@ -85,6 +158,8 @@ def main(argv=None) -> int:
         return fail(f"cannot write the log in {paths.log_dir}: {exc.strerror or exc}")
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("KVBoost Desktop")
+    app.setDesktopFileName("kvboost-desktop")  # Wayland and the taskbar match the window to the .desktop file
+    app.setWindowIcon(window_icon())
     files = [str(Path(f).resolve()) for f in args.files]
     instance = SingleInstance(paths.data_dir)
     try:
@@ -92,7 +167,7 @@ def main(argv=None) -> int:
     except FolderError as exc:
         return fail(str(exc))
     if not first:
-        if args.smoke or args.report_startup:
+        if args.smoke or args.self_test or args.report_startup:
             return fail(f"KVBoost Desktop is already running on {paths.data_dir}; a self-test needs its own home")
         if instance.send(files):
             print(f"KVBoost Desktop is already running on {paths.data_dir}: handed it {len(files)} file(s) and "
@@ -220,6 +295,9 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
                 code = loop.run_until_complete(report_startup(window))
             elif args.smoke:
                 code = loop.run_until_complete(run_smoke(window, args.smoke, args.timeout))
+            elif args.self_test:
+                out_dir = Path(args.self_test_dir) if args.self_test_dir else paths.log_dir
+                code = loop.run_until_complete(run_self_test(window, out_dir, args.timeout))
             else:
                 app.lastWindowClosed.connect(loop.stop)
                 loop.run_forever()
@@ -277,24 +355,33 @@ async def wait_for(signal, timeout: float, *, failure=None):
             failure.disconnect(failed)
 
 
-async def run_smoke(window, out_path: str, timeout: float) -> int:
+async def ask_smoke_question(window, timeout: float) -> dict:
+    """Waits for the model, sends SMOKE_QUESTION in the current tab as a user would, and returns the finished
+    answer (the generation_finished payload). RuntimeError with the engine's message when loading or answering
+    fails, TimeoutError past `timeout` seconds in all."""
     client = window.client
     t0 = time.monotonic()
+    if not client.is_loaded:
+        await wait_for(client.model_loaded, timeout, failure=client.model_load_failed)
+    tab = window.current_tab() or window.new_conversation()
+    # Greedy and short: the smoke test checks the pipeline, not the model's creativity.
+    window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 48})
+    tab.composer.setPlainText(SMOKE_QUESTION)
+    finished = wait_for(client.generation_finished, timeout - (time.monotonic() - t0),
+                        failure=client.generation_failed)
+    task = asyncio.ensure_future(finished)
+    await asyncio.sleep(0)
+    tab.send()
+    _, answer = await task
+    window.memory_meter.update_now()
+    await asyncio.sleep(0.2)  # let the last render land before the screenshot
+    return answer
+
+
+async def run_smoke(window, out_path: str, timeout: float) -> int:
+    t0 = time.monotonic()
     try:
-        if not client.is_loaded:
-            await wait_for(client.model_loaded, timeout, failure=client.model_load_failed)
-        tab = window.current_tab() or window.new_conversation()
-        # Greedy and short: the smoke test checks the pipeline, not the model's creativity.
-        window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 48})
-        tab.composer.setPlainText(SMOKE_QUESTION)
-        finished = wait_for(client.generation_finished, timeout - (time.monotonic() - t0),
-                            failure=client.generation_failed)
-        task = asyncio.ensure_future(finished)
-        await asyncio.sleep(0)
-        tab.send()
-        _, answer = await task
-        window.memory_meter.update_now()
-        await asyncio.sleep(0.2)  # let the last render land before the screenshot
+        answer = await ask_smoke_question(window, timeout)
         if not window.grab().save(out_path):
             print(f"kvboost-desktop --smoke: could not write {out_path}", file=sys.stderr)
             return 1
@@ -307,6 +394,46 @@ async def run_smoke(window, out_path: str, timeout: float) -> int:
     except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:
         print(f"kvboost-desktop --smoke failed: {exc or 'timed out'}", file=sys.stderr)
         return 1
+
+
+async def run_self_test(window, out_dir: Path, timeout: float) -> int:
+    """--self-test: the smoke question through the real window, with the times from process start. Prints (and
+    logs) one result line; on failure the reason, and exit code 1."""
+    log = logging.getLogger(__name__)
+
+    def failed(reason: str) -> int:
+        log.error("self-test failed: %s", reason)
+        print(f"kvboost-desktop --self-test failed: {reason}", file=sys.stderr, flush=True)
+        return 1
+
+    await asyncio.sleep(0)  # the first turn of the event loop: the window has been shown and painted
+    shown_s = startup_ms() / 1000
+    loaded: list[float] = []
+    window.client.model_loaded.connect(lambda *_: loaded.append(startup_ms() / 1000))
+    try:
+        answer = await ask_smoke_question(window, timeout)
+    except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:
+        return failed(str(exc) or f"no answer within {timeout:.0f} s")
+    answered_s = startup_ms() / 1000
+    text = answer["text"].strip()
+    if SMOKE_ANSWER not in text.lower():
+        return failed(f"asked {SMOKE_QUESTION!r}, the answer does not say {SMOKE_ANSWER!r}: {text[:200]!r}")
+    screenshot = out_dir / SELF_TEST_SCREENSHOT
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return failed(f"cannot create the screenshot folder {out_dir}: {exc.strerror or exc}")
+    if not window.grab().save(str(screenshot)):
+        return failed(f"could not write the screenshot {screenshot}")
+    model = (window.client.model_info or {}).get("name", "?")
+    # The model is loaded already when the window comes up only if loading finished first (never in practice).
+    loaded_s = loaded[0] if loaded else shown_s
+    line = (f"self-test ok: window shown after {shown_s:.1f} s, model loaded after {loaded_s:.1f} s, first answer "
+            f"after {answered_s:.1f} s (from process start); model {model}; answer {text[:80]!r}; "
+            f"screenshot {screenshot}")
+    log.info(line)
+    print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":

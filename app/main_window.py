@@ -13,8 +13,8 @@ import logging
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence, QShortcut
+from PySide6.QtCore import Qt, QTimer, QUrl
+from PySide6.QtGui import QAction, QDesktopServices, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
     QMainWindow, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget,
@@ -146,9 +146,25 @@ class MainWindow(QMainWindow):
         for choice in themes.THEMES:
             action(view_menu, f"Theme: {choice}", lambda _=False, c=choice: self.set_theme(c))
         view_menu.addAction(self.sidebar.toggleViewAction())
+        help_menu = bar.addMenu("&Help")
+        action(help_menu, "Open logs folder", self.open_logs_folder, name="openLogsAction")
         # Esc stops the answer of the current tab wherever the focus is.
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=lambda: self.current_tab() and
                   self.current_tab().stop())
+
+    def logs_folder(self) -> Path:
+        """The folder of the log being written (app.main.setup_logging), else the per-user log folder."""
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.FileHandler) and handler.baseFilename.endswith("kvboost-desktop.log"):
+                return Path(handler.baseFilename).parent
+        from .paths import app_paths
+
+        return app_paths().log_dir
+
+    def open_logs_folder(self) -> None:
+        folder = self.logs_folder()
+        if not QDesktopServices.openUrl(QUrl.fromLocalFile(str(folder))):
+            self.statusBar().showMessage(f"The logs are in {folder}", 15000)
 
     def _build_status_bar(self) -> None:
         bar = self.statusBar()
