@@ -1,5 +1,6 @@
 """`python -m bench [multiturn|sysprompt|rag|needle|all] ...`: the side-by-side reuse benchmark (bench.reuse);
-`python -m bench decode ...`: weight formats side by side (bench.decode)."""
+`python -m bench decode ...`: weight formats side by side (bench.decode);
+`python -m bench streaming ...`: int4 layer streaming against the resident model (bench.streaming)."""
 
 import sys
 
@@ -10,4 +11,8 @@ if __name__ == "__main__":
         from bench.decode import main as decode_main
 
         sys.exit(decode_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["streaming"]:
+        from bench.streaming import main as streaming_main
+
+        sys.exit(streaming_main(sys.argv[2:]))
     sys.exit(main())
