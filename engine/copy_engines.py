@@ -147,6 +147,7 @@ class CpuCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self._mapped = self._arena = None
+        self.slot_bytes = 0
         if self.path is not None:
             self.path.unlink(missing_ok=True)
 
@@ -221,3 +222,4 @@ class CudaCopyEngine(CopyEngine):
         if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._slab.data_ptr())
         self._slab = self._slots = None
+        self.slot_bytes = 0

@@ -280,11 +280,15 @@ class LayerStreamer:
         self.num_passes = self.num_copies = self.bytes_copied = self.num_tokens = 0
 
     def adopt(self, index: int, layer: nn.Module) -> None:
-        """Point a stored layer at its host image (its own tensors are freed here) and make its slot views."""
+        """Point a stored layer at its host image (its own tensors are freed here), make its slot views, hook it."""
         layout = self.layouts[index]
         self._host_bindings[index] = _bind(layer, layout, self.engine.host(index))
         self._slot_bindings[index] = [_bind(layer, layout, self.engine.slot(s)) for s in range(self.engine.num_slots)]
         _point(self._host_bindings[index])
+        self._handles.append(layer.register_forward_pre_hook(
+            lambda _module, args, kwargs: self.before_layer(index, args, kwargs), with_kwargs=True))
+        self._handles.append(layer.register_forward_hook(
+            lambda _module, _args, _output: self.after_layer(index), always_call=True))
 
     # The hooks -------------------------------------------------------------------------------------------------
 
@@ -378,7 +382,7 @@ def _check_streamable(layer: nn.Module, index: int) -> None:
     # A tensor kept as a plain attribute would be read from wherever it was, never from the slot.
     for path, module in layer.named_modules():
         for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, torch.Tensor):
                 raise ValueError(f"decoder layer {index} holds a tensor outside its parameters and buffers "
                                  f"({path or 'the layer'}.{name}): it cannot be streamed")
 
@@ -395,18 +399,18 @@ def enable_streaming(model: nn.Module, plan: StreamPlan, copy_engine: CopyEngine
     if copy_engine.num_slots != plan.num_slots:
         raise ValueError(f"the plan is for {plan.num_slots} slots, the copy engine has {copy_engine.num_slots}")
     streamed = {i: layers[i] for i in plan.streamed_layers}
-    inside = {i for layer in streamed.values() for i in _unique_tensors(layer)}
-    for i, tensor in _unique_tensors(model).items():
-        if i not in inside and tensor.device != copy_engine.device:
+    inside = {id(m) for layer in streamed.values() for m in layer.modules()}
+    elsewhere = {id(t): t for m in model.modules() if id(m) not in inside
+                 for _, table in _tables(m) for t in table.values() if t is not None}
+    for tensor in elsewhere.values():
+        if tensor.device != copy_engine.device:
             raise ValueError(f"a resident tensor is on {tensor.device}, the copy engine computes on "
                              f"{copy_engine.device}: move the model there first")
     for index, layer in streamed.items():
         _check_streamable(layer, index)
-    outside = {i for i in _unique_tensors(model) if i not in inside}
-    layouts = {i: layer_layout(layer) for i, layer in streamed.items()}
-    for index, layer in streamed.items():
-        if any(id(t) in outside for *_, t in layer_tensors(layer)):
+        if any(id(t) in elsewhere for *_, t in layer_tensors(layer)):
             raise ValueError(f"decoder layer {index} shares a tensor with the rest of the model: it cannot stream")
+    layouts = {i: layer_layout(layer) for i, layer in streamed.items()}
     slot_bytes = max((layout.image_bytes for layout in layouts.values()), default=0)
     if plan.streams and slot_bytes != plan.slot_bytes:
         raise ValueError(f"the plan's slots hold {plan.slot_bytes} bytes, this model's largest streamed layer "
@@ -417,8 +421,4 @@ def enable_streaming(model: nn.Module, plan: StreamPlan, copy_engine: CopyEngine
     for index, layer in streamed.items():  # one layer's image at a time in memory
         copy_engine.store(index, layer_image(layer, layouts[index]))
         streamer.adopt(index, layer)
-        streamer._handles.append(layer.register_forward_pre_hook(
-            lambda _module, args, kwargs, index=index: streamer.before_layer(index, args, kwargs), with_kwargs=True))
-        streamer._handles.append(layer.register_forward_hook(
-            lambda _module, _args, _output, index=index: streamer.after_layer(index), always_call=True))
     return streamer

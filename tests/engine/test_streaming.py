@@ -267,6 +267,22 @@ def test_streamed_layers_are_spread_over_the_stack(tiny_int4):
     assert plan.streamed_layers == (1, 3, 5)  # not three in a row: copies overlap the resident layers between
 
 
+def test_a_layer_that_cannot_stream_is_refused_before_anything_moves(tiny_int4, tmp_path):
+    model = copy.deepcopy(tiny_int4)
+    plan = plan_for(model, 2)
+    attention = decoder_layers(model)[3].self_attn
+    attention.cached = attention.q_proj.packed  # a tensor outside the parameters and buffers: never in a slot
+    with pytest.raises(ValueError, match="layer 3 holds a tensor outside its parameters and buffers"):
+        enable_streaming(model, plan, CpuCopyEngine(tmp_path, 2))
+    del attention.cached
+    decoder_layers(model)[2].mlp.up_proj.bias = model.model.norm.weight  # shared with an always-resident norm
+    with pytest.raises(ValueError, match="layer 2 shares a tensor with the rest of the model"):
+        enable_streaming(model, plan, CpuCopyEngine(tmp_path, 2))
+    with pytest.raises(ValueError, match="the plan is for 2 slots, the copy engine has 3"):
+        enable_streaming(model, plan, CpuCopyEngine(tmp_path, 3))
+    assert not list(tmp_path.iterdir())  # refused before the layer file was made
+
+
 # -- the layer file ----------------------------------------------------------------------------------------------
 
 def mapped_ranges(path: Path) -> list[tuple[int, int]]:
