@@ -3,18 +3,20 @@ resident weight bytes, and agreement with our float weights.
 
 Rows: plain transformers `generate()` on the float model; our float model; our int4 model per kernel path
 (reference, cpu_int4pack / tinygemm where available) and group size; the float model with an int8 output head
-(the head of a 135M model is a fifth of its weights and is read at every token); for a GGUF with Q4_0 / Q4_1
-tensors, those read as they are (engine.gguf_int4), with the output head in float, int8, int4 at each group size,
-and int4 with the embedding table in int4 too; llama.cpp on the same GGUF when `llama_cpp` is importable (in a
-child process: llama.cpp and torch in one process crash).
+(the head of a 135M model is a fifth of its weights and is read at every token: engine.head); for a GGUF with
+Q4_0 / Q4_1 tensors, those read as they are (engine.gguf_int4), with the output head in float, int8 (alone and
+with the embedding table in int8), int4 at each group size (alone and with an int4 table); llama.cpp on the
+same GGUF when `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
 
-Each int4 row is a copy of the float model quantized in place (RTN, or the GGUF's blocks); all rows stay resident
-and are timed
-interleaved, step by step, so the noise of a shared machine hits them alike. Decode speed is the median step of
-a plain greedy loop of the model with a DynamicCache, after a prefill of ~128 and ~1k tokens (the reference path,
-which dequantizes every weight at every step, takes a quarter of the steps); prefill speed is the ~1k prefill. Agreement: over a set of prompts, whether the greedy next token equals
-that of our float model, and the mean KL(float || row) of the next-token distributions. Numbers are noisy on a
-shared machine; compare rows of one run.
+Each int4 row is a copy of the float model quantized in place (RTN, or the GGUF's blocks); all rows stay
+resident and are timed interleaved, step by step, so the noise of a shared machine hits them alike. Decode
+speed is the median step of a plain greedy loop of the model over the engine's live cache
+(engine.live_cache.GrowingCache; the row marked "(DynamicCache)" is the same model over transformers'
+DynamicCache, which concatenates at every step), after a prefill of ~128 and ~1k tokens (the reference path,
+which dequantizes every weight at every step, takes a quarter of the steps); prefill speed is the ~1k prefill.
+Agreement: over a set of prompts, whether the greedy next token equals that of our float model, and the mean
+KL(float || row) of the next-token distributions. Numbers are noisy on a shared machine; compare rows of one
+run.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engine.gguf_int4 import GGUFBlocks
-from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_head, quantize_model
+from engine.head import quantize_head
+from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
+from engine.live_cache import GrowingCache
 from engine.loader import load_model, pick_device, resolve_source, weights_report
 
 MB = 1 << 20
@@ -55,7 +59,7 @@ def interleaved_speeds(models: dict, ids: list[int], num_new: int, few: set, dev
     models in `few` take only the first quarter of the steps."""
     caches, tokens, prefill, steps = {}, {}, {}, {name: [] for name in models}
     for name, model in models.items():
-        caches[name] = DynamicCache()
+        caches[name] = DynamicCache() if name.endswith("(DynamicCache)") else GrowingCache()
         start = time.perf_counter()
         out = model(input_ids=torch.tensor([ids], device=device), past_key_values=caches[name], use_cache=True,
                     logits_to_keep=1)
@@ -99,21 +103,6 @@ def plain_generate_decode(model, ids: list[int], num_new: int, device) -> float:
     return num_new / extra if extra > 0 else float("nan")
 
 
-class Int8Head(torch.nn.Module):
-    """The output head as int8 per output row (torch's _weight_int8pack_mm), for measuring its cost only."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        scales = weight.detach().float().abs().amax(1).clamp(min=1e-8) / 127
-        self.register_buffer("weight_int8", torch.round(weight.detach().float() / scales[:, None]).to(torch.int8))
-        self.register_buffer("scales", scales.to(torch.bfloat16))
-
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
-        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
-
-
 @torch.inference_mode()
 def needle_accuracy(models: dict, tokenizer, num_questions: int, device) -> dict[str, float]:
     """{name: share of needle questions (bench.needle, its default documents, 5 per prompt) whose greedy
@@ -134,11 +123,9 @@ def needle_accuracy(models: dict, tokenizer, num_questions: int, device) -> dict
     return scores
 
 
-def with_int8_head(model):
+def with_head(model, head: str):
     copy_ = copy.deepcopy(model)
-    head = copy_.get_output_embeddings()
-    copy_.lm_head = Int8Head(head.weight)
-    copy_.config.tie_word_embeddings = False
+    quantize_head(copy_, head)
     return copy_
 
 
@@ -192,7 +179,8 @@ def gguf_rows(model, src, kernel: str, head_groups: Sequence[int]) -> dict:
     direct = copy.deepcopy(model)
     quantize_model(direct, group_size=64, kernel=kernel, layers_from=blocks.layer)
     name = f"ours {weights_report(direct)['format']} {kernel}"
-    rows = {name: direct, f"{name} + int8 head": with_int8_head(direct)}
+    rows = {name: direct, f"{name} (DynamicCache)": direct, f"{name} + int8 head": with_head(direct, "int8"),
+            f"{name} + int8 head + int8 embedding": with_head(direct, "int8+embedding")}
     for group_size in head_groups:
         for head in ("int4", "int4+embedding"):
             copy_ = copy.deepcopy(direct)
@@ -211,7 +199,7 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     prompts = [prompt_ids(tokenizer, 64, offset=400 + 37 * i) for i in range(num_prompts)]
     reference = next_token_logprobs(model, prompts, dev)
     t0 = time.perf_counter()
-    models = {"ours float": model, "ours float + int8 head": with_int8_head(model)}
+    models = {"ours float": model, "ours float + int8 head": with_head(model, "int8")}
     wanted = [k for k in kernels for k in (["reference", "cpu_int4pack" if dev.type == "cpu" else "tinygemm"]
                                            if k == "auto" else [k])]
     for kernel in dict.fromkeys(wanted):
@@ -234,7 +222,8 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     print(f"  decode at {len(long)} tokens done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     plain_decode = plain_generate_decode(model, short, num_new, dev)
     needle_rows = {name: m for name, m in models.items() if name == "ours float" or
-                   (name.startswith("ours gguf") and "int8" not in name and "g64 head" not in name)}
+                   (name.startswith("ours gguf") and "g64 head" not in name and "DynamicCache" not in name
+                    and ("int8" not in name or "int8 embedding" in name))}
     needle_scores = needle_accuracy(needle_rows, tokenizer, needle_questions, dev) if needle_questions else {}
     rows = []
     for name, m in models.items():

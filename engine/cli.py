@@ -33,6 +33,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
                    help="auto: AWQ checkpoints as int4, others float; int4: quantize at load (GGUF Q4 as is)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (RTN)")
+    p.add_argument("--head", default="float",
+                   help="output head (and embedding table) format: float, int8, int8+embedding, int4, int4+embedding")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -65,7 +67,7 @@ def load_engine(args):
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
                                    disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
                                    eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
-                                   weights=args.weights, group_size=args.group_size)
+                                   weights=args.weights, group_size=args.group_size, head=args.head)
 
 
 def _badge(stats) -> str:

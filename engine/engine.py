@@ -119,7 +119,8 @@ class KVBoost:
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
         "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
-        tensors taken as they are); `head` "float" | "int4" | "int4+embedding"; `kernel` the int4 matmul path
+        tensors taken as they are); `head` "float" | "int8" | "int8+embedding" | "int4" | "int4+embedding" (the
+        output head, and with "+embedding" the input table, in fewer bytes: engine.head); `kernel` the int4 matmul path
         ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says what was loaded."""
         if quiet:
             loader.quiet_transformers()

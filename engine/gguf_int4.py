@@ -19,6 +19,8 @@ at load instead, logged). Every mapped layer is also checked against the float w
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 from pathlib import Path
 
@@ -32,6 +34,28 @@ log = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per Q4_0 / Q4_1 block
 GGML_BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16}
+
+
+@contextlib.contextmanager
+def memoized_name_maps():
+    """Within the block, gguf's `get_tensor_name_map(arch, num_blocks)` answers repeated questions from a cache.
+
+    transformers' GGUF loader (`get_gguf_hf_weights_map`) calls it once per submodule of the model, and each call
+    builds the whole architecture's name table again (~800 calls for a 30-layer model: several seconds of every
+    GGUF load, twice with GGUFBlocks). The table depends only on its two arguments and is only read, so one per
+    argument pair gives the same answers. Loads run on the engine's one thread; the original is put back after.
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 class GGUFBlocks:

@@ -329,7 +329,7 @@ def quantize_model(model, group_size: int = 128, kernel: str = "auto", *,
             "float_bytes": float_bytes, "int4_bytes": int4_bytes}
 
 
-def layer_format(layer: "Int4Linear | Int4Embedding") -> str:
+def layer_format(layer) -> str:
     """ "int4-g128" (RTN at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF blocks as they are)."""
     if layer.origin == "rtn":
         return f"int4-g{layer.group_size}"
@@ -343,72 +343,3 @@ def weights_format(model) -> str:
     head = model.get_output_embeddings()
     counts = Counter(layer_format(m) for m in model.modules() if isinstance(m, Int4Linear) and m is not head)
     return "+".join(label for label, _ in counts.most_common())
-
-
-# -- the output head and the embedding table ---------------------------------------------------------------------
-
-HEAD_FORMATS = ("float", "int4", "int4+embedding")
-
-
-class Int4Embedding(nn.Module):
-    """An embedding table held as canonical int4 rows (packed nibbles, scales, zeros): a lookup unpacks and
-    dequantizes only the rows it gathers, in float32, then casts to `dtype`."""
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, embedding_dim: int,
-                 dtype: torch.dtype, origin: str = "rtn"):
-        super().__init__()
-        self.num_embeddings, padded = codes.shape
-        self.embedding_dim = embedding_dim
-        self.group_size = padded // scales.shape[1]
-        self.dtype = dtype
-        self.origin = origin
-        self.register_buffer("packed", pack_nibbles(codes).contiguous())
-        self.register_buffer("scales", scales.to(torch.float32).contiguous())
-        self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        flat = input_ids.reshape(-1)  # [T] -> rows [T, embedding_dim]
-        rows = dequantize_codes(unpack_nibbles(self.packed[flat]), self.scales[flat], self.zeros[flat],
-                                self.embedding_dim, self.dtype)
-        return rows.reshape(*input_ids.shape, self.embedding_dim)
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}"
-
-
-def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str = "auto") -> dict:
-    """The output head as an Int4Linear (RTN at `group_size`), in place. With head == "int4" a tied embedding
-    table keeps the float weight for its lookups (the head's codes are a second, smaller copy); "int4+embedding"
-    replaces the table too, by an Int4Embedding over the same codes, and the float table is freed. "float" leaves
-    the model as it is. Returns {"head": format, "embedding": format, "reason": why not the fast kernel}."""
-    if head not in HEAD_FORMATS:
-        raise ValueError(f"head must be one of {HEAD_FORMATS}, got {head!r}")
-    check_group_size(group_size)
-    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
-    if head == "float":
-        return {"head": head_format(output), "embedding": head_format(inputs), "reason": None}
-    if not isinstance(output, nn.Linear):
-        raise ValueError(f"the output head of {type(model).__name__} is a {type(output).__name__}, not an nn.Linear")
-    path, reason = pick_kernel(kernel, output.weight.device)
-    problem = shape_problem(path, output.out_features, padded_features(output.in_features, group_size))
-    if problem is not None:
-        path, reason = "reference", problem
-    weight = output.weight.detach()
-    codes, scales, zeros = quantize_rtn(weight, group_size)
-    new_head = Int4Linear.from_codes(codes, scales, zeros, output.in_features, output.bias, path)
-    new_head.fallback_reason = reason
-    name = next(n for n, m in model.named_modules() if m is output)
-    replace_module(model, name, new_head)
-    model.config.tie_word_embeddings = False  # the head no longer shares a Parameter with the table
-    if head == "int4+embedding":
-        model.set_input_embeddings(Int4Embedding(codes, scales, zeros, output.in_features, weight.dtype))
-    del output, weight
-    return {"head": head_format(new_head), "embedding": head_format(model.get_input_embeddings()), "reason": reason}
-
-
-def head_format(module: nn.Module) -> str:
-    """ "int4-g32" for a quantized head or table, else the dtype of its first tensor ("float32", "int8")."""
-    if isinstance(module, (Int4Linear, Int4Embedding)):
-        return layer_format(module)
-    first = next(iter([*module.parameters(), *module.buffers()]), None)
-    return "none" if first is None else str(first.dtype).replace("torch.", "")

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
-from .gguf_int4 import GGUFBlocks
-from .int4 import HEAD_FORMATS, Int4Embedding, Int4Linear, decoder_linears, head_format, quantize_head, \
-    quantize_model, weights_format
+from .gguf_int4 import GGUFBlocks, memoized_name_maps
+from .head import HEAD_FORMATS, Int4Embedding, Int8Embedding, Int8Linear, head_format, quantize_head
+from .int4 import Int4Linear, decoder_linears, quantize_model, weights_format
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
     int4 only with weights == "int4": a GGUF's Q4_0 / Q4_1 tensors as they are (group 32, engine.gguf_int4), every
     other linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
-    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (HEAD_FORMATS): the output head in int4
-    (RTN at `group_size`), with "int4+embedding" the embedding table too (see engine.int4.quantize_head).
+    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (HEAD_FORMATS): the output head in int8
+    rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too (see engine.head).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
@@ -176,28 +176,29 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         kwargs["gguf_file"] = source.gguf_file
     if source.kind == "hub":
         kwargs["local_files_only"] = True
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.location, dtype=dtype, attn_implementation="sdpa", **kwargs
-        )
-    except (OSError, ValueError, KeyError, RuntimeError, EnvironmentError) as exc:
-        if source.kind == "hub":
-            raise ModelLoadError(
-                f"model {source.location!r} is not in the local HuggingFace cache and this engine never "
-                f"downloads at run time; fetch it first (e.g. `hf download {source.location}`) or pass a "
-                f"local folder or .gguf file. ({type(exc).__name__}: {exc})"
-            ) from exc
-        raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
-    except Exception as exc:  # corrupt files surface as assorted parser errors
-        raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
-    model.to(device)  # int4 layouts are device-specific: quantize where the model will run
-    model.eval()
-    if weights == "int4":
-        blocks = GGUFBlocks(Path(source.location) / source.gguf_file, model) if source.kind == "gguf" else None
-        report = quantize_model(model, group_size=group_size, kernel=kernel,
-                                layers_from=blocks.layer if blocks is not None else None)
-        log.info("int4 weights: %s", report)
+    with memoized_name_maps():  # transformers rebuilds gguf's name map per module: seconds per GGUF load
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.location, dtype=dtype, attn_implementation="sdpa", **kwargs
+            )
+        except (OSError, ValueError, KeyError, RuntimeError, EnvironmentError) as exc:
+            if source.kind == "hub":
+                raise ModelLoadError(
+                    f"model {source.location!r} is not in the local HuggingFace cache and this engine never "
+                    f"downloads at run time; fetch it first (e.g. `hf download {source.location}`) or pass a "
+                    f"local folder or .gguf file. ({type(exc).__name__}: {exc})"
+                ) from exc
+            raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # corrupt files surface as assorted parser errors
+            raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+        model.to(device)  # int4 layouts are device-specific: quantize where the model will run
+        model.eval()
+        if weights == "int4":
+            blocks = GGUFBlocks(Path(source.location) / source.gguf_file, model) if source.kind == "gguf" else None
+            report = quantize_model(model, group_size=group_size, kernel=kernel,
+                                    layers_from=blocks.layer if blocks is not None else None)
+            log.info("int4 weights: %s", report)
     if head != "float":
         log.info("output head: %s", quantize_head(model, head, group_size=group_size, kernel=kernel))
     return model, tokenizer
@@ -229,7 +230,8 @@ def weights_report(model) -> dict:
     "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF blocks as they are), several joined by
     "+", most common first), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm",
     or several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `head` and
-    `embedding` (the output head's and the input table's format: "float32", "int4-g32"), `resident_bytes` (every
+    `embedding` (the output head's and the input table's format: "float32", "int8", "int4-g32"), `head_kernel` (the
+    head's matmul path: "dense", "cpu_int8pack", "reference", ...), `resident_bytes` (every
     parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder layers'
     linears as held), `linear_float32_bytes` (the same linears in float32) and `head_bytes` (the head as held,
     0 when it shares its float weight with the embedding table)."""
@@ -253,6 +255,7 @@ def weights_report(model) -> dict:
     shared = isinstance(output, nn.Linear) and isinstance(inputs, nn.Embedding) and output.weight is inputs.weight
     head_bytes = 0 if shared else _tensor_bytes([*output.parameters(), *output.buffers()])
     return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "head": head_format(output),
+            "head_kernel": getattr(output, "kernel", "dense"),
             "embedding": head_format(inputs), "resident_bytes": resident, "linear_bytes": linear_bytes,
             "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4)}
 
@@ -262,7 +265,8 @@ def fingerprint(model) -> str:
 
     Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
     multi-GB model at each start would cost seconds), and of every int4 layer's buffers (packed codes, scales,
-    zeros) with its group size and matmul path (the paths round differently, so their KV must never be shared).
+    zeros; int8 codes and scales) with its group size and matmul path (the paths round differently, so their KV
+    must never be shared).
     Deterministic across processes and machines.
     """
     h = hashlib.blake2b(digest_size=16)
@@ -279,9 +283,10 @@ def fingerprint(model) -> str:
         h.update(str(param.dtype).encode())
         h.update(sample)
     for name, module in model.named_modules():
-        if not isinstance(module, (Int4Linear, Int4Embedding)):
+        if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding)):
             continue
-        h.update(f"{name}:int4:g{module.group_size}:{getattr(module, 'kernel', 'rows')}".encode())
+        h.update(f"{name}:{type(module).__name__}:g{getattr(module, 'group_size', 0)}:"
+                 f"{getattr(module, 'kernel', 'rows')}".encode())
         for buffer_name, buffer in module.named_buffers():
             flat = buffer.reshape(-1)
             step = max(1, flat.numel() // 64)

@@ -1,6 +1,6 @@
 """GGUF Q4_0 / Q4_1 blocks read as int4 layers as they are: against gguf's own dequantize, against the float
 weights transformers loads from the real model's GGUF (llama's q/k row permutation included), the int4pack kernel
-within its bfloat16 rounding; and the output head / embedding table in int4."""
+within its bfloat16 rounding."""
 
 from __future__ import annotations
 
@@ -10,13 +10,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from torch import nn
 
-from tiny_models import build_model, random_ids
+from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
-from engine.int4 import Int4Embedding, Int4Linear, decoder_linears, dequantize_codes, kernel_unavailable, \
-    quantize_head, quantize_model, quantize_rtn
+from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, kernel_unavailable, quantize_model
 from engine.loader import default_model_path, load_model, resolve_source, weights_report
 
 CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
@@ -130,38 +128,3 @@ def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm, one_thre
                                          decoder_linears(smollm.model))
     float_head = smollm.model.get_output_embeddings().weight
     assert 0 < report["head_bytes"] < float_head.numel() * 4 / 6
-
-
-# -- the output head and the embedding table ---------------------------------------------------------------------
-
-def test_an_int4_head_multiplies_by_its_dequantized_weight_and_a_tied_table_keeps_the_float_rows(one_thread):
-    model = build_model("qwen3")
-    model.get_output_embeddings().weight = model.get_input_embeddings().weight  # tied, as SmolLM2's are
-    embedding = model.get_input_embeddings().weight.detach().clone()
-    report = quantize_head(model, "int4", group_size=32, kernel="reference")
-    assert report == {"head": "int4-g32", "embedding": "float32", "reason": None}
-    head = model.get_output_embeddings()
-    assert isinstance(head, Int4Linear) and isinstance(model.get_input_embeddings(), nn.Embedding)
-    assert torch.equal(model.get_input_embeddings().weight, embedding)
-    codes, scales, zeros = quantize_rtn(embedding, 32)
-    assert torch.equal(head.dequantize(torch.float32), dequantize_codes(codes, scales, zeros, embedding.shape[1]))
-    x = torch.randn(4, embedding.shape[1], generator=torch.Generator().manual_seed(3))
-    assert torch.allclose(head(x), x @ dequantize_codes(codes, scales, zeros, embedding.shape[1]).t(), atol=1e-5)
-
-
-def test_an_int4_table_looks_up_the_rows_of_the_int4_head(one_thread):
-    model = build_model("qwen3")
-    model.get_output_embeddings().weight = model.get_input_embeddings().weight
-    embedding = model.get_input_embeddings().weight.detach().clone()
-    report = quantize_head(model, "int4+embedding", group_size=32, kernel="reference")
-    assert report["embedding"] == "int4-g32" == report["head"]
-    table = model.get_input_embeddings()
-    assert isinstance(table, Int4Embedding) and table.num_embeddings == embedding.shape[0]
-    ids = torch.tensor([[5, 0, 17], [3, 3, 9]])
-    codes, scales, zeros = quantize_rtn(embedding, 32)
-    rows = dequantize_codes(codes, scales, zeros, embedding.shape[1])
-    assert torch.equal(table(ids), rows[ids])
-    assert torch.equal(table(ids), model.get_output_embeddings().dequantize(torch.float32)[ids])
-    with torch.inference_mode():
-        assert model(torch.tensor([random_ids(16, seed=5)])).logits.isfinite().all()
-    assert not any(p.numel() == embedding.numel() for p in model.parameters())  # the float table is gone
