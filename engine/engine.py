@@ -25,6 +25,7 @@ from .prefill import prefill
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
+from .stream_setup import DEFAULT_SLOTS, Streaming, start_streaming, streaming_refusal
 from .tiered_store import build_store
 
 
@@ -32,15 +33,10 @@ class UnsupportedModelError(ValueError):
     """A model this engine cannot serve correctly (no RoPE, ...)."""
 
 
-def awq_streaming_unavailable(model_config, device: torch.device) -> str | None:
-    """Why AWQ layer streaming cannot run for this model on this device, or None when it could."""
-    if device.type != "cuda":
-        return "needs a CUDA GPU (this engine runs on the CPU)"
-    quant = getattr(model_config, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if str(method).lower() != "awq":
-        return "needs an AWQ int4 checkpoint (this model is not AWQ-quantized)"
-    return None
+def awq_streaming_unavailable(model_config, device: torch.device, weights: str = "auto") -> str | None:
+    """Why layer streaming cannot run for a model of `model_config` loaded with `weights` on `device`, or None
+    when it can (engine.stream_setup.streaming_refusal)."""
+    return streaming_refusal(model_config, device, weights)
 
 
 def _check_cancel(cancel: threading.Event | None) -> None:
@@ -50,7 +46,7 @@ def _check_cancel(cancel: threading.Event | None) -> None:
 
 class KVBoost:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, fingerprint: str | None = None,
-                 name: str = "model"):
+                 name: str = "model", streaming: Streaming | None = None):
         config = config or EngineConfig()
         config.validate()
         if rotary_module(model) is None:
@@ -62,6 +58,7 @@ class KVBoost:
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
+        self.streaming = streaming  # layer streaming under this model (engine.stream_setup), or None
         self.device = next(model.parameters()).device
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
@@ -106,15 +103,18 @@ class KVBoost:
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
                         repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
-                        head: str = "float", kernel: str = "auto") -> "KVBoost":
+                        head: str = "float", kernel: str = "auto", weight_budget_bytes: int | None = None,
+                        stream_slots: int = DEFAULT_SLOTS) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
         machine, 0 turns host or disk off. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
         per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
         being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
-        `awq_streaming`: stream AWQ int4 layers from host memory (CUDA + AWQ models only; see
-        awq_streaming_unavailable). `quiet`: only errors from transformers' logging (no warnings or progress
+        `awq_streaming`: layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or
+        weights="int4") that do not fit in `weight_budget_bytes` of device memory (None: 90% of free VRAM on
+        CUDA, of available RAM on the CPU) live off the device and are copied, one layer at a time, into
+        `stream_slots` slots before they run; a budget below the plan's minimum is a ValueError naming it. `quiet`: only errors from transformers' logging (no warnings or progress
         bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
@@ -140,11 +140,9 @@ class KVBoost:
         dt = loader.pick_dtype(dtype, dev)
         if awq_streaming:
             # Checked before loading the weights, from the config alone, so a wrong choice fails in seconds.
-            reason = awq_streaming_unavailable(loader.read_config(src), dev)
-            raise UnsupportedModelError(
-                f"AWQ layer streaming: {reason}" if reason else
-                "AWQ layer streaming is not available in this version of the engine; load without it"
-            )
+            reason = awq_streaming_unavailable(loader.read_config(src), dev, weights)
+            if reason is not None:
+                raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)
         model, tokenizer = loader.load_model(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel,
                                              head=head)
@@ -154,7 +152,13 @@ class KVBoost:
                 f"{src.describe()} is a {model.config.model_type!r} model without rotary position embeddings "
                 "(RoPE); KVBoost reuses KV only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
             )
-        return cls(model, tokenizer, config, name=src.describe())
+        streaming = None
+        if awq_streaming:
+            _check_cancel(cancel)
+            streaming = start_streaming(model, dev, budget_bytes=weight_budget_bytes, num_slots=stream_slots,
+                                        max_context=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
+                                        context_bytes=config.cache_bytes or 0 if dev.type == "cuda" else 0)
+        return cls(model, tokenizer, config, name=src.describe(), streaming=streaming)
 
     def with_options(self, **changes) -> "KVBoost":
         """Another engine over the same loaded model, with its own empty memory tiers (e.g. reuse="off"); with
@@ -182,7 +186,7 @@ class KVBoost:
         fields["repair"] = repair
         fields.update(changes)
         return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
-                       fingerprint=self.fingerprint, name=self.name)
+                       fingerprint=self.fingerprint, name=self.name, streaming=self.streaming)
 
     def _find_eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -232,6 +236,7 @@ class KVBoost:
                 stats = Stats(prompt_tokens=len(ids), reused_tokens=plan.reused_tokens,
                               recomputed_tokens=len(ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=mode,
                               repair=repair.mode if approximate else "none", reused_by_tier=reused_by_tier)
+                passes_before = self.streaming.counters() if self.streaming is not None else None
                 # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
                 cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
                 logits, stats.repaired_tokens = prefill(self.model, plan, self.store, cache, self.device,
@@ -256,6 +261,10 @@ class KVBoost:
                     if storing:
                         self._store(stats, plan, cache, tokens, chunks=not chunks_stored)
                 assert isinstance(event, Result), "the decode loop ends with its Result"
+                if passes_before is not None:
+                    passes, tokens = (now - before for now, before in zip(self.streaming.counters(), passes_before))
+                    stats.weight_passes = passes
+                    stats.tokens_per_weight_pass = tokens / passes if passes else 0.0
                 stats.total_ms = (time.perf_counter() - t_enter) * 1000  # storing the tail is part of the call
                 yield event
             finally:
@@ -333,14 +342,19 @@ class KVBoost:
             "reuse": self.config.reuse,
             "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             "disk_error": self.disk_error,
-            "awq_unavailable": awq_streaming_unavailable(self.model.config, self.device),
+            "awq_unavailable": awq_streaming_unavailable(
+                self.model.config, self.device, "int4" if self._weights()["num_int4_linears"] else "float"),
             "weights": dict(self._weights()),
         }
 
     def _weights(self) -> dict:
         """loader.weights_report of the model, made once (the weights never change under an engine)."""
         if self._weights_report is None:
-            self._weights_report = loader.weights_report(self.model)
+            report = loader.weights_report(self.model)
+            if self.streaming is not None:  # streamed layers' images are off the device: count what is on it
+                report["resident_bytes"] = self.streaming.streamer.resident_bytes()
+                report["streaming"] = self.streaming.report()
+            self._weights_report = report
         return self._weights_report
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -351,7 +365,9 @@ class KVBoost:
         """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), and the device's
         totals when it is CUDA. Reads counters only (no lock), so a UI can call it while a request runs."""
         weights = self._weights()["resident_bytes"]  # packed int4 codes, scales and offsets included
-        report = {"device": str(self.device), "weights_bytes": weights, "kv_bytes": self.store.tier_bytes(),
+        streamed = self.streaming.plan.streamed_bytes if self.streaming is not None else 0
+        report = {"device": str(self.device), "weights_bytes": weights, "streamed_weights_bytes": streamed,
+                  "kv_bytes": self.store.tier_bytes(),
                   "kv_budget_bytes": self.store.tier_budgets()}
         if self.disk_error:
             report["disk_error"] = self.disk_error

@@ -43,6 +43,8 @@ class Stats:
     chunks: list[tuple[int, int, str]] = field(default_factory=list)
     reuse: str = "off"
     reused_by_tier: dict[str, int] = field(default_factory=dict)  # reused tokens per tier served from
+    weight_passes: int = 0  # with layer streaming: forwards through the streamed layers (each copies them once)
+    tokens_per_weight_pass: float = 0.0  # tokens those passes computed, per pass (prefill: the prompt in one)
 
     @property
     def reused_fraction(self) -> float:

@@ -1,0 +1,153 @@
+"""Layer streaming for a loaded model, as the engine facade sets it up: whether it can run, the default budget,
+the copy engine for the device, the measured copy bandwidth, the decode speed that bandwidth allows, and what
+info() and memory() report (engine.streaming plans and hooks; engine.copy_engines moves the bytes).
+
+Streaming needs int4 decoder layers (an AWQ checkpoint, or weights="int4"): float layers would cross the link
+at four to eight times the bytes, and they are not what this path is for. It runs on CUDA (pinned host images,
+a copy stream) and on the CPU (images in a memory-mapped file, copied into a RAM arena: for machines with less
+RAM than the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .copy_engines import CopyEngine, CpuCopyEngine, CudaCopyEngine
+from .streaming import LayerStreamer, StreamPlan, enable_streaming, kv_cache_bytes, plan_streaming
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 2
+PLANNED_CONTEXT = 4096  # KV positions the planner keeps room for (capped by the model's own context)
+DEVICE_SHARE = 0.9  # of free device memory (CUDA) or available RAM (CPU) that the default budget takes
+BANDWIDTH_PROBE_BYTES = 64 << 20
+
+
+def _quant_method(model_config) -> str:
+    quant = getattr(model_config, "quantization_config", None) or {}
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    return str(method).lower()
+
+
+def streaming_refusal(model_config, device: torch.device, weights: str) -> str | None:
+    """Why streaming cannot run for a model of `model_config` loaded with `weights` on `device`, from the config
+    alone (so a wrong choice fails before the weights are read), or None when it can."""
+    if device.type not in ("cpu", "cuda"):
+        return f"layer streaming runs on CUDA GPUs and on the CPU, not on {device.type}"
+    awq = _quant_method(model_config) == "awq"
+    if weights == "float" or (weights == "auto" and not awq):
+        return ("needs int4 weights: an AWQ checkpoint, or Weights: int4 (float decoder layers are not streamed)"
+                if weights == "auto" else "needs int4 weights; Weights: float keeps every layer in float")
+    return None
+
+
+def available_memory(device: torch.device) -> int:
+    """Free device memory (CUDA) or the RAM the OS says is available (CPU), in bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def default_budget(device: torch.device) -> int:
+    return int(available_memory(device) * DEVICE_SHARE)
+
+
+def copy_engine_for(device: torch.device, num_slots: int, folder: str | os.PathLike) -> CopyEngine:
+    if device.type == "cuda":
+        return CudaCopyEngine(device, num_slots)
+    return CpuCopyEngine(folder, num_slots)
+
+
+def measure_bandwidth(engine: CopyEngine, layer: int, rounds: int = 3) -> float:
+    """Bytes per second of one layer's copy into slot 0, the best of `rounds` (the copy is the steady state's
+    whole cost per streamed layer)."""
+    best = float("inf")
+    size = engine.host(layer).numel()
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.issue(layer, 0)
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize(engine.device)
+        engine.release(0)
+        best = min(best, time.perf_counter() - start)
+    return size / max(best, 1e-9)
+
+
+def probe_bandwidth(device: torch.device, num_bytes: int = BANDWIDTH_PROBE_BYTES) -> float:
+    """Bytes per second of a plain host-to-device copy of `num_bytes` (from pinned memory on CUDA), before any
+    model is loaded: what Model > Choose model predicts streaming speed from."""
+    pin = device.type == "cuda"
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pin)
+    target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        target.copy_(host, non_blocking=pin)
+        if pin:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / max(best, 1e-9)
+
+
+@dataclass
+class Streaming:
+    """Streaming as it runs under one engine: the plan, the hooks and the measured bandwidth."""
+    plan: StreamPlan
+    streamer: LayerStreamer
+    bandwidth_bytes_per_s: float  # one layer's copy into a slot, measured at start
+
+    @property
+    def predicted_decode_tokens_per_s(self) -> float | None:
+        """The ceiling the link sets: one token reads every streamed layer once (None when nothing streams)."""
+        if not self.plan.streams:
+            return None
+        return self.bandwidth_bytes_per_s / self.plan.streamed_bytes
+
+    def report(self) -> dict:
+        plan = self.plan
+        return {"resident_layers": list(plan.resident_layers), "streamed_layers": list(plan.streamed_layers),
+                "resident_bytes": self.streamer.resident_bytes(), "streamed_bytes": plan.streamed_bytes,
+                "min_budget_bytes": plan.min_budget_bytes, "budget_bytes": plan.budget_bytes,
+                "num_slots": plan.num_slots, "slot_bytes": plan.slot_bytes,
+                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                "predicted_decode_tokens_per_s": self.predicted_decode_tokens_per_s}
+
+    def counters(self) -> tuple[int, int]:
+        """(weight passes, tokens computed) so far: a request's share is the difference across it."""
+        stats = self.streamer.stats()
+        return stats["weight_passes"], stats["tokens"]
+
+
+def start_streaming(model, device: torch.device, *, budget_bytes: int | None, num_slots: int = DEFAULT_SLOTS,
+                    max_context: int = PLANNED_CONTEXT, context_bytes: int = 0,
+                    folder: str | os.PathLike | None = None) -> Streaming:
+    """Plans `model` (on `device`, int4) under `budget_bytes` (None: default_budget) and streams what does not
+    fit. ValueError naming the minimum when the budget is too small for any plan."""
+    budget = default_budget(device) if budget_bytes is None else int(budget_bytes)
+    kv = kv_cache_bytes(model, min(max_context, PLANNED_CONTEXT))
+    plan = plan_streaming(model, budget, num_slots=num_slots, kv_bytes=kv, context_bytes=context_bytes)
+    if folder is None:
+        from platformdirs import user_cache_dir
+
+        folder = Path(user_cache_dir("KVBoost", "KVBoost")) / "streaming"
+    engine = copy_engine_for(device, num_slots, folder)
+    streamer = enable_streaming(model, plan, engine)
+    bandwidth = measure_bandwidth(engine, plan.streamed_layers[0]) if plan.streams else 0.0
+    log.info("layer streaming: %s; copy bandwidth %.2f GB/s", plan.describe(), bandwidth / 1e9)
+    return Streaming(plan, streamer, bandwidth)

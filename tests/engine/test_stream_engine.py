@@ -1,0 +1,99 @@
+"""Layer streaming through the engine facade: from_pretrained(awq_streaming=True) on a tiny AWQ checkpoint
+answers with the resident engine's tokens and logits, reports its plan, bandwidth and prediction, counts tokens
+per weight pass, holds fewer bytes on the device; refusals (float weights, a budget below the minimum) come
+before or instead of a load, with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from awq_checkpoints import write_awq_checkpoint
+from tiny_models import ARCHS, COMMON, random_ids
+from transformers import LlamaConfig
+
+from engine import KVBoost, UnsupportedModelError
+from engine.stream_setup import probe_bandwidth
+
+PROMPT = random_ids(54, seed=3)  # token ids (the tiny tokenizer knows few words)
+
+
+@pytest.fixture(scope="module")
+def awq_folder(tmp_path_factory):
+    """A six-layer tiny llama as an AWQ checkpoint: more layers than slots, so the smallest plan streams."""
+    folder = tmp_path_factory.mktemp("awq-stream-engine") / "llama6"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(ARCHS, "llama6", (lambda: LlamaConfig(**{**COMMON, "num_hidden_layers": 6}), "sdpa"))
+        write_awq_checkpoint(folder, "llama6", 32)
+    return folder
+
+
+def load(folder, tmp_path, **options) -> KVBoost:
+    return KVBoost.from_pretrained(str(folder), device="cpu", disk_cache_bytes=0, reuse="off", **options)
+
+
+def smallest_budget(folder, tmp_path) -> int:
+    """The minimum of the plan for this model (read from a plan made with a budget that holds everything)."""
+    probe = load(folder, tmp_path, awq_streaming=True, weight_budget_bytes=1 << 40)
+    return probe.info()["weights"]["streaming"]["min_budget_bytes"]
+
+
+def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_folder, tmp_path, one_thread):
+    resident = load(awq_folder, tmp_path)
+    minimum = smallest_budget(awq_folder, tmp_path)
+    streamed = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=minimum)
+    want = resident.generate(PROMPT, max_new_tokens=8, return_logits=True)
+    got = streamed.generate(PROMPT, max_new_tokens=8, return_logits=True)
+    assert got.token_ids == want.token_ids
+    assert torch.equal(got.first_logits, want.first_logits) and want.first_logits.abs().max() > 0
+    assert len(set(want.token_ids)) > 1
+
+    report = streamed.info()["weights"]["streaming"]
+    num_layers = resident.model.config.num_hidden_layers
+    assert report["streamed_layers"] and sorted(report["resident_layers"] + report["streamed_layers"]) == \
+        list(range(num_layers))
+    assert report["min_budget_bytes"] == minimum == report["budget_bytes"]
+    assert report["bandwidth_bytes_per_s"] > 0
+    assert report["predicted_decode_tokens_per_s"] == pytest.approx(
+        report["bandwidth_bytes_per_s"] / report["streamed_bytes"])
+    # one weight pass for the prompt, one per decoded token after the first
+    assert got.stats.weight_passes == len(got.token_ids)
+    prompt_tokens = got.stats.prompt_tokens
+    assert got.stats.tokens_per_weight_pass == pytest.approx(
+        (prompt_tokens + len(got.token_ids) - 1) / got.stats.weight_passes)
+    assert want.stats.weight_passes == 0
+
+    held, everything = streamed.memory(), resident.memory()
+    assert held["streamed_weights_bytes"] == report["streamed_bytes"] > 0
+    assert held["weights_bytes"] < everything["weights_bytes"]
+    assert everything["streamed_weights_bytes"] == 0
+
+
+def test_a_budget_that_holds_everything_streams_nothing_and_answers_the_same(awq_folder, tmp_path, one_thread):
+    engine = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=1 << 40)
+    report = engine.info()["weights"]["streaming"]
+    assert report["streamed_layers"] == [] and report["predicted_decode_tokens_per_s"] is None
+    assert engine.generate(PROMPT, max_new_tokens=4).token_ids == \
+        load(awq_folder, tmp_path).generate(PROMPT, max_new_tokens=4).token_ids
+
+
+def test_a_budget_below_the_minimum_is_an_error_naming_it(awq_folder, tmp_path, one_thread):
+    minimum = smallest_budget(awq_folder, tmp_path)
+    with pytest.raises(ValueError, match=f"minimum of {minimum} bytes"):
+        load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=minimum - 1)
+
+
+def test_streaming_float_weights_is_refused_before_loading(tmp_path):
+    # A folder with only a config: the refusal must come from the config, before any weight is read.
+    write_awq_checkpoint(tmp_path / "m", "llama", 32)
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(UnsupportedModelError, match="needs int4 weights"):
+        load(tmp_path / "m", tmp_path, awq_streaming=True, weights="float")
+
+
+def test_the_info_of_an_int4_engine_says_streaming_can_run_and_of_a_float_one_why_not(awq_folder, tmp_path):
+    assert load(awq_folder, tmp_path).info()["awq_unavailable"] is None
+    assert "needs int4 weights" in load(awq_folder, tmp_path, weights="float").info()["awq_unavailable"]
+
+
+def test_the_bandwidth_probe_measures_a_real_copy():
+    assert probe_bandwidth(torch.device("cpu"), 8 << 20) > 1e7  # any machine copies 10 MB/s
