@@ -237,19 +237,17 @@ class ModelDialog(QDialog):
         self._weight_sizes_label.setObjectName("weightSizes")
         self._weight_sizes_label.setWordWrap(True)
 
-        self._awq_check = QCheckBox("AWQ layer streaming")
+        # Layer streaming: int4 decoder layers beyond the memory budget stream from RAM (or a file) per pass.
+        self._awq_check = QCheckBox("Layer streaming")
         self._awq_check.setObjectName("awqCheck")
-        self._awq_reason = QLabel(awq_unavailable or "")
+        self._awq_reason = QLabel("")
         self._awq_reason.setObjectName("awqReason")
         self._awq_reason.setProperty("disabledReason", True)
         self._awq_reason.setWordWrap(True)
-        if awq_unavailable is None:
-            self._awq_check.setChecked(bool(current.get("awq_streaming", False)))
-            self._awq_reason.hide()
-        else:
-            self._awq_check.setChecked(False)
-            self._awq_check.setEnabled(False)
-            self._awq_check.setToolTip(awq_unavailable)
+        self._awq_check.setChecked(bool(current.get("awq_streaming", False)))
+        self._streaming: dict | None = None  # the engine's streaming estimate for the chosen model
+        self._show_streaming()
+        self._weights_combo.currentIndexChanged.connect(self.on_weights_combo_current_index_changed)
 
         self._buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
         self._buttons.accepted.connect(self.accept)
@@ -334,6 +332,8 @@ class ModelDialog(QDialog):
         """The weights' memory per format for `source` ("" = built in); answers for another source are stale."""
         if source != (self._chosen_source() or ""):
             return
+        self._streaming = sizes.get("streaming")
+        self._show_streaming()
         if "error" in sizes:
             self._weight_sizes_label.setText(f"Size unknown: {sizes['error']}")
             return
@@ -342,6 +342,24 @@ class ModelDialog(QDialog):
         self._weight_sizes_label.setText(
             f"Weights in memory: float ({sizes['dtype']}) {float_mb:,.0f} MB · int4 {int4_mb:,.0f} MB"
             f" · auto loads {auto}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
+
+    def streaming_unavailable(self) -> str | None:
+        """Why streaming cannot be chosen for the chosen model and weight format, or None."""
+        if self._awq_unavailable is not None:
+            return self._awq_unavailable
+        if self._streaming is None:
+            return None  # not known yet: the engine says so at load if it cannot
+        return self._streaming["unavailable"].get(self._weights_combo.currentData())
+
+    def _show_streaming(self) -> None:
+        reason = self.streaming_unavailable()
+        self._awq_check.setEnabled(reason is None)
+        self._awq_reason.setText(reason or "")
+        self._awq_reason.setVisible(reason is not None)
+        self._awq_check.setToolTip(reason or streaming_tooltip(self._streaming))
+
+    def on_weights_combo_current_index_changed(self, _index: int) -> None:
+        self._show_streaming()
 
     def on_browse_button_clicked(self) -> None:
         start = os.path.expanduser(self._source_edit.text().strip()) or os.path.expanduser("~")
@@ -357,9 +375,26 @@ class ModelDialog(QDialog):
         return {
             "source": None if self._kind == "default" else os.path.expanduser(text),
             "reuse": self._reuse_combo.currentData(),
-            "awq_streaming": self._awq_unavailable is None and self._awq_check.isChecked(),
+            "awq_streaming": self.streaming_unavailable() is None and self._awq_check.isChecked(),
             "weights": self._weights_combo.currentData(),
         }
+
+
+def streaming_tooltip(estimate: dict | None) -> str:
+    """What streaming would do for the chosen model, from the engine's estimate (engine.stream_setup)."""
+    base = ("Int4 decoder layers that do not fit in the memory budget stay in host memory and are copied in, "
+            "one layer at a time, while earlier layers compute.")
+    if not estimate:
+        return base
+    budget = estimate["budget_bytes"] / 2**20
+    if not estimate.get("fits", True):
+        return f"{base}\nThe budget ({budget:,.0f} MB) cannot even hold the embeddings, head and KV cache."
+    speed = estimate["predicted_decode_tokens_per_s"]
+    if speed is None:
+        return f"{base}\nEverything fits in the budget ({budget:,.0f} MB free): nothing would stream."
+    return (f"{base}\nPredicted decode: about {speed:,.1f} tokens/s at most ({estimate['streamed_bytes'] / 2**20:,.0f}"
+            f" MB of layers per token over a {estimate['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s copy link; "
+            f"budget {budget:,.0f} MB).")
 
 
 def ask_rename(parent: QWidget | None, current: str) -> str | None:

@@ -94,9 +94,10 @@ class EngineClient(QObject):
         torch work, so it neither waits behind a generation nor delays one."""
         def run():
             try:
-                from engine import weight_sizes
+                from engine import stream_setup, weight_sizes
 
                 sizes = weight_sizes.estimate(source)
+                sizes["streaming"] = stream_setup.streaming_estimate(source, sizes)
             except Exception as exc:  # a path being typed, a damaged file: the dialog says why
                 sizes = {"error": _describe(exc)}
             self.weights_estimated.emit(source or "", sizes)  # queued to the UI thread

@@ -355,9 +355,9 @@ class MainWindow(QMainWindow):
 
     def choose_model(self) -> None:
         current = self.db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
-        info = self.client.model_info or {}
-        dialog = dialogs.ModelDialog(self, current=current,
-                                     awq_unavailable=info.get("awq_unavailable", "load a model first"))
+        # Whether layer streaming can run depends on the chosen model and weight format: the dialog learns it from
+        # the engine's estimate for that model (weights_estimated), not from the model loaded now.
+        dialog = dialogs.ModelDialog(self, current=current, awq_unavailable=None)
         # The memory each weight format would take, read from the chosen model's config off the UI thread.
         dialog.weight_sizes_wanted.connect(self.client.estimate_weights)
         self.client.weights_estimated.connect(dialog.show_weight_sizes)

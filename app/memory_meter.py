@@ -27,16 +27,23 @@ def tier_label(tier: str, engine: dict) -> str:
             "disk": "disk"}.get(tier, tier)
 
 
+def _model_bytes(engine: dict) -> str:
+    """The weights held on the device, and with layer streaming those streamed to it from host memory."""
+    text = f"model {human_bytes(engine['weights_bytes'])}"
+    streamed = engine.get("streamed_weights_bytes", 0)
+    return f"{text} + {human_bytes(streamed)} streamed" if streamed else text
+
+
 def memory_text(rss: int, engine: dict | None) -> str:
     """One line for the status bar from the process RSS and the engine's memory() report."""
     parts = []
     if engine and "device_total_bytes" in engine:
         parts.append(f"VRAM {human_bytes(engine['device_used_bytes'])} / {human_bytes(engine['device_total_bytes'])}"
-                     f" (model {human_bytes(engine['weights_bytes'])}, KV {human_bytes(sum(engine['kv_bytes'].values()))})")
+                     f" ({_model_bytes(engine)}, KV {human_bytes(sum(engine['kv_bytes'].values()))})")
     parts.append(f"RAM {human_bytes(rss)}")
     if engine:
         if "device_total_bytes" not in engine:
-            parts[-1] += f" (model {human_bytes(engine['weights_bytes'])})"
+            parts[-1] += f" ({_model_bytes(engine)})"
         tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)}" for tier, n in engine["kv_bytes"].items())
         parts.append(f"KV cache: {tiers}")
     return " · ".join(parts)

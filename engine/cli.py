@@ -33,8 +33,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
                    help="auto: AWQ checkpoints as int4, others float; int4: quantize at load (GGUF Q4 as is)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (RTN)")
-    p.add_argument("--head", default="float",
-                   help="output head (and embedding table) format: float, int8, int8+embedding, int4, int4+embedding")
+    p.add_argument("--head", default="auto",
+                   help="output head (and embedding table) format: auto (int8 under int4 weights where the int8 "
+                        "kernel runs), float, int8, int8+embedding, int4, int4+embedding")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 

@@ -103,7 +103,7 @@ class KVBoost:
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
                         repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
-                        head: str = "float", kernel: str = "auto", weight_budget_bytes: int | None = None,
+                        head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
                         stream_slots: int = DEFAULT_SLOTS) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
@@ -119,8 +119,9 @@ class KVBoost:
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
         "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
-        tensors taken as they are); `head` "float" | "int8" | "int8+embedding" | "int4" | "int4+embedding" (the
-        output head, and with "+embedding" the input table, in fewer bytes: engine.head); `kernel` the int4 matmul path
+        tensors taken as they are); `head` "auto" | "float" | "int8" | "int8+embedding" | "int4" |
+        "int4+embedding" (the output head, and with "+embedding" the input table, in fewer bytes; "auto": int8
+        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head); `kernel` the int4 matmul path
         ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says what was loaded."""
         if quiet:
             loader.quiet_transformers()

@@ -16,7 +16,7 @@ from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .gguf_int4 import GGUFBlocks, memoized_name_maps
-from .head import HEAD_FORMATS, Int4Embedding, Int8Embedding, Int8Linear, head_format, quantize_head
+from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import Int4Linear, decoder_linears, quantize_model, weights_format
 
 log = logging.getLogger(__name__)
@@ -152,20 +152,21 @@ def local_folder(source: ModelSource) -> Path | None:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *, weights: str = "float",
-               group_size: int = 128, kernel: str = "auto", head: str = "float"):
+               group_size: int = 128, kernel: str = "auto", head: str = "auto"):
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
 
     `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
     as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
     int4 only with weights == "int4": a GGUF's Q4_0 / Q4_1 tensors as they are (group 32, engine.gguf_int4), every
     other linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
-    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (HEAD_FORMATS): the output head in int8
-    rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too (see engine.head).
+    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (engine.head.HEAD_CHOICES): the output head
+    in int8 rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too; "auto": int8 head and
+    table under int4 decoder layers where the int8 kernel runs, else as loaded (engine.head.auto_head).
     """
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    if head not in HEAD_FORMATS:
-        raise ValueError(f"head must be one of {HEAD_FORMATS}, got {head!r}")
+    if head not in HEAD_CHOICES:
+        raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
     folder = local_folder(source)
     if folder is not None and is_awq_folder(folder):
         return _load_awq(source, folder, device, dtype, weights, kernel, head)
@@ -199,6 +200,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
             report = quantize_model(model, group_size=group_size, kernel=kernel,
                                     layers_from=blocks.layer if blocks is not None else None)
             log.info("int4 weights: %s", report)
+    head = auto_head(model) if head == "auto" else head
     if head != "float":
         log.info("output head: %s", quantize_head(model, head, group_size=group_size, kernel=kernel))
     return model, tokenizer
@@ -212,6 +214,7 @@ def _load_awq(source: ModelSource, folder: Path, device: torch.device, dtype: to
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel)
+        head = auto_head(model) if head == "auto" else head
         if head != "float":
             quantize_head(model, head, group_size=32, kernel=kernel)
     except AWQFormatError as exc:

@@ -10,6 +10,7 @@ RAM than the model).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import loader
 from .copy_engines import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from .streaming import LayerStreamer, StreamPlan, enable_streaming, kv_cache_bytes, plan_streaming
 
@@ -103,6 +105,39 @@ def probe_bandwidth(device: torch.device, num_bytes: int = BANDWIDTH_PROBE_BYTES
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - start)
     return num_bytes / max(best, 1e-9)
+
+
+@functools.lru_cache(maxsize=None)
+def _probed_bandwidth(device: str) -> float:
+    return probe_bandwidth(torch.device(device))
+
+
+def streaming_estimate(source, sizes: dict, *, device: str = "auto", num_slots: int = DEFAULT_SLOTS) -> dict:
+    """Before a load: whether streaming could run per weight format, and the decode speed the copy link would
+    allow for `source` with the default budget. `sizes` is engine.weight_sizes.estimate(source). Returns
+    {"unavailable": {format: reason or None}, "budget_bytes", "bandwidth_bytes_per_s", "streamed_bytes" (int4
+    decoder bytes the budget leaves off the device, 0 when everything fits), "predicted_decode_tokens_per_s"
+    (None when nothing would stream)}. A rough plan: the same arithmetic as plan_streaming on estimated sizes
+    (KV for the planned context, slots of an average layer; activations left out)."""
+    src = loader.resolve_source(source)
+    dev = loader.pick_device(device)
+    config = loader.read_config(src)
+    unavailable = {weights: streaming_refusal(config, dev, weights) for weights in ("auto", "float", "int4")}
+    text = config.get_text_config()
+    layers = int(text.num_hidden_layers)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    element = torch.empty((), dtype=getattr(torch, sizes["dtype"])).element_size()
+    context = min(int(getattr(text, "max_position_embeddings", 0) or PLANNED_CONTEXT), PLANNED_CONTEXT)
+    kv = 2 * layers * kv_heads * head_dim * context * element
+    decoder = sizes["int4"] - sizes["outside_layers"]
+    budget = default_budget(dev)
+    room = budget - sizes["outside_layers"] - kv - num_slots * decoder // max(layers, 1)
+    streamed = max(0, decoder - max(room, 0))
+    bandwidth = _probed_bandwidth(str(dev)) if streamed else 0.0
+    return {"unavailable": unavailable, "budget_bytes": budget, "bandwidth_bytes_per_s": bandwidth,
+            "streamed_bytes": streamed, "fits": room >= 0,
+            "predicted_decode_tokens_per_s": bandwidth / streamed if streamed else None}
 
 
 @dataclass

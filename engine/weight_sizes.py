@@ -4,7 +4,8 @@ The model is built from its config on the meta device (no memory, no weights rea
 parameter of any architecture transformers knows; the int4 figure applies the int4 layout of engine.int4 to the
 decoder layers' linears (packed codes: half a byte a weight; per group of G inputs, a scale and an offset in
 bfloat16 for the fast kernels, a float32 scale and a byte zero for the reference path) and keeps the rest in
-the float dtype, as loading with weights="int4" does.
+the float dtype, as loading with weights="int4" does, with the head and table in int8 where head="auto" puts
+them there.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import loader
-from .int4 import decoder_linears, padded_features
+from .int4 import DECODER_LINEAR, decoder_linears, padded_features
 
 # Bytes per group per output row: fast kernels keep [scale, offset] in bfloat16; the reference path keeps a
 # float32 scale and a uint8 zero.
@@ -26,22 +27,35 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def weight_bytes(config, dtype: torch.dtype, *, group_size: int = 128, fast_kernel: bool = True) -> dict[str, int]:
-    """{"float": bytes of all weights in `dtype`, "int4": bytes with the decoder linears in int4} for a model of
-    `config`. Tied embeddings count once (as loaded)."""
+def weight_bytes(config, dtype: torch.dtype, *, group_size: int = 128, fast_kernel: bool = True,
+                 int8_head: bool = False) -> dict[str, int]:
+    """{"float": bytes of all weights in `dtype`, "int4": bytes with the decoder linears in int4,
+    "outside_layers": bytes of the weights outside the decoder layers (embeddings, norms, head: never int4 here,
+    always resident when layers stream)} for a model of `config`. Tied embeddings count once (as loaded).
+    `int8_head`: the "int4" figure has the output head and the input table in int8 rows (head="auto" where the
+    int8 kernel runs: engine.head.auto_head), and so has "outside_layers"."""
     model = _meta_model(config)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     element = torch.empty((), dtype=dtype).element_size()
     params = {id(p): p for p in model.parameters()}
     float_bytes = sum(p.numel() for p in params.values()) * element
+    inside = {id(p) for name, p in model.named_parameters() if DECODER_LINEAR.search(name)}
+    outside = sum(p.numel() for i, p in params.items() if i not in inside) * element
     int4_saving = 0
     per_group = _GROUP_BYTES["fast" if fast_kernel else "reference"]
     for _name, linear in decoder_linears(model):
         padded = padded_features(linear.in_features, group_size)
         held = linear.out_features * padded // 2 + linear.out_features * (padded // group_size) * per_group
         int4_saving += linear.weight.numel() * element - held
-    return {"float": float_bytes, "int4": float_bytes - int4_saving}
+    head_saving = 0
+    if int8_head:
+        tables = {id(m.weight): m.weight for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                  if m is not None and hasattr(m, "weight")}
+        # int8 codes, one byte a weight, and a bfloat16 scale per row
+        head_saving = sum(t.numel() * element - (t.numel() + 2 * t.shape[0]) for t in tables.values())
+    return {"float": float_bytes, "int4": float_bytes - int4_saving - head_saving,
+            "outside_layers": outside - head_saving}
 
 
 def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_size: int = 128) -> dict:
@@ -59,8 +73,10 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     if awq:
         group_size = int((quant.get("group_size") if isinstance(quant, dict) else quant.group_size) or group_size)
         config = type(config).from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+    from .head import pick_int8_kernel
     from .int4 import pick_kernel
 
     fast = pick_kernel("auto", dev)[1] is None
-    sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast)
+    sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast,
+                         int8_head=pick_int8_kernel(dev)[1] is None)
     return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size}

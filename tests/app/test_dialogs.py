@@ -527,6 +527,9 @@ def test_the_engine_client_estimates_the_built_in_models_weights_off_the_ui_thre
         source, sizes = built_in.args
         # SmolLM2-135M: 134.5M parameters, float32 on the CPU; its decoder linears shrink ~6x in int4
         assert source == "" and 500 * 2**20 < sizes["float"] < 530 * 2**20 and sizes["int4"] < sizes["float"] / 2
+        # the built-in GGUF loads as float under auto, so streaming needs Weights: int4 (which the CPU can stream)
+        assert "needs int4 weights" in sizes["streaming"]["unavailable"]["auto"]
+        assert sizes["streaming"]["unavailable"]["int4"] is None
         with qtbot.waitSignal(client.weights_estimated, timeout=60_000) as missing:
             client.estimate_weights(str(tmp_path / "nothing.gguf"))
         assert "not found" in missing.args[1]["error"]

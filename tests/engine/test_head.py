@@ -146,3 +146,14 @@ def test_the_real_model_with_int4_weights_and_an_int8_head_and_table_answers(smo
     engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0))
     assert "Paris" in engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                                   max_new_tokens=12).text
+
+
+@pytest.mark.parametrize("head", ["int8+embedding", "int4+embedding"])
+def test_an_untied_table_is_quantized_from_its_own_rows_not_the_heads(head, one_thread):
+    model = build_model("qwen3")
+    assert model.get_input_embeddings().weight is not model.get_output_embeddings().weight
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    quantize_head(model, head, group_size=32, kernel="reference")
+    ids = torch.tensor([[5, 0, 17, 3]])
+    step = embedding.abs().amax(dim=1, keepdim=True)[ids[0]] / (127 if head.startswith("int8") else 7)
+    assert torch.all((model.get_input_embeddings()(ids)[0] - embedding[ids[0]]).abs() <= step)
