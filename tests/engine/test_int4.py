@@ -355,3 +355,8 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_shapes():
     assert len(report["correctness"]) == 3 * 5
     assert all(0 < row["max_abs_err"] and row["err_over_bound"] <= 1 for row in report["correctness"])
     assert report["decode"]["tokens_per_s"] > 0 and report["decode"]["bandwidth_bound_tokens_per_s"] > 0
+    streaming = report["streaming"]  # a six-layer stack planned so that half its layers stream
+    assert streaming["resident_layers"] > 0 and streaming["streamed_layers"] > 0
+    assert streaming["decode_tokens_per_s"] > 0 and streaming["bound_tokens_per_s"] > 0
+    assert streaming["pinned_one_copy_gb_s"] > 0 and streaming["prefill_tokens_per_s"] > 0
+    assert streaming["tokens_per_pass"] > 1  # the prefill and the 8-token passes spread each weight pass
