@@ -25,7 +25,7 @@ from .prefill import prefill
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
-from .stream_setup import DEFAULT_SLOTS, Streaming, start_streaming, streaming_refusal
+from .stream_setup import DEFAULT_SLOTS, Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .tiered_store import build_store
 
 
@@ -145,8 +145,8 @@ class KVBoost:
             if reason is not None:
                 raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)
-        model, tokenizer = loader.load_model(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel,
-                                             head=head)
+        load = load_for_streaming if awq_streaming and dev.type == "cuda" else loader.load_model
+        model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head)
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
             raise UnsupportedModelError(

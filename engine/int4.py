@@ -227,6 +227,17 @@ class Int4Linear(nn.Module):
         codes, scales, zeros = quantize_rtn(weight, group_size)
         return cls.from_codes(codes, scales, zeros, weight.shape[1], bias, kernel)
 
+    def to_kernel(self, kernel: str, device: torch.device) -> "Int4Linear":
+        """This reference-layout layer in `kernel`'s layout on `device` (the same codes, scales, zeros and
+        offsets). For loading on the host and laying each layer out where it will run, one at a time."""
+        assert self.kernel == "reference", f"only the reference layout keeps the codes, this is {self.kernel}"
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
+        bias = None if self.bias is None else self.bias.detach().to(device)
+        layer = Int4Linear.from_codes(unpack_nibbles(self.packed.to(device)), moved(self.scales), moved(self.zeros),
+                                      self.in_features, bias, kernel, self.origin, moved(self.offsets))
+        layer.fallback_reason = self.fallback_reason
+        return layer
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The [out, in] weight this layer multiplies by: exact for the reference path; the kernel's own bfloat16
         dequantization (read back through an identity matmul) for the fast paths."""

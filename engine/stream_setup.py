@@ -21,7 +21,8 @@ import torch
 
 from . import loader
 from .copy_engines import CopyEngine, CpuCopyEngine, CudaCopyEngine
-from .streaming import LayerStreamer, StreamPlan, enable_streaming, kv_cache_bytes, plan_streaming
+from .int4 import Int4Linear
+from .streaming import LayerStreamer, StreamPlan, decoder_layers, enable_streaming, kv_cache_bytes, plan_streaming
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,53 @@ def probe_bandwidth(device: torch.device, num_bytes: int = BANDWIDTH_PROBE_BYTES
     return num_bytes / max(best, 1e-9)
 
 
+def stage_for_streaming(model, device: torch.device, kernel: str) -> None:
+    """A model loaded on the host with int4 layers in the reference layout, made ready for streaming on
+    `device` without ever holding all of it there: each decoder layer is laid out for `kernel` on the device and
+    moved back to the host at once (peak: one layer), and everything outside the decoder layers is moved to the
+    device (a tied head and table stay one tensor). start_streaming then moves the layers the plan keeps
+    resident. In place."""
+    from torch import nn
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        for name, module in list(layer.named_modules()):
+            if isinstance(module, Int4Linear) and module.kernel == "reference" and kernel != "reference":
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, child, module.to_kernel(kernel, device))
+        layer.to("cpu")
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    moved: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        for table in (module._parameters, module._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.device == device:
+                    continue
+                if id(tensor) not in moved:
+                    data = tensor.detach().to(device)
+                    moved[id(tensor)] = nn.Parameter(data, requires_grad=False) \
+                        if isinstance(tensor, nn.Parameter) else data
+                table[key] = moved[id(tensor)]
+
+
+def load_for_streaming(source, device: torch.device, dtype: torch.dtype, *, weights: str, group_size: int,
+                       kernel: str, head: str):
+    """(model, tokenizer) for streaming on a CUDA `device`: loaded on the host in the reference layout, then
+    staged (stage_for_streaming) so a model larger than the card never has to fit on it whole. The output head
+    stays as loaded under head="auto" (the int8 kernel is the CPU's)."""
+    from .head import quantize_head
+    from .int4 import pick_kernel
+
+    model, tokenizer = loader.load_model(source, torch.device("cpu"), dtype, weights=weights, group_size=group_size,
+                                         kernel="reference", head="float")
+    stage_for_streaming(model, device, pick_kernel(kernel, device)[0])
+    if head not in ("auto", "float"):
+        quantize_head(model, head, group_size=group_size, kernel=kernel)
+    return model, tokenizer
+
+
 @functools.lru_cache(maxsize=None)
 def _probed_bandwidth(device: str) -> float:
     return probe_bandwidth(torch.device(device))
@@ -172,11 +220,14 @@ class Streaming:
 def start_streaming(model, device: torch.device, *, budget_bytes: int | None, num_slots: int = DEFAULT_SLOTS,
                     max_context: int = PLANNED_CONTEXT, context_bytes: int = 0,
                     folder: str | os.PathLike | None = None) -> Streaming:
-    """Plans `model` (on `device`, int4) under `budget_bytes` (None: default_budget) and streams what does not
-    fit. ValueError naming the minimum when the budget is too small for any plan."""
+    """Plans `model` (int4, on `device` or staged for it by stage_for_streaming) under `budget_bytes` (None:
+    default_budget) and streams what does not fit. ValueError naming the minimum when the budget is too small for any plan."""
     budget = default_budget(device) if budget_bytes is None else int(budget_bytes)
     kv = kv_cache_bytes(model, min(max_context, PLANNED_CONTEXT))
     plan = plan_streaming(model, budget, num_slots=num_slots, kv_bytes=kv, context_bytes=context_bytes)
+    layers = decoder_layers(model)
+    for index in plan.resident_layers:  # a staged model (stage_for_streaming) has every layer on the host
+        layers[index].to(device)
     if folder is None:
         from platformdirs import user_cache_dir
 

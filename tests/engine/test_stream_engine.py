@@ -97,3 +97,25 @@ def test_the_info_of_an_int4_engine_says_streaming_can_run_and_of_a_float_one_wh
 
 def test_the_bandwidth_probe_measures_a_real_copy():
     assert probe_bandwidth(torch.device("cpu"), 8 << 20) > 1e7  # any machine copies 10 MB/s
+
+
+def test_a_model_staged_on_the_host_computes_as_one_loaded_on_its_device(awq_folder, one_thread):
+    """What a CUDA load for streaming does (load on the host in the reference layout, lay each layer out for the
+    device's kernel and keep it on the host), with the CPU and its kernel standing in for the GPU and tinygemm."""
+    from engine.int4 import Int4Linear, kernel_unavailable
+    from engine.loader import load_model, resolve_source
+    from engine.stream_setup import stage_for_streaming
+    from engine.streaming import decoder_layers
+
+    if kernel_unavailable("cpu_int4pack", "cpu") is not None:
+        pytest.skip("no CPU int4 kernel")
+    cpu, src = torch.device("cpu"), resolve_source(str(awq_folder))
+    direct, _ = load_model(src, cpu, torch.float32, weights="int4", kernel="cpu_int4pack", head="float")
+    staged, _ = load_model(src, cpu, torch.float32, weights="int4", kernel="reference", head="float")
+    stage_for_streaming(staged, cpu, "cpu_int4pack")
+    kernels = {m.kernel for layer in decoder_layers(staged) for m in layer.modules() if isinstance(m, Int4Linear)}
+    assert kernels == {"cpu_int4pack"}
+    assert staged.get_output_embeddings().weight is not None
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        assert torch.equal(staged(ids).logits, direct(ids).logits)
