@@ -83,7 +83,8 @@ def resolve_source(source: str | os.PathLike | None) -> ModelSource:
     if path.suffix.lower() == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return ModelSource("gguf", str(path.resolve().parent), path.name)
+        # abspath, not resolve(): in the HF cache the file is a symlink to blobs/<sha256>, a name without .gguf
+        return ModelSource("gguf", os.path.dirname(os.path.abspath(path)), path.name)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is a folder but holds no config.json: not a HuggingFace model folder")
