@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="side-by-side reuse benchmark (see bench/README.md)", add_help=False)
     p.add_argument("bench_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+
+    from .models_cli import add_models_parser  # kvboost models search | files | download | list | remove
+    add_models_parser(sub)
     return parser
 
 
