@@ -4,7 +4,6 @@ on stdout (what `--model` takes). $HF_ENDPOINT, $HF_HOME and $HF_HUB_CACHE are h
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -149,8 +148,3 @@ def _remove(hub, args) -> int:
 
 
 _ACTIONS = {"search": _search, "files": _files, "download": _download, "list": _list, "remove": _remove}
-
-if __name__ == "__main__":  # python -m engine.models_cli ... (kvboost models ... without loading torch first)
-    parser = argparse.ArgumentParser(prog="kvboost")
-    add_models_parser(parser.add_subparsers(dest="command", required=True))
-    sys.exit(run_models(parser.parse_args(["models", *sys.argv[1:]])))
