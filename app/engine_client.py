@@ -104,6 +104,14 @@ class EngineClient(QObject):
 
         threading.Thread(target=run, name="kvboost-weight-sizes", daemon=True).start()
 
+    def model_library(self, **options):
+        """The model library over the standard HF cache (engine.models.ModelHub; `options`: endpoint, cache_dir,
+        token). Importing the engine takes seconds and the library's calls do network and disk I/O: call this and
+        them off the UI thread and off the engine thread (app.models_dialog runs them on threads of its own)."""
+        from engine.models import ModelHub
+
+        return ModelHub(**options)
+
     def use_engine(self, engine) -> int:
         """Adopts an already loaded engine (tests share one model this way; the engine must not be used
         elsewhere while this client runs it)."""

@@ -135,6 +135,7 @@ class MainWindow(QMainWindow):
         action(conv_menu, "Stop answer", lambda: self.current_tab() and self.current_tab().stop())
         model_menu = bar.addMenu("&Model")
         action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
+        action(model_menu, "Models…", self.open_models_dialog, name="modelsAction")
         port = self.api_server_setting()["port"]
         self.serve_action = action(model_menu, f"Serve OpenAI API on 127.0.0.1:{port}", self.on_serve_action_toggled,
                                    name="serveApiAction")
@@ -371,6 +372,26 @@ class MainWindow(QMainWindow):
             self.db.set_setting("model", values)
             self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
                             weights=values["weights"])
+
+    def open_models_dialog(self, library_options: dict | None = None):
+        """Model > Models…: search, download, remove; Load loads the chosen download with the saved model options
+        and saves it as the model to load at start. Not modal: the chats go on during a download."""
+        from .models_dialog import ModelsDialog
+
+        current = self.db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
+        dialog = ModelsDialog(self, open_library=lambda: self.client.model_library(**(library_options or {})),
+                              weights=current.get("weights", "auto"))
+        dialog.setAttribute(Qt.WA_DeleteOnClose)
+
+        def load(path: str) -> None:
+            values = {**current, "source": path}
+            self.db.set_setting("model", values)
+            self.load_model(path, reuse=values.get("reuse", "chunk"), awq_streaming=values.get("awq_streaming", False),
+                            weights=values.get("weights", "auto"))
+
+        dialog.model_chosen.connect(load)
+        dialog.show()
+        return dialog
 
     # -- the OpenAI-compatible API over the loaded model -------------------------------------------------------
     def api_server_setting(self) -> dict:
