@@ -287,6 +287,7 @@ class ModelHub:
         entry = listing.entry(choice)
         commit = listing.revision
         repo_dir = hub_cache.repo_folder(self.cache_dir, repo)
+        (repo_dir / "snapshots").mkdir(parents=True, exist_ok=True)  # scan_cache_dir calls a repo without it corrupt
         report = progress or (lambda done, total: None)
         done = 0
         headers = self._headers()
