@@ -1,9 +1,9 @@
 """`kvboost-desktop`: starts the window at once, then loads the model in the background.
 
 `kvboost-desktop --smoke OUT.png` runs the real app offscreen: loads the model, opens a tab, sends one
-message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure). `kvboost-desktop --self-test` is the
-same check for an installed app: the bundled default model, a screenshot into the log folder (or
---self-test-dir), the timings from process start, exit 0 or 1 with the reason.
+message, waits for the reply, saves a screenshot, prints the reply and exits 0 (non-zero on any failure).
+`kvboost-desktop --self-test` is the same check for an installed app: the bundled default model, a screenshot
+into the log folder (or --self-test-dir), the timings from process start, exit 0 or 1 with the reason.
 
 One app runs per home: a second `kvboost-desktop [FILE ...]` on the same home hands its files to the running
 one (which comes to the front and adds them to the current conversation) and exits 0. A folder or database
