@@ -1,6 +1,7 @@
 """`python -m bench [multiturn|sysprompt|rag|needle|all] ...`: the side-by-side reuse benchmark (bench.reuse);
 `python -m bench decode ...`: weight formats side by side (bench.decode);
-`python -m bench streaming ...`: int4 layer streaming against the resident model (bench.streaming)."""
+`python -m bench streaming ...`: int4 layer streaming against the resident model (bench.streaming);
+`python -m bench speculative ...`: prompt-lookup speculative decoding against one token per forward."""
 
 import sys
 
@@ -15,4 +16,8 @@ if __name__ == "__main__":
         from bench.streaming import main as streaming_main
 
         sys.exit(streaming_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["speculative"]:
+        from bench.speculative import main as speculative_main
+
+        sys.exit(speculative_main(sys.argv[2:]))
     sys.exit(main())

@@ -120,6 +120,10 @@ class EngineConfig:
     # (engine.paged). None: no limit.
     live_kv_bytes: int | None = None
     live_page_tokens: int = 128  # tokens per spilled page
+    # Speculative decoding (engine.speculative): "prompt-lookup" drafts up to num_draft tokens from the context
+    # and checks them in the forward that feeds each token; None decodes one token per forward.
+    speculative: str | None = None
+    num_draft: int = 4
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -141,6 +145,10 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.kv_quant.validate()
         self.chunking.validate()
+        if self.speculative not in (None, "prompt-lookup"):
+            raise ValueError(f"speculative must be 'prompt-lookup' or None, got {self.speculative!r}")
+        if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 1 <= self.num_draft <= 32:
+            raise ValueError(f"num_draft must be an integer in 1..32, got {self.num_draft!r}")
 
 
 @dataclass(frozen=True)

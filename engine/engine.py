@@ -104,7 +104,8 @@ class KVBoost:
                         repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
-                        stream_slots: int = DEFAULT_SLOTS) -> "KVBoost":
+                        stream_slots: int = DEFAULT_SLOTS, speculative: str | None = None,
+                        num_draft: int = 4) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -114,7 +115,10 @@ class KVBoost:
         `awq_streaming`: layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or
         weights="int4") that do not fit in `weight_budget_bytes` of device memory (None: 90% of free VRAM on
         CUDA, of available RAM on the CPU) live off the device and are copied, one layer at a time, into
-        `stream_slots` slots before they run; a budget below the plan's minimum is a ValueError naming it. `quiet`: only errors from transformers' logging (no warnings or progress
+        `stream_slots` slots before they run; a budget below the plan's minimum is a ValueError naming it.
+        `speculative` "prompt-lookup": up to `num_draft` tokens drafted from the context (prompt, documents,
+        answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
+        that of one token per forward, sampling keeps its distribution. `quiet`: only errors from transformers' logging (no warnings or progress
         bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
@@ -133,7 +137,8 @@ class KVBoost:
                               cpu_cache_bytes=cpu_cache_bytes, disk_cache_bytes=disk_cache_bytes,
                               disk_cache_dir=str(disk_cache_dir) if disk_cache_dir is not None else None,
                               kv_quant=KVQuantConfig.parse(kv_quant), eviction=eviction,
-                              live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens)
+                              live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens,
+                              speculative=speculative, num_draft=num_draft)
         config.validate()
         src = loader.resolve_source(source)
         _check_cancel(cancel)
@@ -182,7 +187,8 @@ class KVBoost:
         if changes.get("disk_cache_dir") is not None:
             changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
         inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
-                     "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens")
+                     "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens",
+                     "speculative", "num_draft")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)
@@ -247,7 +253,8 @@ class KVBoost:
                 tokens = list(ids)  # the prompt, then every sampled token
                 events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
                                        device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
-                                       t_enter=t_enter, cancel=cancel, return_logits=return_logits)
+                                       t_enter=t_enter, cancel=cancel, return_logits=return_logits,
+                                       speculative=self.config.speculative, num_draft=self.config.num_draft)
                 storing, chunks_stored = mode != "off", False
                 try:
                     for event in events:

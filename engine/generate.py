@@ -18,7 +18,8 @@ import torch
 from transformers import DynamicCache
 
 from .config import SamplingConfig
-from .paged import spill_stats, spilling
+from .paged import SpillingCache, spill_stats, spilling
+from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 
 @dataclass
@@ -45,6 +46,9 @@ class Stats:
     reused_by_tier: dict[str, int] = field(default_factory=dict)  # reused tokens per tier served from
     weight_passes: int = 0  # with layer streaming: forwards through the streamed layers (each copies them once)
     tokens_per_weight_pass: float = 0.0  # tokens those passes computed, per pass (prefill: the prompt in one)
+    decode_forwards: int = 0  # forwards of the decode loop (each feeds one token, and the drafts checked with it)
+    drafted_tokens: int = 0  # speculative decoding: tokens drafted from the context ...
+    accepted_tokens: int = 0  # ... and those the model agreed with (kept without a forward of their own)
 
     @property
     def reused_fraction(self) -> float:
@@ -77,21 +81,30 @@ def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch
     return out.logits[0, -1]
 
 
+def check_forward(model, tokens: list[int], cache: DynamicCache, device) -> torch.Tensor:
+    """Feeds `tokens` (the last token, then the drafted ones) in one forward: next-token logits after each, [k+1, V]."""
+    out = model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+    return out.logits[0]
+
+
+def _greedy_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
+    """What greedy decoding would choose at checked position i, the `kept` drafts before it in the history."""
+    return lambda i, kept: sample(checked[i], params, [*ids, *kept], None)
+
+
+def _probs_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
+    return lambda i, kept: sampling_probs(checked[i], params, [*ids, *kept])
+
+
 GREEDY_BELOW = 1e-30  # logits are tens at most: divided by 1e-30 they are still finite in float32
 
 
-def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
-           generator: torch.Generator | None) -> int:
-    """One token from next-token logits [V]. temperature 0 is greedy, and so is any temperature below
-    GREEDY_BELOW (its limit; logits / temperature would overflow float32). top_p keeps at least the top token.
-    Works in float32 on the CPU so that the same seed gives the same token on every device."""
-    logits = logits.detach().float().cpu()
-    if params.repetition_penalty != 1.0 and len(history):
-        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
-        scores = logits[seen]
-        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-    if params.temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
+def sampling_probs(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int]) -> torch.Tensor:
+    """The distribution [V] (float32, CPU) a sampled token is drawn from: repetition penalty over `history`,
+    temperature, top_k, then top_p (which keeps at least the top token). Not for greedy (temperature below
+    GREEDY_BELOW). The caller's logits are left as they are."""
+    logits = logits.detach().float().cpu().clone()
+    _penalize(logits, params, history)
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -102,8 +115,30 @@ def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over top_p
         drop[0] = False  # a top_p below float32's range compares as 0, which would drop them all
         logits[order[drop]] = float("-inf")
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.softmax(logits, dim=-1)
+
+
+def _penalize(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int]) -> None:
+    if params.repetition_penalty != 1.0 and len(history):
+        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
+        scores = logits[seen]
+        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
+
+
+def is_greedy(params: SamplingConfig) -> bool:
+    return params.temperature < GREEDY_BELOW
+
+
+def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
+           generator: torch.Generator | None) -> int:
+    """One token from next-token logits [V]. temperature 0 is greedy, and so is any temperature below
+    GREEDY_BELOW (its limit; logits / temperature would overflow float32). Works in float32 on the CPU so that
+    the same seed gives the same token on every device."""
+    if is_greedy(params):
+        logits = logits.detach().float().cpu().clone()
+        _penalize(logits, params, history)
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(sampling_probs(logits, params, history), 1, generator=generator))
 
 
 class Detokenizer:
@@ -164,12 +199,14 @@ class Detokenizer:
 
 def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
                   params: SamplingConfig, stats: Stats, *, device, eos_ids: set[int], max_context: int,
-                  t_enter: float, cancel: threading.Event | None = None,
-                  return_logits: bool = False) -> Iterator[TokenEvent | Result]:
+                  t_enter: float, cancel: threading.Event | None = None, return_logits: bool = False,
+                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT) -> Iterator[TokenEvent | Result]:
     """Samples up to max_new_tokens from `logits`, the next-token logits [V] after the prompt `ids` whose KV
     fills `cache`, feeding each token back, until EOS, a stop string, the context limit or `cancel` (checked
     before every step). Every sampled token is appended to `ids`, so the caller can store the KV of
-    ids[:cache length] however the loop ended. Completes `stats` (times from `t_enter`, the call's start) and
+    ids[:cache length] however the loop ended. `speculative` "prompt-lookup": up to `num_draft` tokens drafted
+    from the context are checked in the forward that feeds each token (engine.speculative; not over a cache
+    that spills, which cannot be cut back). Completes `stats` (times from `t_enter`, the call's start) and
     yields it in the Result, after the TokenEvents."""
     prompt_len = len(ids)
     generator = None
@@ -177,34 +214,65 @@ def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, i
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
     detok = Detokenizer(tokenizer, params.stop)
-    finish_reason = "length"
+    drafts = NgramIndex(ids) if speculative and not isinstance(cache, SpillingCache) else None
+    finish = None  # why the loop ended, once it has
     t_first = None
+
+    def emit(token: int):
+        """Hands `token` out (EOS is not); returns why generation ends after it, or None."""
+        if token in eos_ids:
+            return "stop"
+        ids.append(token)
+        if drafts is not None:
+            drafts.append(token)
+        delta = detok.add(token)
+        if delta:
+            yield TokenEvent(delta, token)
+        if detok.stopped:
+            return "stop"
+        if len(ids) - prompt_len >= params.max_new_tokens or len(ids) >= max_context:
+            return "length"
+        if cancel is not None and cancel.is_set():
+            return "cancelled"
+        return None
+
     with torch.inference_mode():
         first_logits = logits.float().cpu().clone() if return_logits else None
-        while True:
-            token = sample(logits, params, ids, generator)
+        chosen = None  # a token already chosen by a speculative check (its logits were in the checked forward)
+        while finish is None:
+            token = chosen if chosen is not None else sample(logits, params, ids, generator)
+            chosen = None
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_ms = (t_first - t_enter) * 1000
-            if token in eos_ids:
-                finish_reason = "stop"
+            finish = yield from emit(token)
+            if finish is not None:
                 break
-            ids.append(token)
-            delta = detok.add(token)
-            if delta:
-                yield TokenEvent(delta, token)
-            if detok.stopped:
-                finish_reason = "stop"
-                break
-            if len(ids) - prompt_len >= params.max_new_tokens or len(ids) >= max_context:
-                finish_reason = "length"
-                break
-            if cancel is not None and cancel.is_set():
-                finish_reason = "cancelled"
-                break
-            logits = decode_one_token(model, token, cache, device)
+            # Room for drafts: what max_new_tokens leaves, and the context (the cache then holds len(ids) + k).
+            room = min(params.max_new_tokens - (len(ids) - prompt_len), max_context - 1 - len(ids))
+            draft = drafts.draft(min(num_draft, room)) if drafts is not None and room > 0 else []
+            stats.decode_forwards += 1
+            if not draft:
+                logits = decode_one_token(model, token, cache, device)
+                continue
+            checked = check_forward(model, [token, *draft], cache, device)  # [k + 1, V]
+            kept, chosen = verify(draft, _greedy_at(checked, params, ids), _probs_at(checked, params, ids),
+                                  generator, is_greedy(params))
+            stats.drafted_tokens += len(draft)
+            stats.accepted_tokens += kept
+            if kept < len(draft):
+                cache.crop(kept - len(draft))  # the rejected drafts' KV
+            for accepted in draft[:kept]:
+                finish = yield from emit(accepted)
+                if finish is not None:
+                    break
+            if chosen is None:
+                logits = checked[kept]
+        if drafts is not None and cache.get_seq_length() > len(ids):
+            cache.crop(len(ids) - cache.get_seq_length())  # kept drafts past where the answer ended
+    finish_reason = finish or "length"
     generated = ids[prompt_len:]
     tail = detok.finish()
     if tail:

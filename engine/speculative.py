@@ -1,0 +1,84 @@
+"""Prompt-lookup speculative decoding: drafts from the text already in the context, checked by one forward.
+
+Document answers quote their documents and chat answers repeat the conversation's names and phrases. When the
+last few tokens generated also occur earlier in the context (the prompt, its documents, the answer so far), the
+tokens that followed them there are a cheap guess of what comes next. One forward over [token, draft...]
+computes the model's next-token logits after each drafted position; the longest prefix of the draft that the
+model itself would have produced is kept, and the first token it would have produced instead comes for free.
+A forward reads every weight once whatever the number of tokens, so a step that keeps k drafts costs about one
+step and yields k + 1 tokens.
+
+- `NgramIndex`: for each n-gram of the context (n = 1..max_n), where it last occurred with a continuation;
+  `draft` looks the current suffix up, longest n first.
+- `verify`: which drafted tokens to keep. Greedy: those equal to the argmax (the output is the non-speculative
+  greedy output). Sampling: the standard rule for a draft that is a single proposed token (a point mass q):
+  keep d with probability p(d), else sample from the residual p without d, renormalised; this keeps the
+  sampled distribution exactly p at every position (tests check it statistically).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+MODES = ("prompt-lookup",)
+DEFAULT_NUM_DRAFT = 4
+MAX_NGRAM = 3
+MIN_NGRAM = 2  # single tokens match too often by chance ("the", ","): drafts from them are mostly rejected
+
+
+class NgramIndex:
+    """Positions of n-grams in a growing token list: for each n in [min_n, max_n] and each n-gram, the start of
+    its latest occurrence that has at least one token after it."""
+
+    def __init__(self, ids: Sequence[int], max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM):
+        self.max_n, self.min_n = max_n, min_n
+        self.ids: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}
+        for token in ids:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        # The n-grams ending at the current last token get a continuation now: index them.
+        end = len(self.ids)
+        for n in range(self.min_n, self.max_n + 1):
+            if end >= n:
+                self._last[tuple(self.ids[end - n:end])] = end - n
+        self.ids.append(token)
+
+    def draft(self, num_draft: int) -> list[int]:
+        """Up to `num_draft` tokens that followed the latest earlier occurrence of the longest suffix found."""
+        ids = self.ids
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if len(ids) <= n:
+                continue
+            start = self._last.get(tuple(ids[-n:]))
+            if start is not None:
+                return ids[start + n:start + n + num_draft]
+        return []
+
+
+def verify(draft: Sequence[int], greedy_at, probs_at, generator: torch.Generator | None,
+           greedy: bool) -> tuple[int, int | None]:
+    """Which of the k drafted tokens to keep, checked position by position (position i: the logits after the
+    fed token and the first i drafts). Returns (how many to keep, the token after them when the check stopped
+    at a mismatch, else None: all kept, and the logits after the last give the next position).
+    `greedy_at(i, kept)`: the greedy choice at position i given the drafts kept before it; `probs_at(i, kept)`:
+    the sampling distribution [V] there (temperature, top-k/top-p and repetition penalty applied)."""
+    for i, token in enumerate(draft):
+        if greedy:
+            choice = greedy_at(i, draft[:i])
+            if choice != token:
+                return i, choice
+            continue
+        p = probs_at(i, draft[:i])
+        if float(torch.rand((), generator=generator)) < float(p[token]):
+            continue
+        residual = p.clone()
+        residual[token] = 0
+        total = float(residual.sum())
+        if total <= 0:  # p was a point mass on the draft: it would have been kept; guard rounding
+            continue
+        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+    return len(draft), None

@@ -1,0 +1,193 @@
+"""Prompt-lookup speculative decoding: drafts from the context's n-grams, greedy output identical to one token per
+forward (tiny models of several families, penalties and limits included), the accept/reject rule keeping the
+sampling distribution (checked statistically), the KV it leaves behind reusable, and where it stays off."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import EOS, FIRST_WORD, VOCAB, build_model, build_tokenizer, random_ids
+from torch import nn
+
+from engine import EngineConfig, KVBoost
+from engine.config import ChunkingConfig, SamplingConfig
+from engine.generate import Result, Stats, decode_tokens
+from engine.live_cache import GrowingCache
+from engine.speculative import NgramIndex, verify
+
+# -- drafts -------------------------------------------------------------------------------------------------------
+
+
+def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    index = NgramIndex([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 2, 6, 7], max_n=3, min_n=2)
+    # suffix (2, 6, 7) never occurred before; (6, 7) last occurred at 6..7, followed by 3, 4, 2
+    assert index.draft(3) == [3, 4, 2]
+    index.append(3)  # suffix (6, 7, 3) occurred at 6..8: followed by 4, 2, 6, 7
+    assert index.draft(4) == [4, 2, 6, 7]
+    index.append(99)  # (3, 99) and (7, 3, 99) never occurred
+    assert index.draft(4) == []
+
+
+def test_the_current_suffix_is_never_its_own_match_and_short_contexts_have_no_draft():
+    assert NgramIndex([1, 2]).draft(4) == []
+    assert NgramIndex([1, 2, 1, 2]).draft(4) == [1, 2]  # (1, 2) at 0..1, followed by 1, 2 (itself excluded)
+    assert NgramIndex([4, 4, 4, 4]).draft(2) == [4]  # (4, 4, 4) at 0..2, followed by one token
+
+
+# -- the accept/reject rule -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft_token", [0, 3])  # a likely draft and an unlikely one
+def test_the_first_token_after_a_check_is_distributed_as_the_model_says(draft_token):
+    p = torch.tensor([0.45, 0.25, 0.15, 0.1, 0.05])
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    trials = 20000
+    for _ in range(trials):
+        kept, chosen = verify([draft_token], None, lambda i, kept: p, generator, greedy=False)
+        counts[draft_token if kept else chosen] += 1
+    assert (counts / trials - p).abs().sum() / 2 < 0.015  # total variation: sampling noise is ~0.005 here
+
+
+def test_greedy_keeps_drafts_while_they_equal_the_greedy_choice():
+    choices = [7, 8, 9, 1]
+    kept, chosen = verify([7, 8, 2, 1], lambda i, kept: choices[i], None, None, greedy=True)
+    assert (kept, chosen) == (2, 9)
+    assert verify([7, 8], lambda i, kept: choices[i], None, None, greedy=True) == (2, None)
+
+
+# -- end to end ---------------------------------------------------------------------------------------------------
+
+def engines(arch: str, **config):
+    model, tokenizer = build_model(arch), build_tokenizer()
+    plain = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", **config))
+    return plain, plain.with_options(speculative="prompt-lookup", num_draft=4)
+
+
+def looping_prompt(seed: int) -> list[int]:
+    """Random tokens, then a stretch of them again: the model's context repeats itself, so drafts exist."""
+    ids = random_ids(40, seed)
+    return ids + ids[5:25]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_greedy_output_is_the_same_with_speculation_and_drafts_are_kept(arch, one_thread):
+    plain, spec = engines(arch)
+    drafted = accepted = 0
+    for seed in range(3):
+        want = plain.generate(looping_prompt(seed), max_new_tokens=40)
+        got = spec.generate(looping_prompt(seed), max_new_tokens=40)
+        assert got.token_ids == want.token_ids and got.text == want.text
+        assert got.finish_reason == want.finish_reason
+        drafted += got.stats.drafted_tokens
+        accepted += got.stats.accepted_tokens
+        # each decode forward yields its token and the drafts kept with it (the last may end on a kept draft)
+        assert got.stats.decode_forwards + got.stats.accepted_tokens in (len(got.token_ids) - 1, len(got.token_ids))
+    assert drafted > 0 and accepted > 0  # the run did exercise kept drafts
+
+
+@pytest.mark.parametrize("options", [dict(repetition_penalty=1.3), dict(max_new_tokens=7), dict(stop=["w300"])])
+def test_penalties_limits_and_stops_are_the_same_with_speculation(options, one_thread):
+    plain, spec = engines("llama")
+    options = {"max_new_tokens": 30, **options}
+    for seed in range(3):
+        want = plain.generate(looping_prompt(seed), **options)
+        got = spec.generate(looping_prompt(seed), **options)
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+class BigramLM(nn.Module):
+    """A language model whose next-token distribution depends on the last token only (a transition table), with
+    a cache whose length follows the tokens fed (so drafts can be cut back): the exact distribution of any
+    continuation is a product of table rows, which the decode loop's sampling can be checked against."""
+
+    def __init__(self, log_probs: torch.Tensor):
+        super().__init__()
+        self.register_buffer("log_probs", log_probs)  # [V, V]: row a = log p(next | a)
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, **_):
+        n = input_ids.shape[1]
+        past_key_values.update(torch.zeros(1, 1, n, 1), torch.zeros(1, 1, n, 1), 0)
+        return SimpleNamespace(logits=self.log_probs[input_ids])
+
+
+CYCLE = [FIRST_WORD + i for i in range(5)]  # the likely path: each word's successor in this cycle
+
+
+def bigram_table() -> torch.Tensor:
+    table = torch.full((VOCAB, VOCAB), float("-inf"))
+    for i, word in enumerate(CYCLE):  # 0.6 to the successor, 0.1 to each other word of the cycle
+        table[word, CYCLE] = torch.log(torch.tensor(0.1))
+        table[word, CYCLE[(i + 1) % len(CYCLE)]] = torch.log(torch.tensor(0.6))
+    return table
+
+
+def exact_probability(tokens: tuple[int, ...], last: int, table: torch.Tensor) -> float:
+    p = 1.0
+    for token in tokens:
+        p *= float(table[last, token].exp())
+        last = token
+    return p
+
+
+@torch.inference_mode()
+def test_sampled_continuations_follow_the_models_distribution_with_speculation(one_thread):
+    """3-token continuations of 4000 seeded runs against their exact probabilities under a bigram model, drafts
+    checked in most runs: a rule that kept drafts too often (or checked them at the wrong position) would
+    move the mass towards the cycle's path."""
+    model, tokenizer, table = BigramLM(bigram_table()), build_tokenizer(), bigram_table()
+    prompt = CYCLE * 4  # the context shows the cycle: after any word of it, a draft follows it
+    counts: dict[tuple[int, ...], int] = {}
+    runs, drafted = 4000, 0
+    for seed in range(runs):
+        cache = GrowingCache()
+        logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+        ids, stats = list(prompt), Stats()
+        params = SamplingConfig(max_new_tokens=3, temperature=1.0, seed=seed)
+        events = decode_tokens(model, tokenizer, cache, logits, ids, params, stats, device=torch.device("cpu"),
+                               eos_ids={EOS}, max_context=1000, t_enter=0.0, speculative="prompt-lookup",
+                               num_draft=2)
+        result = [e for e in events if isinstance(e, Result)][0]
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+        drafted += stats.drafted_tokens > 0
+        assert cache.get_seq_length() <= len(ids)
+    assert drafted > 0.5 * runs
+    tv = sum(abs(n / runs - exact_probability(k, prompt[-1], table)) for k, n in counts.items()) / 2
+    missing = 1 - sum(exact_probability(k, prompt[-1], table) for k in counts)  # sequences never drawn
+    # Sampling noise over 125 sequences at 4000 runs: ~0.05 (what the loop without drafts measures with these
+    # seeds); keeping every draft would move ~0.4 of the mass onto the cycle's path.
+    assert tv + missing / 2 < 0.08
+
+
+def test_the_kv_left_by_a_speculative_answer_is_reused_exactly(one_thread):
+    """The answer's KV is stored (reuse on): a follow-up that contains it must equal a run without reuse."""
+    model, tokenizer = build_model("llama"), build_tokenizer()
+    config = EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16), speculative="prompt-lookup")
+    spec = KVBoost(model, tokenizer, config)
+    fresh = spec.with_options(reuse="off", speculative=None)
+    prompt = looping_prompt(2)
+    first = spec.generate(prompt, max_new_tokens=24, stop=["w77"])
+    assert first.stats.accepted_tokens > 0
+    follow = prompt + first.token_ids + random_ids(6, 99)
+    again = spec.generate(follow, max_new_tokens=12, return_logits=True)
+    assert again.stats.reused_tokens > 0
+    want = fresh.generate(follow, max_new_tokens=12, return_logits=True)
+    assert again.token_ids == want.token_ids
+    assert (again.first_logits - want.first_logits).abs().max() < 1e-4
+
+
+def test_no_drafts_over_a_cache_that_spills(one_thread):
+    plain, _ = engines("llama")
+    spilling = plain.with_options(live_kv_bytes=4096, live_page_tokens=8, speculative="prompt-lookup")
+    got = spilling.generate(looping_prompt(1), max_new_tokens=20)
+    assert got.stats.drafted_tokens == 0
+    assert got.token_ids == plain.generate(looping_prompt(1), max_new_tokens=20).token_ids
+
+
+def test_bad_speculative_options_are_refused():
+    plain, _ = engines("llama")
+    with pytest.raises(ValueError, match="speculative must be"):
+        plain.with_options(speculative="medusa")
+    with pytest.raises(ValueError, match="num_draft"):
+        plain.with_options(speculative="prompt-lookup", num_draft=0)
