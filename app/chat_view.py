@@ -22,19 +22,41 @@ def badge_text(stats: dict | None, finish_reason: str | None = None) -> str:
     prompt = stats.get("prompt_tokens") or 0
     share = 100.0 * stats.get("reused_tokens", 0) / prompt if prompt else 0.0
     text = f"{share:.0f}% reused, TTFT {stats.get('ttft_ms', 0):.0f} ms"
+    if stats.get("remote"):  # app.remote_provider: our own kvboost-server reports its reuse, others nothing
+        reused = f"{share:.0f}% reused there, " if stats.get("kvboost") else ""
+        text = f"remote {stats.get('model', '')} · {reused}TTFT {stats.get('ttft_ms', 0):.0f} ms"
     if stats.get("decode_tokens_per_s"):
         text += f", {stats['decode_tokens_per_s']:.1f} tok/s"
     if finish_reason == "cancelled":
         text += " · stopped"
     elif finish_reason == "length":
         text += " · hit max tokens"
+    elif finish_reason == "interrupted":
+        text += " · interrupted"
     return text
+
+
+def remote_cache_html(stats: dict) -> str:
+    """What a remote server reported about its cache: kvboost-server's statistics, or that there are none."""
+    kv = stats.get("kvboost")
+    where = html.escape(str(stats.get("base_url", "the remote server")))
+    if not kv:
+        return (f"<p>The answer came from {where}, which reports no cache statistics (a kvboost-server does). "
+                f"Prompt tokens: {stats.get('prompt_tokens') or '?'}.</p>")
+    kinds = ", ".join(f"{html.escape(k)} {n}" for k, n in (kv.get("tokens_by_kind") or {}).items())
+    tiers = ", ".join(f"{html.escape(k)} {n}" for k, n in (kv.get("reused_by_tier") or {}).items())
+    return (f"<p><b>{where} reused {kv.get('reused_tokens', 0)} of {kv.get('prompt_tokens', 0)} prompt tokens</b>"
+            f" (reuse mode {html.escape(str(kv.get('reuse', '?')))}); server-side TTFT {kv.get('ttft_ms', 0):.0f} ms,"
+            f" {kv.get('queue_ms', 0):.0f} ms queued.</p><p>Tokens by kind: {kinds or 'none'}. "
+            f"Reused by tier: {tiers or 'none'}.</p>")
 
 
 def cache_map_html(answer: dict, theme: str) -> str:
     """The prompt as sent, each engine segment coloured by how its KV was obtained, and a summary line."""
     colors = KIND_COLORS[theme]
     stats = answer.get("stats") or {}
+    if stats.get("remote"):
+        return remote_cache_html(stats)
     prompt = stats.get("prompt_tokens") or 0
     reused = stats.get("reused_tokens", 0)
     counts = {k: 0 for k in KINDS}
@@ -184,7 +206,7 @@ class MessageWidget(QFrame):
         """Stats, segments and the time-saved estimate of a finished answer."""
         self._answer = answer
         self.badge.setText(badge_text(answer.get("stats"), answer.get("finish_reason")))
-        self.map_button.setVisible(bool(answer.get("segments")))
+        self.map_button.setVisible(bool(answer.get("segments")) or bool((answer.get("stats") or {}).get("remote")))
         if self.map_button.isChecked():
             self.cache_map.setHtml(cache_map_html(answer, self.theme))
 

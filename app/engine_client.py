@@ -71,13 +71,15 @@ class EngineClient(QObject):
         self._import_error: Exception | None = None  # why `engine` could not be imported
         self._early: list[_Job] = []  # submitted before the worker existed, in order
         self._closed = False  # shutdown() was called: no more jobs, no more signals about them
+        self._remote = None  # (app.remote_provider.RemoteProvider, model id) while answers come from a server
+        self._remote_jobs = None  # the one thread remote answers stream on, in order (made on first use)
         self._starter = threading.Thread(target=self._start_worker, name="kvboost-engine-import", daemon=True)
         self._starter.start()
 
     # -- UI-thread API -------------------------------------------------------------------------------------
     @property
     def is_loaded(self) -> bool:
-        return self._engine is not None
+        return self._engine is not None or self._remote is not None
 
     @property
     def model_info(self) -> dict | None:
@@ -85,6 +87,7 @@ class EngineClient(QObject):
 
     def load_model(self, source: str | None = None, **options) -> int:
         """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
+        self._remote = None  # answers come from the engine again (chats sent from now on queue behind the load)
         return self._submit("load", {"source": source, "options": {**self._engine_options, **options},
                                      "what": source or "SmolLM2-135M-Instruct (built in)"})
 
@@ -112,16 +115,70 @@ class EngineClient(QObject):
 
         return ModelHub(**options)
 
+    # -- answers from a remote OpenAI-compatible server (app.remote_provider) --------------------------------
+    @property
+    def is_remote(self) -> bool:
+        return self._remote is not None
+
+    def use_remote(self, base_url: str, model: str, api_key: str | None = None, *, max_context: int = 8192) -> None:
+        """Answers come from `model` on the OpenAI-compatible server at `base_url` from now on (load_model goes
+        back to the engine); model_loaded follows with info that says so. A model the engine holds stays loaded
+        until the next load_model."""
+        from .remote_provider import RemoteProvider
+
+        self._remote = (RemoteProvider(base_url, api_key), model)
+        self._info = {"name": model, "remote": True, "base_url": base_url, "device": f"remote {base_url}",
+                      "dtype": "remote", "max_context": max_context, "reuse": "remote", "load_s": 0.0,
+                      "source": None}
+        self.model_loaded.emit(dict(self._info))
+
+    def _submit_remote(self, messages: list[dict], sampling: dict) -> int:
+        from concurrent.futures import ThreadPoolExecutor
+
+        job = _Job(next(self._ids), "chat", {"messages": messages, "sampling": sampling})
+        if self._closed:
+            return job.id
+        if self._remote_jobs is None:
+            self._remote_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-remote")
+        self._pending[job.id] = job
+        provider, model = self._remote
+        self._remote_jobs.submit(self._run_remote, job, provider, model)
+        return job.id
+
+    def _run_remote(self, job: _Job, provider, model: str) -> None:
+        """On the remote thread: one streamed answer, reported with the engine's signals."""
+        try:
+            if job.cancel.is_set():  # stopped while waiting its turn
+                answer = {"text": "", "finish_reason": "cancelled", "stats": None, "segments": [], "saved_ms": 0.0}
+            else:
+                self.generation_started.emit(job.id)
+                answer = provider.chat(job.payload["messages"], job.payload["sampling"], model=model,
+                                       cancel=job.cancel, on_text=lambda text: self.token_generated.emit(job.id, text))
+        except Exception as exc:
+            self._pending.pop(job.id, None)
+            if not self._closed:
+                self._report_failure(job, exc)
+            return
+        self._pending.pop(job.id, None)
+        if not self._closed:
+            self.generation_finished.emit(job.id, answer)
+
     def use_engine(self, engine) -> int:
         """Adopts an already loaded engine (tests share one model this way; the engine must not be used
         elsewhere while this client runs it)."""
         return self._submit("load", {"engine": engine})
 
     def chat(self, messages: list[dict], sampling: dict | None = None) -> int:
+        if self._remote is not None:
+            return self._submit_remote(messages, dict(sampling or {}))
         return self._submit("chat", {"messages": messages, "sampling": dict(sampling or {})})
 
     def warm(self, texts: list) -> int:
         """Pre-fills each text (a string or a message list) so later prompts containing it reuse its KV."""
+        if self._remote is not None:  # a remote server's cache is its own: nothing to warm here
+            job_id = next(self._ids)
+            QTimer.singleShot(0, lambda: self.warm_finished.emit(job_id, _warm_totals(cancelled=False)))
+            return job_id
         return self._submit("warm", {"texts": list(texts)})
 
     def cancel(self, job_id: int) -> None:
@@ -199,6 +256,8 @@ class EngineClient(QObject):
         waiting up to `timeout` seconds. Returns whether it ended: False when a job outlived the deadline (a
         model load inside one long stage, or torch still being imported)."""
         self.stop_server()
+        if self._remote_jobs is not None:
+            self._remote_jobs.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             self._closed = True
             worker, self._early = self._worker, []

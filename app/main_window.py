@@ -136,6 +136,7 @@ class MainWindow(QMainWindow):
         model_menu = bar.addMenu("&Model")
         action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
         action(model_menu, "Models…", self.open_models_dialog, name="modelsAction")
+        action(model_menu, "Remote server…", self.open_remote_dialog, name="remoteAction")
         port = self.api_server_setting()["port"]
         self.serve_action = action(model_menu, f"Serve OpenAI API on 127.0.0.1:{port}", self.on_serve_action_toggled,
                                    name="serveApiAction")
@@ -198,10 +199,15 @@ class MainWindow(QMainWindow):
                 return self.tabs.widget(i)
         return None
 
+    def _on_tab_title_changed(self, tab: ConversationTab, title: str) -> None:
+        self.tabs.setTabText(self.tabs.indexOf(tab), title)
+        self.refresh_sidebar()
+
     def _add_tab(self, conversation: dict) -> ConversationTab:
         tab = ConversationTab(conversation, self.db, self.client, self.theme)
         tab.error_raised.connect(self.show_error)
         tab.generation_state_changed.connect(lambda _: self.refresh_sidebar())
+        tab.title_changed.connect(lambda title, t=tab: self._on_tab_title_changed(t, title))
         self.tabs.addTab(tab, conversation["title"])
         return tab
 
@@ -390,6 +396,33 @@ class MainWindow(QMainWindow):
                             weights=values.get("weights", "auto"))
 
         dialog.model_chosen.connect(load)
+        dialog.show()
+        return dialog
+
+    def open_remote_dialog(self):
+        """Model > Remote server…: on OK answers come from that server (Choose model… goes back to the engine);
+        the URL and model are saved, the key goes to the OS keyring only."""
+        from . import remote_provider
+        from .remote_dialog import RemoteDialog
+
+        current = self.db.get_setting("remote", {"base_url": "http://127.0.0.1:8000/v1", "model": ""})
+        dialog = RemoteDialog(self, base_url=current["base_url"], model=current["model"],
+                              stored_key=remote_provider.load_api_key(current["base_url"]))
+        dialog.setAttribute(Qt.WA_DeleteOnClose)
+
+        def use(values: dict) -> None:
+            key = values["api_key"]
+            if key:
+                try:
+                    remote_provider.store_api_key(values["base_url"], key)
+                except remote_provider.RemoteError as exc:  # no keyring: the key lives until the app quits
+                    self.show_error(str(exc))
+            else:
+                key = remote_provider.load_api_key(values["base_url"])
+            self.db.set_setting("remote", {"base_url": values["base_url"], "model": values["model"]})
+            self.client.use_remote(values["base_url"], values["model"], key)
+
+        dialog.accepted.connect(lambda: use(dialog.values()))
         dialog.show()
         return dialog
 
