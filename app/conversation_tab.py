@@ -26,7 +26,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import document_worker, documents, rag
-from .db import DatabaseError
+from .db import DEFAULT_TITLE, DatabaseError
 from .chat_view import ChatView
 
 log = logging.getLogger(__name__)
@@ -34,6 +34,18 @@ log = logging.getLogger(__name__)
 # Hashing files and waiting on the processes that read them (app/document_worker.py) runs here, never on the
 # UI thread (and never on the engine thread).
 _FILE_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvboost-files")
+
+
+TITLE_CHARS = 48
+
+
+def title_from_question(question: str) -> str:
+    """The opening words of a question, at most TITLE_CHARS characters, cut at a word."""
+    words = " ".join(question.split())
+    if len(words) <= TITLE_CHARS:
+        return words or DEFAULT_TITLE
+    cut = words[:TITLE_CHARS + 1].rsplit(" ", 1)[0] if " " in words[:TITLE_CHARS + 1] else words[:TITLE_CHARS]
+    return cut.rstrip(" ,.;:!?-") + "…"
 
 
 class Composer(QPlainTextEdit):
@@ -50,6 +62,7 @@ class Composer(QPlainTextEdit):
 
 class ConversationTab(QWidget):
     error_raised = Signal(str)  # one error path: the main window's banner
+    title_changed = Signal(str)  # the conversation took its title from its first question
     generation_state_changed = Signal(bool)
 
     def __init__(self, conversation: dict, db, client, theme: str, parent=None):
@@ -162,8 +175,21 @@ class ConversationTab(QWidget):
         self.chat_view.add_message(user)
         self._ask(user)
 
+    def _title_from(self, question: str) -> None:
+        """A conversation still called by the default name takes its first question's opening words (a rename
+        replaces them; a renamed conversation keeps its name)."""
+        if self.db.conversation(self.conversation_id)["title"] != DEFAULT_TITLE:
+            return
+        title = title_from_question(question)
+        try:
+            self.db.update_conversation(self.conversation_id, title=title)
+        except DatabaseError:  # the answer matters more; the default title stays
+            return
+        self.title_changed.emit(title)
+
     def _ask(self, user: dict) -> None:
         """Requests an answer to `user` (already stored, last message) from the history before it."""
+        self._title_from(user["content"])
         layout = rag.prompt_for(self.db, self.conversation_id, user["content"], max_context=self._max_context(),
                                 before_position=user["position"])
         try:
@@ -217,7 +243,8 @@ class ConversationTab(QWidget):
         if job != self._job:
             return
         widget = self.chat_view.widget_for(self._answer_id)
-        status = "cancelled" if answer["finish_reason"] == "cancelled" else "done"
+        # "interrupted": a remote server's answer broke off (app.remote_provider); the text so far is kept
+        status = answer["finish_reason"] if answer["finish_reason"] in ("cancelled", "interrupted") else "done"
         stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
                      finish_reason=answer["finish_reason"])
         # The engine's text is the whole answer (the widget may still hold a throttled partial render).
@@ -228,6 +255,8 @@ class ConversationTab(QWidget):
         if answer["stats"]:
             widget.set_answer(dict(answer))
         self._finish_request()
+        if answer.get("error"):
+            self.error_raised.emit(answer["error"])
 
     def on_client_generation_failed(self, job: int, message: str) -> None:
         if job != self._job:

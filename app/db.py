@@ -32,6 +32,7 @@ from .db_values import (DEFAULT_SAMPLING, ROLES, STATUSES, check_role, check_sta
 __all__ = ["Database", "DatabaseError", "DatabaseLocked", "DEFAULT_BUSY_TIMEOUT"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+DEFAULT_TITLE = "New chat"  # a conversation named so takes its first question's words (app.conversation_tab)
 _UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
 
 class Database(DocumentTables):
@@ -117,7 +118,7 @@ class Database(DocumentTables):
     # -- conversations ------------------------------------------------------------------------------------
 
     def create_conversation(
-        self, title: str = "New chat", system_prompt: str | None = None, sampling: dict | None = None
+        self, title: str = DEFAULT_TITLE, system_prompt: str | None = None, sampling: dict | None = None
     ) -> dict:
         """A new open tab at the end of the tab strip. `sampling` keys override DEFAULT_SAMPLING."""
         now = self._clock()
