@@ -8,6 +8,7 @@ turns token ids into text deltas for streaming.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from .config import SamplingConfig
-from .paged import SpillingCache, spill_stats, spilling
+from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 
@@ -81,9 +82,11 @@ def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch
     return out.logits[0, -1]
 
 
-def check_forward(model, tokens: list[int], cache: DynamicCache, device) -> torch.Tensor:
-    """Feeds `tokens` (the last token, then the drafted ones) in one forward: next-token logits after each, [k+1, V]."""
-    out = model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
+def check_forward(model, tokens: list[int], cache: DynamicCache, device, rowwise: bool) -> torch.Tensor:
+    """Feeds `tokens` (the last token, then the drafted ones) in one forward: next-token logits after each,
+    [k+1, V]. `rowwise`: attention one position at a time, as decode steps compute it (paged.rowwise_attention)."""
+    with rowwise_attention(model) if rowwise else contextlib.nullcontext():
+        out = model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, use_cache=True)
     return out.logits[0]
 
 
@@ -215,6 +218,7 @@ def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, i
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
     detok = Detokenizer(tokenizer, params.stop)
     drafts = NgramIndex(ids) if speculative and not isinstance(cache, SpillingCache) else None
+    rowwise = drafts is not None and hasattr(model, "config") and spill_unsupported(model) is None
     finish = None  # why the loop ended, once it has
     t_first = None
 
@@ -257,7 +261,7 @@ def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, i
             if not draft:
                 logits = decode_one_token(model, token, cache, device)
                 continue
-            checked = check_forward(model, [token, *draft], cache, device)  # [k + 1, V]
+            checked = check_forward(model, [token, *draft], cache, device, rowwise)  # [k + 1, V]
             kept, chosen = verify(draft, _greedy_at(checked, params, ids), _probs_at(checked, params, ids),
                                   generator, is_greedy(params))
             stats.drafted_tokens += len(draft)

@@ -380,3 +380,45 @@ def _paged_attention(module, query: torch.Tensor, layer: SpillingLayer, kwargs: 
     assert query.shape[1] == layer.keys.shape[1] * module.num_key_value_groups, "GQA groups as the module says"
     out = attend_blocks(query, layer.blocks(), layer.get_seq_length() - q_len, scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------- attention one query at a time (drafts)
+
+@contextmanager
+def rowwise_attention(model):
+    """Within the block, attention over several new positions runs one query position at a time, each over the
+    keys up to it, through the same registered function and arguments a one-token decode step uses: so a
+    forward that checks drafted tokens computes, for every position, the attention a decode step would (the
+    rest of a decoder layer is per position already). With bfloat16 int4 kernels the difference matters: the
+    ~1e-6 float32 differences between attention shapes flip bfloat16 roundings and grow over the layers to
+    changed greedy tokens. Only for models whose attention can be paged (the caller checks that
+    spill_unsupported(model) is None: full causal attention through the registry)."""
+    impl = model.config._attn_implementation
+    registered = ALL_ATTENTION_FUNCTIONS.get(impl)
+    if registered is None:  # "eager": the model's own module function, which has no registry entry to wrap
+        yield
+        return
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        q_len, kv_len = query.shape[2], key.shape[2]  # query [B, H, q, D]; key/value [B, H_kv, kv, D]
+        if q_len == 1:
+            return registered(module, query, key, value, attention_mask, *args, **kwargs)
+        rows = []
+        for i in range(q_len):
+            end = kv_len - q_len + 1 + i
+            row, _ = registered(module, query[:, :, i:i + 1], key[:, :, :end], value[:, :, :end], None, *args,
+                                **kwargs)
+            rows.append(row)  # [B, 1, H, D]
+        return torch.cat(rows, dim=1), None
+
+    with _hook_lock:
+        previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)  # an override already there (put back after)
+        ALL_ATTENTION_FUNCTIONS[impl] = attention
+    try:
+        yield
+    finally:
+        with _hook_lock:
+            del ALL_ATTENTION_FUNCTIONS[impl]
+            if previous is not None:
+                ALL_ATTENTION_FUNCTIONS[impl] = previous
+

@@ -13,7 +13,9 @@ from torch import nn
 
 from engine import EngineConfig, KVBoost
 from engine.config import ChunkingConfig, SamplingConfig
-from engine.generate import Result, Stats, decode_tokens
+from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens
+from engine.head import quantize_head
+from engine.int4 import kernel_unavailable, quantize_model
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify
 
@@ -191,3 +193,52 @@ def test_bad_speculative_options_are_refused():
         plain.with_options(speculative="medusa")
     with pytest.raises(ValueError, match="num_draft"):
         plain.with_options(speculative="prompt-lookup", num_draft=0)
+
+
+# -- int4 weights: the check computes what decode steps compute, bit for bit ----------------------------------------
+
+needs_cpu_int4 = pytest.mark.skipif(kernel_unavailable("cpu_int4pack", "cpu") is not None,
+                                    reason="no CPU int4 kernel")
+
+
+@pytest.fixture(scope="module")
+def smollm_int4_engine(smollm):
+    """An int4 copy of the session's real model (its head and table int8, as weights="int4" loads it)."""
+    import copy
+
+    model = copy.deepcopy(smollm.model)
+    quantize_model(model, group_size=64, kernel="cpu_int4pack")
+    quantize_head(model, "int8+embedding")
+    return KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off"))
+
+
+@needs_cpu_int4
+@torch.inference_mode()
+def test_a_checking_forward_gives_the_decode_steps_logits_and_kv_bit_for_bit_over_int4_layers(smollm_int4_engine,
+                                                                                             one_thread):
+    """Attention one position at a time makes the check exact; in one batched call its float32 rounding differs
+    from a decode step's, and 30 layers of bfloat16 int4 kernels grow that to ~0.25 in the logits."""
+    model, cpu = smollm_int4_engine.model, torch.device("cpu")
+    prompt, fed = list(range(1000, 1100)), [2000, 2001, 2002, 2003, 2004]
+    checked_cache, stepped_cache = GrowingCache(), GrowingCache()
+    for cache in (checked_cache, stepped_cache):
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    checked = check_forward(model, fed, checked_cache, cpu, rowwise=True)
+    stepped = torch.stack([decode_one_token(model, t, stepped_cache, cpu) for t in fed])
+    assert torch.equal(checked, stepped)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+               for a, b in zip(checked_cache.layers, stepped_cache.layers))
+
+
+@needs_cpu_int4
+def test_the_real_model_in_int4_answers_the_same_with_speculation(smollm_int4_engine, one_thread):
+    import pydoc_data.topics
+
+    plain = smollm_int4_engine
+    spec = plain.with_options(speculative="prompt-lookup")
+    messages = [{"role": "system", "content": pydoc_data.topics.topics["assignment"][:1500]},
+                {"role": "user", "content": "Repeat the first paragraph of the text above word for word."}]
+    want = plain.chat(messages, max_new_tokens=48)
+    got = spec.chat(messages, max_new_tokens=48)
+    assert got.token_ids == want.token_ids
+    assert got.stats.accepted_tokens > 10  # the answer quotes the document: most of it came from drafts
