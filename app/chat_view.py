@@ -27,6 +27,8 @@ def badge_text(stats: dict | None, finish_reason: str | None = None) -> str:
         text = f"remote {stats.get('model', '')} · {reused}TTFT {stats.get('ttft_ms', 0):.0f} ms"
     if stats.get("decode_tokens_per_s"):
         text += f", {stats['decode_tokens_per_s']:.1f} tok/s"
+    if stats.get("drafted_tokens"):  # speculative decoding: the share of drafted tokens the model kept
+        text += f", {100.0 * stats.get('accepted_tokens', 0) / stats['drafted_tokens']:.0f}% of drafts kept"
     if finish_reason == "cancelled":
         text += " · stopped"
     elif finish_reason == "length":
