@@ -90,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engine import KVBoost
 
     engine = KVBoost.from_pretrained(args.model, device="cpu", weights=args.weights, reuse="off",
-                                     disk_cache_bytes=0, quiet=True)
+                                     disk_cache_bytes=0, quiet=True, speculative=None)
     rows = []
     for k in (int(x) for x in args.drafts.split(",")):
         rows += run(engine, k, args.prompts, args.new_tokens)

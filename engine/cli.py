@@ -36,6 +36,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="auto",
                    help="output head (and embedding table) format: auto (int8 under int4 weights where the int8 "
                         "kernel runs), float, int8, int8+embedding, int4, int4+embedding")
+    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "off"),
+                   help="prompt-lookup: draft tokens from the context and check them in one forward (default)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -68,7 +70,8 @@ def load_engine(args):
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
                                    disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
                                    eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
-                                   weights=args.weights, group_size=args.group_size, head=args.head)
+                                   weights=args.weights, group_size=args.group_size, head=args.head,
+                                   speculative=None if args.speculative == "off" else args.speculative)
 
 
 def _badge(stats) -> str:

@@ -121,8 +121,10 @@ class EngineConfig:
     live_kv_bytes: int | None = None
     live_page_tokens: int = 128  # tokens per spilled page
     # Speculative decoding (engine.speculative): "prompt-lookup" drafts up to num_draft tokens from the context
-    # and checks them in the forward that feeds each token; None decodes one token per forward.
-    speculative: str | None = None
+    # and checks them in the forward that feeds each token; None decodes one token per forward. On by default:
+    # `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle questions, and
+    # 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
+    speculative: str | None = "prompt-lookup"
     num_draft: int = 4
 
     def validate(self) -> None:

@@ -104,7 +104,7 @@ class KVBoost:
                         repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
-                        stream_slots: int = DEFAULT_SLOTS, speculative: str | None = None,
+                        stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
@@ -116,9 +116,10 @@ class KVBoost:
         weights="int4") that do not fit in `weight_budget_bytes` of device memory (None: 90% of free VRAM on
         CUDA, of available RAM on the CPU) live off the device and are copied, one layer at a time, into
         `stream_slots` slots before they run; a budget below the plan's minimum is a ValueError naming it.
-        `speculative` "prompt-lookup": up to `num_draft` tokens drafted from the context (prompt, documents,
-        answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
-        that of one token per forward, sampling keeps its distribution. `quiet`: only errors from transformers' logging (no warnings or progress
+        `speculative` "prompt-lookup" (the default; None: one token per forward): up to `num_draft` tokens
+        drafted from the context (prompt, documents, answer so far) are checked in the forward that feeds each
+        token (engine.speculative); greedy output is that of one token per forward, sampling keeps its
+        distribution. `quiet`: only errors from transformers' logging (no warnings or progress
         bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),

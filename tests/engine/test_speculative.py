@@ -63,7 +63,7 @@ def test_greedy_keeps_drafts_while_they_equal_the_greedy_choice():
 
 def engines(arch: str, **config):
     model, tokenizer = build_model(arch), build_tokenizer()
-    plain = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", **config))
+    plain = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None, **config))
     return plain, plain.with_options(speculative="prompt-lookup", num_draft=4)
 
 
@@ -187,6 +187,12 @@ def test_no_drafts_over_a_cache_that_spills(one_thread):
     assert got.token_ids == plain.generate(looping_prompt(1), max_new_tokens=20).token_ids
 
 
+def test_speculation_is_on_by_default():
+    assert EngineConfig().speculative == "prompt-lookup"
+    assert KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0)).config.speculative \
+        == "prompt-lookup"
+
+
 def test_bad_speculative_options_are_refused():
     plain, _ = engines("llama")
     with pytest.raises(ValueError, match="speculative must be"):
@@ -209,7 +215,7 @@ def smollm_int4_engine(smollm):
     model = copy.deepcopy(smollm.model)
     quantize_model(model, group_size=64, kernel="cpu_int4pack")
     quantize_head(model, "int8+embedding")
-    return KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off"))
+    return KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
 
 
 @needs_cpu_int4
