@@ -285,7 +285,7 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
     # Let the window paint before the worker starts importing torch.
     from PySide6.QtCore import QTimer
 
-    QTimer.singleShot(0, lambda: window.load_model(source, **options))
+    QTimer.singleShot(0, lambda: window.start_model(source, explicit=args.model is not None, **options))
     if files:
         QTimer.singleShot(0, lambda: window.open_files(files))
     code = 1

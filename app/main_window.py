@@ -3,7 +3,8 @@ memory meter. Owns the Database (UI thread only) and the EngineClient.
 
 Over 400 lines on purpose: it is the one place where menus, the sidebar, the tabs and the engine client's
 model signals meet; each part is a few methods that read and write the others' state (the current tab, the
-loaded model), so a split would only move those reads behind new signals.
+loaded model), so a split would only move those reads behind new signals. The Model menu's dialogs and
+settings are app.model_menu's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
 from . import conversation_export, dialogs, theme as themes
 from .conversation_tab import ConversationTab
 from .memory_meter import MemoryMeter
+from .model_menu import ModelMenu
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(central)
 
         self._build_sidebar()
+        self.model_menu = ModelMenu(self)
         self._build_menus()
         self._build_status_bar()
         client.model_loading.connect(self.on_client_model_loading)
@@ -137,6 +140,7 @@ class MainWindow(QMainWindow):
         action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
         action(model_menu, "Models…", self.open_models_dialog, name="modelsAction")
         action(model_menu, "Remote server…", self.open_remote_dialog, name="remoteAction")
+        self.model_menu.add_recent_menu(model_menu)
         port = self.api_server_setting()["port"]
         self.serve_action = action(model_menu, f"Serve OpenAI API on 127.0.0.1:{port}", self.on_serve_action_toggled,
                                    name="serveApiAction")
@@ -360,71 +364,18 @@ class MainWindow(QMainWindow):
             self.tabs.widget(i).update_composer()
         return self.client.load_model(source, **options)
 
+    # Model > Choose model, Models…, Remote server…, Recent models, and what answers at start: app.model_menu.
     def choose_model(self) -> None:
-        current = self.db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
-        # Whether layer streaming can run depends on the chosen model and weight format: the dialog learns it from
-        # the engine's estimate for that model (weights_estimated), not from the model loaded now.
-        dialog = dialogs.ModelDialog(self, current=current, awq_unavailable=None)
-        # The memory each weight format would take, read from the chosen model's config off the UI thread.
-        dialog.weight_sizes_wanted.connect(self.client.estimate_weights)
-        self.client.weights_estimated.connect(dialog.show_weight_sizes)
-        dialog.request_weight_sizes()
-        try:
-            accepted = dialog.exec()
-        finally:
-            self.client.weights_estimated.disconnect(dialog.show_weight_sizes)
-        if accepted:
-            values = dialog.values()
-            self.db.set_setting("model", values)
-            self.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
-                            weights=values["weights"])
+        self.model_menu.choose_model()
 
     def open_models_dialog(self, library_options: dict | None = None):
-        """Model > Models…: search, download, remove; Load loads the chosen download with the saved model options
-        and saves it as the model to load at start. Not modal: the chats go on during a download."""
-        from .models_dialog import ModelsDialog
-
-        current = self.db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
-        dialog = ModelsDialog(self, open_library=lambda: self.client.model_library(**(library_options or {})),
-                              weights=current.get("weights", "auto"))
-        dialog.setAttribute(Qt.WA_DeleteOnClose)
-
-        def load(path: str) -> None:
-            values = {**current, "source": path}
-            self.db.set_setting("model", values)
-            self.load_model(path, reuse=values.get("reuse", "chunk"), awq_streaming=values.get("awq_streaming", False),
-                            weights=values.get("weights", "auto"))
-
-        dialog.model_chosen.connect(load)
-        dialog.show()
-        return dialog
+        return self.model_menu.open_models_dialog(library_options)
 
     def open_remote_dialog(self):
-        """Model > Remote server…: on OK answers come from that server (Choose model… goes back to the engine);
-        the URL and model are saved, the key goes to the OS keyring only."""
-        from . import remote_provider
-        from .remote_dialog import RemoteDialog
+        return self.model_menu.open_remote_dialog()
 
-        current = self.db.get_setting("remote", {"base_url": "http://127.0.0.1:8000/v1", "model": ""})
-        dialog = RemoteDialog(self, base_url=current["base_url"], model=current["model"],
-                              stored_key=remote_provider.load_api_key(current["base_url"]))
-        dialog.setAttribute(Qt.WA_DeleteOnClose)
-
-        def use(values: dict) -> None:
-            key = values["api_key"]
-            if key:
-                try:
-                    remote_provider.store_api_key(values["base_url"], key)
-                except remote_provider.RemoteError as exc:  # no keyring: the key lives until the app quits
-                    self.show_error(str(exc))
-            else:
-                key = remote_provider.load_api_key(values["base_url"])
-            self.db.set_setting("remote", {"base_url": values["base_url"], "model": values["model"]})
-            self.client.use_remote(values["base_url"], values["model"], key)
-
-        dialog.accepted.connect(lambda: use(dialog.values()))
-        dialog.show()
-        return dialog
+    def start_model(self, source: str | None = None, *, explicit: bool = False, **options) -> None:
+        self.model_menu.start(source, explicit=explicit, **options)
 
     # -- the OpenAI-compatible API over the loaded model -------------------------------------------------------
     def api_server_setting(self) -> dict:

@@ -1,0 +1,148 @@
+"""The Model menu's dialogs and memory: Choose model, Models… (downloads), Remote server…, the recent models, and
+which of the engine or a remote server answers at start.
+
+Settings it keeps (the app's SQLite settings): "model" (what to load at start: source, reuse, weights,
+layer streaming), "recent_models" (the last RECENT_MAX loads, newest first, each with its options), "remote"
+(base URL, model id, and "active": whether answers came from that server when the app last chose; the API key
+lives in the OS keyring only).
+"""
+
+from __future__ import annotations
+
+import os
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QAction
+
+from . import dialogs
+
+RECENT_MAX = 8
+DEFAULT_MODEL = {"source": None, "reuse": "chunk", "awq_streaming": False}
+DEFAULT_REMOTE = {"base_url": "http://127.0.0.1:8000/v1", "model": "", "active": False}
+
+
+def recent_label(entry: dict) -> str:
+    """What Model > Recent models shows for one entry: the file or folder name, then its weight format."""
+    source = entry.get("source")
+    name = os.path.basename(str(source).rstrip("/\\")) if source else dialogs.DEFAULT_MODEL_NAME + " (built in)"
+    weights = entry.get("weights", "auto")
+    return name if weights == "auto" else f"{name} · {weights}"
+
+
+def remembered(recent: list[dict], values: dict) -> list[dict]:
+    """`recent` with `values` (a loaded model's options) first, an earlier entry of the same source and weights
+    dropped, at most RECENT_MAX long."""
+    same = (values.get("source"), values.get("weights", "auto"))
+    rest = [e for e in recent if (e.get("source"), e.get("weights", "auto")) != same]
+    return [dict(values), *rest][:RECENT_MAX]
+
+
+class ModelMenu:
+    """The Model menu's behaviour for one window (its db, engine client and load_model)."""
+
+    def __init__(self, window):
+        self.window = window
+        self.db = window.db
+        self.client = window.client
+        self.recent_menu = None
+
+    def add_recent_menu(self, model_menu) -> None:
+        self.recent_menu = model_menu.addMenu("Recent models")
+        self.recent_menu.setObjectName("recentMenu")
+        self.recent_menu.aboutToShow.connect(self.fill_recent_menu)
+        self.fill_recent_menu()
+
+    def fill_recent_menu(self) -> None:
+        menu = self.recent_menu
+        menu.clear()
+        recent = self.db.get_setting("recent_models", [])
+        for entry in recent:
+            act = QAction(recent_label(entry), menu)
+            act.setToolTip(str(entry.get("source") or "the built-in model"))
+            act.triggered.connect(lambda _=False, e=entry: self.load(e))
+            menu.addAction(act)
+        if not recent:
+            empty = QAction("(none yet)", menu)
+            empty.setEnabled(False)
+            menu.addAction(empty)
+
+    # -- loading -------------------------------------------------------------------------------------------
+    def load(self, values: dict) -> int:
+        """Loads a model with its options, makes it the model to load at start and the newest recent one; answers
+        come from the engine again (not a remote server)."""
+        values = {**DEFAULT_MODEL, "weights": "auto", **values}
+        self.db.set_setting("model", values)
+        self.db.set_setting("recent_models", remembered(self.db.get_setting("recent_models", []), values))
+        remote = self.db.get_setting("remote", DEFAULT_REMOTE)
+        if remote.get("active"):
+            self.db.set_setting("remote", {**remote, "active": False})
+        return self.window.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
+                                      weights=values["weights"])
+
+    def start(self, source, *, explicit: bool, **options) -> None:
+        """At start: the remote server the app last used (unless a model was named on the command line), else
+        the engine with `source` and `options`."""
+        remote = self.db.get_setting("remote", DEFAULT_REMOTE)
+        if remote.get("active") and not explicit:
+            from . import remote_provider
+
+            self.client.use_remote(remote["base_url"], remote["model"],
+                                   remote_provider.load_api_key(remote["base_url"]))
+            return
+        self.window.load_model(source, **options)
+
+    def choose_model(self) -> None:
+        current = self.db.get_setting("model", DEFAULT_MODEL)
+        # Whether layer streaming can run depends on the chosen model and weight format: the dialog learns it from
+        # the engine's estimate for that model (weights_estimated), not from the model loaded now.
+        dialog = dialogs.ModelDialog(self.window, current=current, awq_unavailable=None)
+        # The memory each weight format would take, read from the chosen model's config off the UI thread.
+        dialog.weight_sizes_wanted.connect(self.client.estimate_weights)
+        self.client.weights_estimated.connect(dialog.show_weight_sizes)
+        dialog.request_weight_sizes()
+        try:
+            accepted = dialog.exec()
+        finally:
+            self.client.weights_estimated.disconnect(dialog.show_weight_sizes)
+        if accepted:
+            self.load(dialog.values())
+
+    def open_models_dialog(self, library_options: dict | None = None):
+        """Model > Models…: search, download, remove; Load loads the chosen download with the saved model options
+        and saves it as the model to load at start. Not modal: the chats go on during a download."""
+        from .models_dialog import ModelsDialog
+
+        current = self.db.get_setting("model", DEFAULT_MODEL)
+        dialog = ModelsDialog(self.window, open_library=lambda: self.client.model_library(**(library_options or {})),
+                              weights=current.get("weights", "auto"))
+        dialog.setAttribute(Qt.WA_DeleteOnClose)
+        dialog.model_chosen.connect(lambda path: self.load({**current, "source": path}))
+        dialog.show()
+        return dialog
+
+    def open_remote_dialog(self):
+        """Model > Remote server…: on OK answers come from that server (Choose model… goes back to the engine),
+        also after a restart; the URL and model are saved, the key goes to the OS keyring only."""
+        from . import remote_provider
+        from .remote_dialog import RemoteDialog
+
+        current = {**DEFAULT_REMOTE, **self.db.get_setting("remote", DEFAULT_REMOTE)}
+        dialog = RemoteDialog(self.window, base_url=current["base_url"], model=current["model"],
+                              stored_key=remote_provider.load_api_key(current["base_url"]))
+        dialog.setAttribute(Qt.WA_DeleteOnClose)
+
+        def use(values: dict) -> None:
+            key = values["api_key"]
+            if key:
+                try:
+                    remote_provider.store_api_key(values["base_url"], key)
+                except remote_provider.RemoteError as exc:  # no keyring: the key lives until the app quits
+                    self.window.show_error(str(exc))
+            else:
+                key = remote_provider.load_api_key(values["base_url"])
+            self.db.set_setting("remote", {"base_url": values["base_url"], "model": values["model"], "active": True})
+            self.client.use_remote(values["base_url"], values["model"], key)
+
+        dialog.accepted.connect(lambda: use(dialog.values()))
+        dialog.show()
+        return dialog
