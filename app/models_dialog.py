@@ -23,20 +23,14 @@ from PySide6.QtWidgets import (
     QPushButton, QSpinBox, QTreeWidget, QTreeWidgetItem, QVBoxLayout, QWidget,
 )
 
+from .memory_meter import human_bytes
+
 log = logging.getLogger(__name__)
 
 FORMAT_CHOICES = (("Any format", None), ("GGUF", "gguf"), ("Safetensors", "safetensors"), ("AWQ int4", "awq"))
 FIT_COLORS = {"green": "#2e7d32", "yellow": "#f9a825", "red": "#c62828"}
 FIT_WORDS = {"green": "Fits", "yellow": "Tight", "red": "Too large"}
 PROGRESS_EVERY_S = 0.1  # at most ten progress updates a second reach the UI thread
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
 
 
 def human_seconds(s: float) -> str:

@@ -44,7 +44,7 @@ def add_models_parser(subparsers) -> None:
     p.set_defaults(func=run_models)
 
 
-def _human(n: float) -> str:
+def _human(n: float) -> str:  # engine.model_fit.human_bytes, without importing torch (help, --no-fit)
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
