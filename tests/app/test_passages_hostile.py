@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from app.passages import markdown_headings, split_passages
@@ -17,7 +17,9 @@ HUGE = 1_000_000
 BOUND_S = 2.0
 
 # The heading rule as the regex it used to be: the reference on short lines, where it was fast.
-_REFERENCE_ATX = re.compile(r" {0,3}#{1,6}(?:[ \t]+(.*?))?(?:[ \t]+#+)?[ \t]*$")
+# The title group is tried last ("??"): a run of '#' right after the opening's blank is a closing sequence, so
+# "# #" is an empty heading (CommonMark), as "## ##" in the rules above.
+_REFERENCE_ATX = re.compile(r" {0,3}#{1,6}(?:[ \t]+(.*?))??(?:[ \t]+#+)?[ \t]*$")
 
 
 def _timed(function, *args, **kwargs):
@@ -64,6 +66,7 @@ _line = st.text(alphabet=st.sampled_from(list(" \t#abc=-`~\x0c\r")), max_size=30
 
 @settings(max_examples=400, deadline=None)
 @given(_line)
+@example("# #")  # found by a run: the reference read the closing '#' as a title
 def test_heading_detection_matches_the_reference_rule_on_short_lines(line):
     expected = _REFERENCE_ATX.match(line)
     headings = markdown_headings(line)

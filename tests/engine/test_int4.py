@@ -155,7 +155,9 @@ def awq_folders(tmp_path_factory):
 
 
 def load(folder, **options):
-    model, _ = load_model(resolve_source(str(folder)), CPU, torch.float32, **options)
+    """The model in `folder`, its output head and table as they are stored (head="float"): these tests compare
+    decoder layers; the head formats are tests/engine/test_head.py's."""
+    model, _ = load_model(resolve_source(str(folder)), CPU, torch.float32, **{"head": "float", **options})
     return model
 
 
