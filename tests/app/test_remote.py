@@ -99,7 +99,8 @@ def test_a_remote_answer_streams_into_the_window_and_the_key_stays_out_of_the_da
     assert saved["status"] == "done" and saved["stats"]["remote"] and saved["stats"]["kvboost"]["prompt_tokens"] > 0
 
     assert memory_keyring.passwords == {("kvboost-desktop remote server", server.url + "/v1"): KEY}
-    assert db.get_setting("remote") == {"base_url": server.url + "/v1", "model": "smollm2"}
+    # saved, active: at the next start answers come from this server again (app.model_menu.ModelMenu.start)
+    assert db.get_setting("remote") == {"base_url": server.url + "/v1", "model": "smollm2", "active": True}
     db.close()
     assert not any(KEY.encode() in p.read_bytes() for p in tmp_path.glob("kvboost.sqlite3*"))
 
