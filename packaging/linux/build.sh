@@ -16,6 +16,9 @@ here=packaging/linux
 bash packaging/venv.sh
 py=build/venv/bin/python
 version="$("$py" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')"
+# A CUDA build (TORCH_SPEC=torch==...+cuNNN) is named apart: "-cuda" in the tar.gz, "+cuda" in the .deb's version.
+case "${TORCH_SPEC:-}" in *+cu*) variant=cuda ;; *) variant="" ;; esac
+deb_version="$version${variant:++$variant}"
 arch="$(uname -m)"
 debarch="$(dpkg --print-architecture)"
 name=kvboost-desktop
@@ -41,7 +44,7 @@ place_bundle() {
 }
 
 echo "== tar.gz"
-tarball="dist/$name-$version-linux-$arch.tar.gz"
+tarball="dist/$name-$version-linux-$arch${variant:+-$variant}.tar.gz"
 tar --owner=0 --group=0 --numeric-owner -C build/frozen --transform "s,^$name,$name-$version," \
     -czf "$tarball" "$name"
 
@@ -61,7 +64,7 @@ install -D -m 644 resources/icons/kvboost.svg "$root/usr/share/icons/hicolor/sca
 install -m 644 "$here/copyright" "$root/usr/share/doc/$name/copyright"
 gzip -9n -c "$here/$name.1" > "$root/usr/share/man/man1/$name.1.gz"
 {
-    echo "$name ($version) unstable; urgency=medium"
+    echo "$name ($deb_version) unstable; urgency=medium"
     echo
     echo "  * Release $version, built from the source tree (see the project's git history)."
     echo
@@ -89,7 +92,7 @@ test -n "$depends"
 installed_kb="$(du -sk --apparent-size "$root" | cut -f1)"
 cat > "$root/DEBIAN/control" <<EOF
 Package: $name
-Version: $version
+Version: $deb_version
 Architecture: $debarch
 Maintainer: $maintainer
 Installed-Size: $installed_kb
@@ -110,7 +113,7 @@ EOF
 (cd "$root" && find . -path ./DEBIAN -prune -o -type f -printf '%P\0' | sort -z | xargs -0 md5sum) \
     > "$root/DEBIAN/md5sums"
 chmod 0644 "$root/DEBIAN/control" "$root/DEBIAN/md5sums"
-deb="dist/${name}_${version}_${debarch}.deb"
+deb="dist/${name}_${deb_version}_${debarch}.deb"
 nice -n 10 dpkg-deb --root-owner-group -Z"${DEB_COMPRESSION:-xz}" --build "$root" "$deb"
 
 echo "== AppDir"

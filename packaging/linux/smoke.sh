@@ -58,7 +58,12 @@ done
 [ -n "$window" ] || fail "no KVBoost window within 60 s"
 echo "window $window mapped $(( ($(date +%s%N) - started_ns) / 1000000 )) ms after start (xwininfo):"
 DISPLAY="$display" xwininfo -root -tree | grep -i "kvboost" | head -3
-DISPLAY="$display" xprop -id "$window" WM_CLASS
+wm_class="$(DISPLAY="$display" xprop -id "$window" WM_CLASS)"
+echo "$wm_class"
+startup_class="$(sed -n 's/^StartupWMClass=//p' "/usr/share/applications/$name.desktop")"
+grep -qF "\"$startup_class\"" <<< "$wm_class" || fail "the menu entry's StartupWMClass=$startup_class is not the window's"
+DISPLAY="$display" xprop -id "$window" _NET_WM_ICON | grep -q "^_NET_WM_ICON(CARDINAL) = " \
+    || fail "the window has no icon"
 sleep "${SMOKE_SETTLE_S:-45}"
 DISPLAY="$display" import -window root "dist/$name-xvfb.png"
 echo "screenshot: dist/$name-xvfb.png"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Does to a frozen bundle (packaging/linux/build.sh passes build/frozen/kvboost-desktop) what Debian does to its own
 # binaries, before the tar.gz, the .deb and the AppDir are made from it:
-# - shared libraries lose their symbol tables (--strip-unneeded keeps what linking needs; libtorch_cpu.so alone
-#   shrinks by about 90 MB), unless stripping breaks them: libraries that auditwheel patched (numpy.libs/...) can
+# - shared libraries and programs inside _internal (torch_shm_manager) lose their symbol tables (--strip-unneeded
+#   keeps what linking needs; libtorch_cpu.so alone shrinks by about 90 MB), unless stripping breaks them: libraries that auditwheel patched (numpy.libs/...) can
 #   come out with a load segment the loader refuses ("ELF load command address/offset not page-aligned"), and
 #   those are kept as they were;
 # - RUNPATHs naming the build machine's folders (a pyenv or hosted-toolcache Python) go, $ORIGIN ones stay;
@@ -22,7 +22,7 @@ num_stripped=0
 kept_unstripped=()
 while IFS= read -r -d '' lib; do
     info="$(file -b "$lib")"
-    case "$info" in ELF*"shared object"*) ;; *) continue ;; esac
+    case "$info" in ELF*"shared object"* | ELF*executable*) ;; *) continue ;; esac
     if [[ "$info" == *"not stripped"* ]]; then
         cp -p "$lib" "$lib.unstripped"
         strip --strip-unneeded "$lib"
@@ -41,9 +41,9 @@ while IFS= read -r -d '' lib; do
             if [ -n "$kept" ]; then patchelf --set-rpath "$kept" "$lib"; else patchelf --remove-rpath "$lib"; fi
         fi
     fi
-    chmod a-x "$lib"
-done < <(find "$bundle/_internal" -type f \( -name '*.so' -o -name '*.so.*' \) -print0)
+    case "$info" in *"shared object"*) chmod a-x "$lib" ;; esac
+done < <(find "$bundle/_internal" -type f \( -name '*.so' -o -name '*.so.*' -o -perm /111 \) -print0)
 while IFS= read -r -d '' f; do
     case "$(file -b "$f")" in *executable*) ;; *) chmod a-x "$f" ;; esac
 done < <(find "$bundle/_internal" -type f -perm /111 ! -name '*.so' ! -name '*.so.*' -print0)
-echo "stripped $num_stripped libraries; left unstripped (stripping would break them): ${kept_unstripped[*]:-none}"
+echo "stripped $num_stripped libraries and programs; left unstripped (stripping would break them): ${kept_unstripped[*]:-none}"

@@ -203,7 +203,9 @@ def test_the_desktop_file_starts_the_installed_command_with_its_icon():
     assert entry["Type"] == "Application" and entry["Name"] == "KVBoost Desktop"
     assert entry["Exec"].split()[0] in pyproject()["project"]["scripts"]
     assert entry["Icon"] == "kvboost-desktop" and entry["Terminal"] == "false"
-    assert entry["StartupWMClass"] == "kvboost-desktop"
+    # The class Qt gives the window on X11 (its application name; xprop WM_CLASS in packaging/linux/smoke.sh).
+    assert entry["StartupWMClass"] == "KVBoost Desktop"
+    assert 'app.setApplicationName("KVBoost Desktop")' in (ROOT / "app" / "main.py").read_text()
 
 
 @pytest.mark.skipif(shutil.which("desktop-file-validate") is None, reason="desktop-file-validate not installed")
