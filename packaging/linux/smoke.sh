@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 name=kvboost-desktop
-deb="$(ls -t dist/${name}_*.deb | head -1)"
+deb="$(ls -t dist/${name}_*.deb | sed -n 1p)"
 work="$(mktemp -d)"
 xvfb_pid=""
 app_pid=""
@@ -57,13 +57,13 @@ for _ in $(seq 300); do
 done
 [ -n "$window" ] || fail "no KVBoost window within 60 s"
 echo "window $window mapped $(( ($(date +%s%N) - started_ns) / 1000000 )) ms after start (xwininfo):"
-DISPLAY="$display" xwininfo -root -tree | grep -i "kvboost" | head -3
+DISPLAY="$display" xwininfo -root -tree | grep -i "kvboost" | sed -n 1,3p
 wm_class="$(DISPLAY="$display" xprop -id "$window" WM_CLASS)"
 echo "$wm_class"
 startup_class="$(sed -n 's/^StartupWMClass=//p' "/usr/share/applications/$name.desktop")"
 grep -qF "\"$startup_class\"" <<< "$wm_class" || fail "the menu entry's StartupWMClass=$startup_class is not the window's"
-DISPLAY="$display" xprop -id "$window" _NET_WM_ICON | grep -q "^_NET_WM_ICON(CARDINAL) = " \
-    || fail "the window has no icon"
+icon="$(DISPLAY="$display" xprop -id "$window" _NET_WM_ICON)"
+grep -q "^_NET_WM_ICON(CARDINAL) = " <<< "$icon" || fail "the window has no icon: $icon"
 sleep "${SMOKE_SETTLE_S:-45}"
 DISPLAY="$display" import -window root "dist/$name-xvfb.png"
 echo "screenshot: dist/$name-xvfb.png"
