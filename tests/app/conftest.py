@@ -54,3 +54,15 @@ def window(qtbot, db, loaded_client, aio_loop):
     qtbot.addWidget(w)
     w.show()
     return w
+
+
+@pytest.fixture
+def idle_window(qtbot, db, client, aio_loop):
+    """A main window over a client with no model loaded yet (the test loads one, or points it elsewhere)."""
+    from app.main_window import MainWindow
+
+    w = MainWindow(db, client, theme_choice="light")
+    qtbot.addWidget(w)
+    w.show()
+    return w
+

@@ -44,18 +44,8 @@ def tiny_folders(tmp_path):
     return folders
 
 
-@pytest.fixture
-def bare_window(qtbot, db, client, aio_loop):
-    from app.main_window import MainWindow
-
-    w = MainWindow(db, client, theme_choice="light")
-    qtbot.addWidget(w)
-    w.show()
-    return w
-
-
-def test_recent_models_load_again_from_the_menu(qtbot, bare_window, tiny_folders):
-    window = bare_window
+def test_recent_models_load_again_from_the_menu(qtbot, idle_window, tiny_folders):
+    window = idle_window
     for folder in tiny_folders:
         with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):
             window.model_menu.load({"source": folder, "reuse": "off"})
@@ -69,8 +59,8 @@ def test_recent_models_load_again_from_the_menu(qtbot, bare_window, tiny_folders
     assert window.db.get_setting("model")["reuse"] == "off"  # with the options it was loaded with
 
 
-def test_the_remote_server_answers_again_at_start_unless_a_model_is_named(qtbot, bare_window, tiny_folders):
-    window = bare_window
+def test_the_remote_server_answers_again_at_start_unless_a_model_is_named(qtbot, idle_window, tiny_folders):
+    window = idle_window
     window.db.set_setting("remote", {"base_url": "http://127.0.0.1:9/v1", "model": "m", "active": True})
     with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS) as loaded:
         window.start_model(None, explicit=False)

@@ -60,13 +60,9 @@ def server(smollm):
 
 
 @pytest.fixture
-def window(qtbot, db, client, aio_loop):
-    from app.main_window import MainWindow
-
-    w = MainWindow(db, client, theme_choice="light")
-    qtbot.addWidget(w)
-    w.show()
-    return w
+def window(idle_window):
+    """No model loaded in the window: the answers come from the server."""
+    return idle_window
 
 
 def connect(qtbot, window, base_url: str, key: str, model: str = "smollm2") -> None:
