@@ -265,7 +265,7 @@ def weights_report(model) -> dict:
 
 
 def fingerprint(model) -> str:
-    """A stable identity of the weights, dtype and RoPE/attention config.
+    """A stable identity of the weights, dtype, RoPE/attention config and attention implementation.
 
     Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
     multi-GB model at each start would cost seconds), and of every int4 layer's buffers (packed codes, scales,
@@ -278,6 +278,8 @@ def fingerprint(model) -> str:
     relevant = {k: config.get(k) for k in sorted(config) if k not in ("_name_or_path", "transformers_version",
                                                                        "_model_name_or_path", "quantization_config")}
     h.update(json.dumps(relevant, sort_keys=True, default=str).encode())
+    # The attention implementation (sdpa, eager, ...) rounds differently, and to_dict() leaves it out.
+    h.update(f"attn:{getattr(model.config, '_attn_implementation', None)}".encode())
     for name, param in model.named_parameters():
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // 64)

@@ -68,6 +68,15 @@ def test_the_fingerprint_follows_weights_dtype_and_rope_config(tiny):
     assert fingerprint(rope) != base
 
 
+
+def test_the_fingerprint_tells_attention_implementations_apart(tiny):
+    """sdpa and eager attention round differently: their KV must never meet in a shared disk folder or store."""
+    model, _ = tiny
+    eager = build_model("llama")
+    eager.config._attn_implementation = "eager"
+    assert fingerprint(eager) != fingerprint(model)
+
+
 def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_folder, tmp_path):
     engine = KVBoost.from_pretrained(model_folder, device="cpu", eviction="lru", gpu_cache_bytes=123_456,
                                      disk_cache_bytes=0, cpu_cache_bytes=0)
