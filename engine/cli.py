@@ -25,6 +25,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-cache-bytes", type=int, default=None, help="host RAM KV tier budget (0: off)")
     p.add_argument("--disk-cache-bytes", type=int, default=None, help="disk KV tier budget (0: off)")
     p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
+    p.add_argument("--remote-cache", default=None, metavar="URL",
+                   help="a Redis/Valkey store shared by machines, below the disk tier: redis://[user:password@]HOST:"
+                        "PORT/DB, rediss:// for TLS (default: none; see README, 'The shared KV tier')")
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
                    help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as QUANTIZED)")
     p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
@@ -71,7 +74,8 @@ def load_engine(args):
                                    disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
                                    eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
                                    weights=args.weights, group_size=args.group_size, head=args.head,
-                                   speculative=None if args.speculative == "off" else args.speculative)
+                                   speculative=None if args.speculative == "off" else args.speculative,
+                                   remote_cache=args.remote_cache)
 
 
 def _badge(stats) -> str:
@@ -167,26 +171,26 @@ def _human(n: float) -> str:
 
 
 def cmd_cache(args) -> int:
-    """The disk KV tier, without loading a model: stats, clear, verify."""
+    """The disk KV tier, without loading a model: stats, clear, verify; stats also of a shared store
+    (--remote-cache)."""
     from .disk import DiskTier, default_cache_dir
 
     folder = Path(args.dir).expanduser() if args.dir else default_cache_dir()
     if args.action != "clear" and not (folder / "index.sqlite3").exists():
+        if args.action == "stats" and args.remote_cache:
+            return _remote_stats(args, {})
         print(f"no disk KV cache in {folder}")
         return 0
     disk = DiskTier(folder, budget_bytes=0)
     try:
         if args.action == "stats":
             stats = disk.stats()
+            if args.remote_cache:
+                return _remote_stats(args, stats)
             if args.json:
                 print(json.dumps(stats, indent=2))
                 return 0
-            print(f"{stats['folder']}: {stats['entries']} entries, {_human(stats['bytes'])} on disk "
-                  f"({_human(stats['raw_bytes'])} as computed), {stats['tokens']} tokens")
-            for ns in stats["namespaces"]:
-                settings = ", ".join(f"{k}={v}" for k, v in ns["settings"].items())
-                print(f"  {ns['model']} [{settings}]: {ns['entries']} entries, {_human(ns['bytes'])}, "
-                      f"{ns['tokens']} tokens")
+            _print_disk_stats(stats)
         elif args.action == "clear":
             print(f"removed {disk.clear()} entries from {folder}")
         else:
@@ -199,6 +203,45 @@ def cmd_cache(args) -> int:
             return 1 if report["bad"] and args.dry_run else 0
     finally:
         disk.close()
+    return 0
+
+
+def _print_disk_stats(stats: dict) -> None:
+    print(f"{stats['folder']}: {stats['entries']} entries, {_human(stats['bytes'])} on disk "
+          f"({_human(stats['raw_bytes'])} as computed), {stats['tokens']} tokens")
+    for ns in stats["namespaces"]:
+        settings = ", ".join(f"{k}={v}" for k, v in ns["settings"].items())
+        print(f"  {ns['model']} [{settings}]: {ns['entries']} entries, {_human(ns['bytes'])}, "
+              f"{ns['tokens']} tokens")
+
+
+def _remote_stats(args, disk_stats: dict) -> int:
+    """The disk tier's stats (when there is a folder) and the shared store's."""
+    import redis
+
+    from .remote_maintenance import report
+
+    try:
+        remote = report(args.remote_cache)
+    except (redis.RedisError, OSError) as exc:
+        print(f"kvboost: the shared KV store {args.remote_cache.rsplit('@', 1)[-1]} cannot be read: {exc}",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({**disk_stats, "remote": remote}, indent=2))
+        return 0
+    if disk_stats:
+        _print_disk_stats(disk_stats)
+    limit = f" of maxmemory {_human(remote['maxmemory'])}" if remote["maxmemory"] else " (no maxmemory set)"
+    print(f"{remote['url']}: {remote['entries']} entries, {_human(remote['bytes'])} of KV; the store uses "
+          f"{_human(remote['used_memory'] or 0)}{limit}, policy {remote['maxmemory_policy']}, "
+          f"{remote['evicted_keys']} keys evicted")
+    if remote["maxmemory_policy"] and not str(remote["maxmemory_policy"]).startswith("allkeys-"):
+        print("  note: with this policy a full store refuses writes instead of evicting old KV "
+              "(README: maxmemory-policy allkeys-lru)")
+    for ns in remote["namespaces"]:
+        settings = ", ".join(f"{k}={v}" for k, v in ns["settings"].items())
+        print(f"  {ns['model']} [{settings}]: {ns['entries']} entries, {_human(ns['bytes'])}")
     return 0
 
 
@@ -242,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="stats as JSON")
     p.add_argument("--dry-run", action="store_true", help="verify: report bad entries without removing them "
                    "(exit 1 when there are any)")
+    p.add_argument("--remote-cache", default=None, metavar="URL",
+                   help="stats: also the shared Redis/Valkey KV store at URL (entries per model and setting)")
     p.set_defaults(func=cmd_cache)
 
     p = sub.add_parser("bench", help="side-by-side reuse benchmark (see bench/README.md)", add_help=False)

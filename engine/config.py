@@ -10,6 +10,7 @@ CHUNKING_MODES = ("fixed", "semantic", "adaptive")
 REPAIR_MODES = ("none", "selective", "cacheblend")
 KV_QUANT_MODES = ("none", "int8", "int4")
 EVICTION_POLICIES = ("lru", "importance-lru")
+REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,12 @@ class EngineConfig:
     # 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
     speculative: str | None = "prompt-lookup"
     num_draft: int = 4
+    # The shared KV tier (engine.remote_tier): a redis://, rediss:// or unix:// URL of a Redis or Valkey store,
+    # None: off. Each call waits at most remote_timeout_s; after a failure the store is left alone for
+    # remote_retry_s.
+    remote_cache: str | None = None
+    remote_timeout_s: float = 0.05
+    remote_retry_s: float = 5.0
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -151,6 +158,14 @@ class EngineConfig:
             raise ValueError(f"speculative must be 'prompt-lookup' or None, got {self.speculative!r}")
         if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 1 <= self.num_draft <= 32:
             raise ValueError(f"num_draft must be an integer in 1..32, got {self.num_draft!r}")
+        if self.remote_cache is not None and (not isinstance(self.remote_cache, str) or
+                                              self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES):
+            shown = self.remote_cache.rsplit("@", 1)[-1] if isinstance(self.remote_cache, str) else self.remote_cache
+            raise ValueError(f"remote_cache must be a redis://, rediss:// or unix:// URL or None, got {shown!r}")
+        for name in ("remote_timeout_s", "remote_retry_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ and store what the request computed (its new complete chunks, then its tail) for
 Every entry a plan reuses is acquired (ref_count > 0: never evicted or moved) from the fetch until `release`,
 which the caller runs however the request ends. Stored KV is copied out of the live cache (engine.paged.kv_range,
 spilled pages included): a view would pin the whole cache tensor in memory and defeat the store's byte budget.
+
+With a remote tier (engine.remote_tier), the prompt's complete chunks that no local tier holds are asked of it
+before planning (one round trip); what it holds comes into the local tiers (device first, written through to
+disk) and is reported as served from "remote".
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from .chunking import TokenBreaks, chunk_spans
 from .config import ChunkingConfig, RepairConfig
 from .keys import chain_key, content_key
 from .paged import kv_range
-from .plan import EXACT, MISS, PREFIX, QUANTIZED, Plan, Segment, plan_prompt
+from .plan import EXACT, MISS, PREFIX, QUANTIZED, Plan, Segment, chain_keys, plan_prompt
+from .remote_tier import RemoteEntry
 from .store import ChunkRecord, ChunkStore
+from .tiers import decode_kv
 
 # Below this share of the prompt, reuse costs more than it saves (see KVReuse.plan).
 MIN_REUSE_FRACTION = 0.25
@@ -67,12 +73,14 @@ class KVReuse:
         store = self.store
         if mode != "off":
             store.sync_disk()  # entries other processes wrote since the last request
+        restored = self.restore_remote(ids) if mode != "off" and store.remote is not None else set()
         served_from: dict[bytes, tuple[str, bool]] = {}  # where each entry was before any fetch moved it
         while True:
             plan = self.plan(ids, mode)
             records = list({id(record): record for _, record in _reused(plan)}.values())
             for record in records:
-                served_from.setdefault(record.key, (record.tier, store.served_lossy(record)))
+                tier = "remote" if record.key in restored else record.tier
+                served_from.setdefault(record.key, (tier, store.served_lossy(record)))
             for _, record in _reused(plan):
                 store.acquire(record)
             try:
@@ -98,6 +106,28 @@ class KVReuse:
             reused_by_tier[tier] = reused_by_tier.get(tier, 0) + seg.num_tokens
         store.touch_disk(records)
         return plan, reused_by_tier
+
+    def restore_remote(self, ids: list[int]) -> set[bytes]:
+        """Brings the prompt's complete chunks that only the remote tier holds into the local tiers; returns
+        their keys. A value the remote cannot serve (absent, evicted, corrupt, the store down) is simply not
+        there: its text is computed, and stored everywhere afresh."""
+        store = self.store
+        spans, num_complete = chunk_spans(ids, self.chunking, self.breaks)
+        keys = chain_keys(ids, spans, num_complete, self.root)
+        wanted = [RemoteEntry(keys[i], keys[i - 1] if i else self.root, spans[i][0],
+                              tuple(ids[spans[i][0]:spans[i][1]]))
+                  for i in range(num_complete) if keys[i] not in store.records]
+        found = store.remote.get_many(wanted)
+        restored = set()
+        for entry in wanted:
+            stored = found.get(entry.key)
+            if stored is None:
+                continue
+            kv = decode_kv(stored, store.device)
+            if store.put_chunk(entry.key, entry.parent, content_key(self.root.hex(), entry.tokens), entry.start,
+                               entry.tokens, kv, lossy=stored.quant != "none", share=False):
+                restored.add(entry.key)
+        return restored
 
     def release(self, plan: Plan) -> None:
         """Undoes the acquisitions of `plan_and_fetch` (one per reuse segment)."""

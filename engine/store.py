@@ -14,7 +14,8 @@ Tiers (engine.tiers, engine.disk): every record lives in the fastest tier holdin
 across restarts). A tier over its budget demotes its policy's first victims one tier down (device -> host ->
 disk -> gone); a hit promotes the entry back to the device (engine.reuse fetches before computing). With a
 disk tier every new entry is also written through to disk, so what was computed survives a restart. Entries
-in use (ref_count > 0) never move or leave.
+in use (ref_count > 0) never move or leave. Below disk, a remote tier (engine.remote_tier) shared by machines
+gets a copy of every exact chunk with its computed values; engine.reuse reads it back into these tiers.
 
 Over 400 lines on purpose: records, their indexes (chained key, content key, anchors, children) and their
 moves between tiers change together under one rule (an entry in use never moves); split, every move would
@@ -73,7 +74,7 @@ class StoreCounters:
     stored: int = 0
     evicted: int = 0
     rejected: int = 0  # entries no tier could take
-    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
     demoted: int = 0
     promoted: int = 0
     disk_misses: int = 0  # entries whose disk payload turned out missing/corrupt (served as MISS, recomputed)
@@ -104,15 +105,17 @@ def _checked(stored, record: ChunkRecord, device: torch.device) -> KV | None:
 class ChunkStore:
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, *,
                  device: torch.device | str = "cpu", device_quant: str = "none", host: MemoryTier | None = None,
-                 disk=None):
-        """`budget_bytes`: the device tier's budget. `host` (MemoryTier) and `disk` (engine.disk.DiskTier) are
-        the optional lower tiers."""
+                 disk=None, remote=None):
+        """`budget_bytes`: the device tier's budget. `host` (MemoryTier), `disk` (engine.disk.DiskTier) and
+        `remote` (engine.remote_tier.RemoteTier: shared by machines, read by engine.reuse) are the optional lower
+        tiers."""
         self.device = torch.device(device)
         self.policy = policy or LRU()
         self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant)
         self.host_tier = host
         self.memory_tiers = [t for t in (self.device_tier, host) if t is not None]
         self.disk = disk
+        self.remote = remote
         self.records: dict[bytes, ChunkRecord] = {}
         self._staged: dict[bytes, KV] = {}
         self._in_use: set[bytes] = set()  # keys with ref_count > 0 (the disk tier must not evict them)  # payloads fetched for requests in flight that no tier could keep
@@ -263,14 +266,15 @@ class ChunkStore:
 
     # -- insertion ----------------------------------------------------------------------------------------
     def put_chunk(self, key: bytes, parent: bytes, content_key: bytes, start: int, tokens: Sequence[int],
-                  kv: KV, *, exact: bool = True, lossy: bool = False) -> bool:
-        """`lossy`: `kv` was computed over quantized KV (its values are not those of a full prefill)."""
+                  kv: KV, *, exact: bool = True, lossy: bool = False, share: bool = True) -> bool:
+        """`lossy`: `kv` was computed over quantized KV (its values are not those of a full prefill). `share`:
+        also written to the remote tier (False for what was just read from it)."""
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
         record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact,
                              lossy=lossy)
-        return self._insert(record, kv)
+        return self._insert(record, kv, share)
 
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV, *,
                  lossy: bool = False) -> bool:
@@ -291,7 +295,7 @@ class ChunkStore:
             self.disk.remove([r.key for r in shorter if r.on_disk])
         return True
 
-    def _insert(self, record: ChunkRecord, kv: KV) -> bool:
+    def _insert(self, record: ChunkRecord, kv: KV, share: bool = False) -> bool:
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
         computed_lossy = record.lossy
@@ -312,6 +316,9 @@ class ChunkStore:
         if not placed:
             self.counters.rejected += 1
             return False
+        if share and self.remote is not None and record.exact and not computed_lossy:
+            # Queued for a background thread; only exact chunks with the computed values leave the machine.
+            self.remote.put(record, encode_kv(kv, self.remote.quant, torch.device("cpu")))
         self._index(record)
         self.counters.stored += 1
         return True
@@ -457,6 +464,8 @@ class ChunkStore:
                              "bytes": self.disk.num_bytes(), "budget_bytes": self.disk.budget_bytes,
                              "kv_quant": self.disk.quant, "folder": str(self.disk.folder),
                              **{k: v for k, v in vars(self.disk.counters).items()}}
+        if self.remote is not None:
+            tiers["remote"] = self.remote.stats()
         return {
             "entries": len(self.records),
             "chunks": num_chunks,

@@ -1,5 +1,6 @@
 """The chunk store an engine runs with, built from its EngineConfig: the device tier, host RAM and the disk
-tier, each budget from the config or, where not given, from the machine; the disk namespace its entries share.
+tier, each budget from the config or, where not given, from the machine; the disk namespace its entries share;
+the remote tier (Redis/Valkey) when the config names one, with its own namespace.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from .disk import DiskTier, default_cache_dir
 from .eviction import POLICIES
 from .keys import chain_key
 from .payload_file import FORMAT_VERSION
+from .remote_tier import RemoteTier, remote_namespace
 from .store import ChunkStore
 from .tiers import MemoryTier, default_device_budget, default_host_budget
 
@@ -44,5 +46,15 @@ def build_store(config: EngineConfig, device: torch.device, root: bytes, model_n
             disk_error = f"disk KV tier off: {exc}"
             log.warning(disk_error)
             disk = None
-    store = ChunkStore(budget, policy, device=device, device_quant=config.kv_quant.device, host=host, disk=disk)
+    remote = None
+    if config.remote_cache is not None and config.reuse != "off":
+        # The disk tier's storage format: what a machine restores from the store is what it would have on disk.
+        quant = config.kv_quant.disk
+        remote = RemoteTier(config.remote_cache, remote_namespace(root, quant, device.type, dtype), quant,
+                            timeout_s=config.remote_timeout_s, retry_s=config.remote_retry_s,
+                            describe={"model": model_name, "chunking": config.chunking.mode,
+                                      "chunk_size": config.chunking.size, "kv_quant": quant,
+                                      "device": device.type, "dtype": str(dtype)})
+    store = ChunkStore(budget, policy, device=device, device_quant=config.kv_quant.device, host=host, disk=disk,
+                       remote=remote)
     return store, disk_error

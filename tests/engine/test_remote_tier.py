@@ -1,0 +1,188 @@
+"""The shared KV tier over a real redis-server on 127.0.0.1: two processes with their own disk folders share what
+one computed, entries of another model or setting are never served, values that fail a check are misses and are
+deleted, entries the store evicts under its memory budget are misses, and a full write queue drops, not blocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine.config import KVQuantConfig
+from engine.keys import chain_key
+from engine.remote_tier import RemoteEntry, RemoteTier
+from engine.store import ChunkRecord
+from engine.tiers import encode_kv
+from redis_server import NEEDS_REDIS, redis_server  # noqa: F401  (the fixture)
+from tiny_models import CHUNK, build_model, build_tokenizer
+
+HERE = Path(__file__).parent
+ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE))
+import disk_worker  # noqa: E402  (the documents and question the worker processes use)
+
+pytestmark = NEEDS_REDIS
+DOC_CHUNKS = disk_worker.DOC_TOKENS // CHUNK
+
+
+def run_worker(url, folder, mode, *seeds, chunk=CHUNK, quant="none"):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    args = [sys.executable, str(HERE / "remote_worker.py"), url, str(folder), mode, str(chunk), quant, *map(str, seeds)]
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def cold_answers():
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    return lambda seed: engine.generate(disk_worker.document(seed) + disk_worker.QUESTION,
+                                        max_new_tokens=disk_worker.NEW_TOKENS).token_ids
+
+
+def make_engine(url, folder, model=None, chunk=CHUNK, quant="none", **options) -> KVBoost:
+    config = EngineConfig(chunking=ChunkingConfig(size=chunk), cpu_cache_bytes=0, disk_cache_dir=str(folder),
+                          kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **options)
+    return KVBoost(model or build_model("llama"), build_tokenizer(), config, name="tiny-llama")
+
+
+def ask(engine, seed):
+    return engine.generate(disk_worker.document(seed) + disk_worker.QUESTION, max_new_tokens=disk_worker.NEW_TOKENS)
+
+
+def stored_keys(server) -> list[bytes]:
+    return sorted(k for k in server.client().keys("kvboost:*") if k != b"kvboost:namespaces")
+
+
+def test_a_second_process_answers_from_what_the_first_shared(redis_server, tmp_path, cold_answers):
+    first = run_worker(redis_server.url, tmp_path / "a", "warm", 1, 2)
+    assert first["flushed"] and first["stats"]["tiers"]["remote"]["writes"] == 2 * DOC_CHUNKS
+    second = run_worker(redis_server.url, tmp_path / "b", "ask", 1, 2)
+    for seed in ("1", "2"):
+        # every chunk of the document came from the store (the second process's own folder started empty)
+        assert second["reused_by_tier"][seed] == {"remote": disk_worker.DOC_TOKENS}
+        assert second["answers"][seed] == cold_answers(int(seed))
+    remote = second["stats"]["tiers"]["remote"]
+    assert remote["hits"] == 2 * DOC_CHUNKS and remote["bad"] == 0 and remote["errors"] == 0
+    assert remote["read_bytes"] == first["stats"]["tiers"]["remote"]["written_bytes"]
+    assert second["stats"]["tier_hits"]["remote"] == 2 * DOC_CHUNKS
+    # what came from the store is now on the second process's disk too: a third read needs no store at all
+    assert second["stats"]["tiers"]["disk"]["entries"] >= 2 * DOC_CHUNKS
+
+
+def test_entries_of_another_setting_or_model_are_never_served(redis_server, tmp_path, cold_answers):
+    run_worker(redis_server.url, tmp_path / "a", "warm", 3)
+    for i, (chunk, quant) in enumerate([(2 * CHUNK, "none"), (CHUNK, "int8")]):
+        other = run_worker(redis_server.url, tmp_path / f"o{i}", "ask", 3, chunk=chunk, quant=quant)
+        assert other["reused_by_tier"]["3"] == {}
+        assert other["stats"]["tiers"]["remote"]["hits"] == 0
+        assert other["answers"]["3"] == cold_answers(3)
+    # other weights (one value changed): another fingerprint, another namespace
+    model = build_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight[0, 0] += 0.5
+    other = ask(make_engine(redis_server.url, tmp_path / "w", model=model), 3)
+    assert other.stats.reused_by_tier == {}
+    namespaces = {k.split(b":")[1] for k in stored_keys(redis_server)}
+    assert len(namespaces) == 4  # each setting wrote under its own namespace
+    assert len(redis_server.client().hgetall("kvboost:namespaces")) == 4
+
+
+def test_values_that_fail_a_check_are_misses_and_deleted(redis_server, tmp_path, cold_answers):
+    run_worker(redis_server.url, tmp_path / "a", "warm", 4)
+    client = redis_server.client()
+    keys = stored_keys(redis_server)
+    good = {k: client.get(k) for k in keys}
+    assert len(keys) == DOC_CHUNKS
+    flipped = bytearray(good[keys[0]])
+    flipped[-5] ^= 0x40  # one bit of the data
+    client.set(keys[0], bytes(flipped))
+    client.set(keys[1], good[keys[1]][:-64])  # truncated
+    client.set(keys[2], good[keys[3]])  # another chunk's (valid) value under this key
+    client.set(keys[4], b"not a payload at all")
+    engine = make_engine(redis_server.url, tmp_path / "b")
+    result = ask(engine, 4)
+    assert result.token_ids == cold_answers(4)
+    remote = engine.cache_stats()["tiers"]["remote"]
+    assert remote["bad"] == 4 and remote["hits"] == DOC_CHUNKS - 4
+    assert result.stats.reused_by_tier.get("remote", 0) < disk_worker.DOC_TOKENS
+    assert engine.store.remote.flush()
+    # the bad values were deleted and the chunks computed again were shared afresh: the good bytes are back
+    assert {k: client.get(k) for k in keys} == good
+
+
+def test_a_bad_value_is_deleted_from_the_store(redis_server):
+    tier = RemoteTier(redis_server.url, "ns-test")
+    entry = RemoteEntry(chain_key(b"\0" * 16, [5, 6, 7]), b"\0" * 16, 0, (5, 6, 7))
+    redis_server.client().set(tier.key(entry.key), b"garbage")
+    assert tier.get_many([entry]) == {}
+    assert tier.flush()
+    assert redis_server.client().exists(tier.key(entry.key)) == 0
+    assert tier.counters.bad == 1
+    tier.close()
+
+
+def test_entries_the_store_evicts_are_misses_and_answers_stay_the_same(redis_server, tmp_path, cold_answers):
+    client = redis_server.client()
+    used = client.info("memory")["used_memory"]
+    value_bytes = 9_500  # one tiny-model chunk as stored (about 9 KB)
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.config_set("maxmemory", used + 25 * value_bytes)  # room for about half of the 50 chunks below
+    seeds = [10, 11, 12, 13, 14]
+    run_worker(redis_server.url, tmp_path / "a", "warm", *seeds)
+    assert client.info("stats")["evicted_keys"] > 0
+    kept = len(stored_keys(redis_server))
+    assert 0 < kept < 5 * DOC_CHUNKS
+    # newest first: in warm order, each document's misses (computed and shared again) would evict the next one's
+    # chunks, LRU's sequential-scan pattern
+    second = run_worker(redis_server.url, tmp_path / "b", "ask", *seeds[::-1])
+    remote = second["stats"]["tiers"]["remote"]
+    assert remote["misses"] > 0 and remote["hits"] > 0 and remote["bad"] == 0
+    for seed in seeds:
+        assert second["answers"][str(seed)] == cold_answers(seed)
+
+
+def test_a_full_write_queue_drops_writes_without_waiting(redis_server):
+    """The store hung: the writer thread waits on its first write, two more fit the queue, the rest are dropped,
+    and queueing never waits for the store."""
+    tier = RemoteTier(redis_server.url, "ns-test", timeout_s=2.0, queue_items=2)
+    kv = tuple((torch.randn(1, 2, CHUNK, 16), torch.randn(1, 2, CHUNK, 16)) for _ in range(2))
+    stored = encode_kv(kv, "none", torch.device("cpu"))
+    redis_server.pause()
+    try:
+        t0 = time.perf_counter()
+        queued = []
+        for i in range(10):
+            tokens = tuple(range(i, i + CHUNK))
+            record = ChunkRecord(chain_key(b"\0" * 16, tokens), b"\0" * 16, None, "chunk", 0, tokens, stored.nbytes)
+            queued.append(tier.put(record, stored))
+            time.sleep(0.01)  # the writer takes the first one off the queue
+        elapsed = time.perf_counter() - t0
+    finally:
+        redis_server.resume()
+    assert queued[:3] == [True, True, True] and not any(queued[3:])
+    assert tier.counters.dropped == 7
+    assert elapsed < 0.1 + 10 * 0.01
+    assert tier.flush(10)
+    assert tier.counters.writes == 3 and len(stored_keys(redis_server)) == 3
+    tier.close()
+
+
+def test_kvboost_cache_stats_shows_the_remote_tier(redis_server, tmp_path, capsys):
+    from engine.cli import main
+
+    run_worker(redis_server.url, tmp_path / "a", "warm", 5)
+    assert main(["cache", "stats", "--dir", str(tmp_path / "a"), "--remote-cache", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"{redis_server.url}: {DOC_CHUNKS} entries" in out
+    assert "tiny-llama" in out and "chunk_size=16" in out
+    assert main(["cache", "stats", "--json", "--remote-cache", redis_server.url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["remote"]["entries"] == DOC_CHUNKS and report["remote"]["namespaces"][0]["entries"] == DOC_CHUNKS
