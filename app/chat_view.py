@@ -72,6 +72,8 @@ def cache_map_html(answer: dict, theme: str) -> str:
                   if saved is not None else "time saved not estimated yet (no prefill measured on this model)")
     tiers = stats.get("reused_by_tier") or {}
     from_disk = f", {tiers['disk']} from the disk cache" if tiers.get("disk") else ""
+    if tiers.get("remote"):
+        from_disk += f", {tiers['remote']} from the shared cache"
     summary = (f"<b>{reused} of {prompt} prompt tokens reused</b> "
                f"({100.0 * reused / prompt if prompt else 0:.0f}%{from_disk}), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
                f"{saved_text}. Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")

@@ -245,6 +245,14 @@ class ModelDialog(QDialog):
         self._awq_reason.setProperty("disabledReason", True)
         self._awq_reason.setWordWrap(True)
         self._awq_check.setChecked(bool(current.get("awq_streaming", False)))
+
+        # The shared KV tier: a Redis/Valkey store other machines (and kvboost-servers) read and write too.
+        self._remote_cache_edit = QLineEdit(current.get("remote_cache") or "")
+        self._remote_cache_edit.setObjectName("remoteCacheEdit")
+        self._remote_cache_edit.setPlaceholderText("redis://host:6379/0 (empty: not shared)")
+        self._remote_cache_edit.setToolTip(
+            "A Redis or Valkey store shared with other machines: KV one of them computed answers the others. "
+            "redis://user:password@host:port/db, rediss:// for TLS. The password is kept in the OS keyring.")
         self._streaming: dict | None = None  # the engine's streaming estimate for the chosen model
         self._show_streaming()
         self._weights_combo.currentIndexChanged.connect(self.on_weights_combo_current_index_changed)
@@ -269,6 +277,7 @@ class ModelDialog(QDialog):
         options.addRow("Weights", self._weights_combo)
         options.addRow("", self._weight_sizes_label)
         options.addRow(awq_row)
+        options.addRow("Shared KV cache", self._remote_cache_edit)
         layout.addLayout(options)
         layout.addWidget(self._buttons)
 
@@ -283,6 +292,7 @@ class ModelDialog(QDialog):
 
         self._kind_group.buttonToggled.connect(self.on_kind_group_button_toggled)
         self._source_edit.textChanged.connect(self.on_source_edit_text_changed)
+        self._remote_cache_edit.textChanged.connect(self.on_remote_cache_edit_text_changed)
         self._browse_button.clicked.connect(self.on_browse_button_clicked)
         self._validate()
 
@@ -299,7 +309,8 @@ class ModelDialog(QDialog):
         }[kind])
 
     def _validate(self) -> None:
-        problem = source_problem(self._kind, self._source_edit.text())
+        problem = source_problem(self._kind, self._source_edit.text()) or remote_cache_problem(
+            self._remote_cache_edit.text())
         self._error_label.setText(problem or "")
         self._error_label.setVisible(problem is not None)
         self._buttons.button(QDialogButtonBox.StandardButton.Ok).setEnabled(problem is None)
@@ -312,6 +323,9 @@ class ModelDialog(QDialog):
         self._show_kind(kind)
         self._validate()
         self.request_weight_sizes()
+
+    def on_remote_cache_edit_text_changed(self, _text: str) -> None:
+        self._validate()
 
     def on_source_edit_text_changed(self, _text: str) -> None:
         self._validate()
@@ -377,7 +391,16 @@ class ModelDialog(QDialog):
             "reuse": self._reuse_combo.currentData(),
             "awq_streaming": self.streaming_unavailable() is None and self._awq_check.isChecked(),
             "weights": self._weights_combo.currentData(),
+            "remote_cache": self._remote_cache_edit.text().strip() or None,
         }
+
+
+def remote_cache_problem(text: str) -> str | None:
+    """Why `text` cannot name a shared KV store, or None (empty: not shared)."""
+    text = text.strip()
+    if text and text.split("://", 1)[0] not in ("redis", "rediss", "unix"):
+        return "The shared KV cache is a redis://, rediss:// or unix:// URL (Redis or Valkey)."
+    return None
 
 
 def streaming_tooltip(estimate: dict | None) -> str:

@@ -282,6 +282,8 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
         options["awq_streaming"] = True
     if model.get("weights", "auto") != "auto":
         options["weights"] = model["weights"]
+    if model.get("remote_cache"):  # the shared KV store (its password from the OS keyring: app.model_menu)
+        options["remote_cache"] = model["remote_cache"]
     # Let the window paint before the worker starts importing torch.
     from PySide6.QtCore import QTimer
 

@@ -24,7 +24,7 @@ def tier_label(tier: str, engine: dict) -> str:
     host tier keeps int8 KV by default)."""
     cuda = "device_total_bytes" in engine
     return {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "compressed RAM",
-            "disk": "disk"}.get(tier, tier)
+            "disk": "disk", "remote": "shared"}.get(tier, tier)
 
 
 def _model_bytes(engine: dict) -> str:
@@ -46,7 +46,28 @@ def memory_text(rss: int, engine: dict | None) -> str:
             parts[-1] += f" ({_model_bytes(engine)})"
         tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)}" for tier, n in engine["kv_bytes"].items())
         parts.append(f"KV cache: {tiers}")
+        if engine.get("remote"):
+            parts.append(remote_text(engine["remote"]))
     return " · ".join(parts)
+
+
+def remote_text(remote: dict) -> str:
+    """The shared KV tier in the status bar: chunks it served, bytes this app wrote to it, and when it is down."""
+    text = f"shared KV: {remote['hits']} hits, {human_bytes(remote['written_bytes'])} written"
+    return text if remote["state"] == "closed" else f"{text} (unreachable)"
+
+
+def remote_tooltip(remote: dict) -> list[str]:
+    state = {"closed": "answering", "open": "not answering: retried every few seconds",
+             "half-open": "being retried"}.get(remote["state"], remote["state"])
+    lines = [f"shared KV store {remote['url']}: {state}",
+             f"  {remote['hits']} chunks read ({human_bytes(remote['read_bytes'])}), {remote['misses']} misses, "
+             f"{remote['bad']} bad values dropped",
+             f"  {remote['writes']} chunks written ({human_bytes(remote['written_bytes'])}), {remote['dropped']} "
+             f"writes dropped (store too slow), {remote['errors']} errors"]
+    if remote.get("last_error") and remote["state"] != "closed":
+        lines.append(f"  {remote['last_error']}")
+    return lines
 
 
 def memory_tooltip(engine: dict | None) -> str:
@@ -57,6 +78,8 @@ def memory_tooltip(engine: dict | None) -> str:
              for tier, n in engine["kv_bytes"].items()]
     if engine.get("disk_error"):
         lines.append(engine["disk_error"])
+    if engine.get("remote"):
+        lines.extend(remote_tooltip(engine["remote"]))
     return "KV cache per tier (used of budget):\n" + "\n".join(lines)
 
 

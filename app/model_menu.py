@@ -2,7 +2,7 @@
 which of the engine or a remote server answers at start.
 
 Settings it keeps (the app's SQLite settings): "model" (what to load at start: source, reuse, weights,
-layer streaming), "recent_models" (the last RECENT_MAX loads, newest first, each with its options), "remote"
+layer streaming, the shared KV cache's URL without its password, which lives in the OS keyring), "recent_models" (the last RECENT_MAX loads, newest first, each with its options), "remote"
 (base URL, model id, and "active": whether answers came from that server when the app last chose; the API key
 lives in the OS keyring only).
 """
@@ -10,6 +10,7 @@ lives in the OS keyring only).
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit, urlunsplit
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction
@@ -35,6 +36,51 @@ def remembered(recent: list[dict], values: dict) -> list[dict]:
     same = (values.get("source"), values.get("weights", "auto"))
     rest = [e for e in recent if (e.get("source"), e.get("weights", "auto")) != same]
     return [dict(values), *rest][:RECENT_MAX]
+
+
+KV_KEYRING_PREFIX = "kv-cache "  # keyring entries of shared KV store passwords: this prefix + the bare URL
+
+
+def split_password(url: str) -> tuple[str, str | None]:
+    """(the URL without its password, the password or None)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url, None
+    host = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), parts.password
+
+
+def with_password(url: str, password: str | None) -> str:
+    if not password or urlsplit(url).password is not None:
+        return url
+    parts = urlsplit(url)
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit((parts.scheme, f"{user}:{password}@{host}", parts.path, parts.query, parts.fragment))
+
+
+def remote_cache_url(url: str | None) -> str | None:
+    """A saved shared KV store URL with its password from the OS keyring put back (None: not shared)."""
+    if not url:
+        return None
+    from . import remote_provider
+
+    return with_password(url, remote_provider.load_api_key(KV_KEYRING_PREFIX + url))
+
+
+def keep_remote_cache_password(url: str | None) -> str | None:
+    """The URL to save: its password goes to the OS keyring (without a keyring it lives until the app quits)."""
+    if not url:
+        return None
+    from . import remote_provider
+
+    bare, password = split_password(url)
+    if password is not None:
+        try:
+            remote_provider.store_api_key(KV_KEYRING_PREFIX + bare, password)
+        except remote_provider.RemoteError:
+            pass
+    return bare
 
 
 class ModelMenu:
@@ -71,13 +117,15 @@ class ModelMenu:
         """Loads a model with its options, makes it the model to load at start and the newest recent one; answers
         come from the engine again (not a remote server)."""
         values = {**DEFAULT_MODEL, "weights": "auto", **values}
+        remote_cache = remote_cache_url(values.get("remote_cache"))
+        values["remote_cache"] = keep_remote_cache_password(remote_cache)
         self.db.set_setting("model", values)
         self.db.set_setting("recent_models", remembered(self.db.get_setting("recent_models", []), values))
         remote = self.db.get_setting("remote", DEFAULT_REMOTE)
         if remote.get("active"):
             self.db.set_setting("remote", {**remote, "active": False})
         return self.window.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
-                                      weights=values["weights"])
+                                      weights=values["weights"], remote_cache=remote_cache)
 
     def start(self, source, *, explicit: bool, **options) -> None:
         """At start: the remote server the app last used (unless a model was named on the command line), else
@@ -89,6 +137,8 @@ class ModelMenu:
             self.client.use_remote(remote["base_url"], remote["model"],
                                    remote_provider.load_api_key(remote["base_url"]))
             return
+        if options.get("remote_cache"):
+            options["remote_cache"] = remote_cache_url(options["remote_cache"])
         self.window.load_model(source, **options)
 
     def choose_model(self) -> None:

@@ -18,3 +18,12 @@ def test_quantized_segments_are_shown_and_counted_as_their_own_kind():
         quantized = KIND_COLORS[theme]["QUANTIZED"]
         assert quantized != KIND_COLORS[theme]["EXACT"]
         assert f'background:{quantized}" title="QUANTIZED tokens 12-20"' in html
+
+
+def test_chunks_from_the_shared_kv_store_are_counted_in_the_summary():
+    answer = {"stats": {"prompt_tokens": 40, "reused_tokens": 32, "ttft_ms": 10, "reuse": "chunk",
+                        "reused_by_tier": {"remote": 24, "disk": 8}},
+              "segments": [{"start": 0, "end": 32, "kind": "EXACT", "text": "alpha "},
+                           {"start": 32, "end": 40, "kind": "MISS", "text": "gamma"}]}
+    html = cache_map_html(answer, "light")
+    assert "8 from the disk cache, 24 from the shared cache" in html

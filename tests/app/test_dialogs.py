@@ -113,7 +113,19 @@ def test_model_dialog_defaults_to_the_built_in_model(qtbot):
     assert not dialog.findChild(QPushButton, "browseButton").isEnabled()
     assert ok_button(dialog).isEnabled()
     assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": False,
-                               "weights": "auto"}
+                               "weights": "auto", "remote_cache": None}
+
+
+def test_model_dialog_takes_a_shared_kv_cache_url_and_refuses_anything_else(qtbot):
+    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "remote_cache": "redis://nas:6379/0"})
+    edit = dialog.findChild(QLineEdit, "remoteCacheEdit")
+    assert edit.text() == "redis://nas:6379/0" and ok_button(dialog).isEnabled()
+    edit.setText("http://nas:6379")
+    assert not ok_button(dialog).isEnabled()
+    assert "redis://" in dialog.findChild(QLabel, "errorLabel").text()
+    edit.setText(" rediss://alice:pw@nas:6380/1 ")
+    assert ok_button(dialog).isEnabled()
+    assert dialog.values()["remote_cache"] == "rediss://alice:pw@nas:6380/1"
 
 
 def test_reuse_combo_offers_every_mode_with_chunk_first(qtbot):
@@ -211,7 +223,8 @@ def test_current_settings_are_preselected(qtbot, tmp_path):
 
     assert dialog.findChild(QRadioButton, "folderRadio").isChecked()
     assert dialog.findChild(QCheckBox, "awqCheck").isChecked()
-    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True, "weights": "auto"}
+    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True, "weights": "auto",
+                               "remote_cache": None}
 
     hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "awq_streaming": False})
     assert hub.findChild(QRadioButton, "hubRadio").isChecked()

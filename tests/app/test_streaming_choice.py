@@ -42,7 +42,8 @@ def test_the_switch_follows_the_engines_reason_for_each_weight_format(dialog):
     assert dialog.values()["awq_streaming"] is False  # it was on in the settings, but cannot run with auto here
     choose_weights(dialog, "int4")
     assert check.isEnabled() and not reason.isVisible()
-    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": True, "weights": "int4"}
+    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": True, "weights": "int4",
+                               "remote_cache": None}
     choose_weights(dialog, "float")
     assert not check.isEnabled() and reason.text() == "needs int4 weights"
 

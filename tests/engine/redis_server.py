@@ -24,16 +24,17 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, folder, port: int | None = None):
+    def __init__(self, folder, port: int | None = None, password: str | None = None):
         self.folder = folder
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
         self.proc = subprocess.Popen(
             [BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.folder)],
+             "--dir", str(self.folder), *(["--requirepass", self.password] if self.password else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -47,7 +48,8 @@ class RedisServer:
     def client(self):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=2,
+                           socket_connect_timeout=2)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

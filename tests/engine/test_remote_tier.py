@@ -186,3 +186,24 @@ def test_kvboost_cache_stats_shows_the_remote_tier(redis_server, tmp_path, capsy
     assert main(["cache", "stats", "--json", "--remote-cache", redis_server.url]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["remote"]["entries"] == DOC_CHUNKS and report["remote"]["namespaces"][0]["entries"] == DOC_CHUNKS
+
+
+def test_a_password_in_the_url_is_used_and_a_wrong_one_is_a_counted_error(tmp_path):
+    from redis_server import BINARY, RedisServer
+
+    if BINARY is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path, password="s3cret").start()
+    try:
+        warm = make_engine(server.url, tmp_path / "a")
+        warm.warm(disk_worker.document(30))
+        assert warm.store.remote.flush() and warm.cache_stats()["tiers"]["remote"]["writes"] == DOC_CHUNKS
+        assert ask(make_engine(server.url, tmp_path / "b"), 30).stats.reused_by_tier == \
+            {"remote": disk_worker.DOC_TOKENS}
+        wrong = make_engine(server.url.replace("s3cret", "guess"), tmp_path / "c")
+        result = ask(wrong, 30)
+        assert result.stats.reused_by_tier == {}
+        remote = wrong.cache_stats()["tiers"]["remote"]
+        assert remote["errors"] == 1 and remote["state"] == "open" and "guess" not in str(remote)
+    finally:
+        server.stop()

@@ -1,0 +1,53 @@
+"""The shared KV cache in the app: the Model dialog's URL loads the engine with it (a real redis-server with a
+password), the password never reaches the settings database, and the memory meter shows the tier."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from qt_helpers import WAIT_MS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from redis_server import BINARY, RedisServer  # noqa: E402
+from tiny_models import build_model, build_tokenizer  # noqa: E402
+
+from app.memory_meter import memory_text, memory_tooltip  # noqa: E402
+from app.model_menu import split_password, with_password  # noqa: E402
+
+pytestmark = pytest.mark.skipif(BINARY is None, reason="redis-server is not installed (scripts/test.sh installs it)")
+
+
+@pytest.fixture
+def store(tmp_path):
+    server = RedisServer(tmp_path, password="s3cret").start()
+    yield server
+    server.stop()
+
+
+def test_passwords_come_out_of_the_url_and_back():
+    assert split_password("redis://alice:pw@nas:6379/0") == ("redis://alice@nas:6379/0", "pw")
+    assert split_password("rediss://:pw@nas/1") == ("rediss://nas/1", "pw")
+    assert with_password("redis://alice@nas:6379/0", "pw") == "redis://alice:pw@nas:6379/0"
+    assert with_password("rediss://nas/1", "pw") == "rediss://:pw@nas/1"
+    assert with_password("redis://nas/1", None) == "redis://nas/1"
+
+
+def test_a_model_loaded_with_a_shared_cache_shows_it_in_the_meter(qtbot, idle_window, tmp_path, store):
+    folder = tmp_path / "tiny"
+    build_model("llama").save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    window = idle_window
+    with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):
+        window.model_menu.load({"source": str(folder), "reuse": "chunk", "remote_cache": store.url})
+    saved = window.db.get_setting("model")
+    assert saved["remote_cache"] == f"redis://127.0.0.1:{store.port}/0" and "s3cret" not in str(saved)
+    report = window.client.memory()
+    assert report["remote"]["url"] == f"redis://:***@127.0.0.1:{store.port}/0"
+    text = memory_text(1 << 30, report)
+    assert "shared KV: 0 hits, 0 B written" in text and "unreachable" not in text
+    assert f"shared KV store redis://:***@127.0.0.1:{store.port}/0: answering" in memory_tooltip(report)
+    store.kill()
+    down = dict(report, remote=dict(report["remote"], state="open", last_error="ConnectionError: refused"))
+    assert "(unreachable)" in memory_text(1 << 30, down) and "refused" in memory_tooltip(down)
