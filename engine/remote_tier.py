@@ -208,7 +208,12 @@ class RemoteTier:
             return {}
         t0 = time.perf_counter()
         try:
-            values = self.client.mget([self.key(e.key) for e in entries])
+            # One round trip, one GET per chunk: the store starts sending the first value at once instead of
+            # building one reply of every value first (tens of MB for a long prompt).
+            pipe = self.client.pipeline(transaction=False)
+            for entry in entries:
+                pipe.get(self.key(entry.key))
+            values = pipe.execute()
         except FAILURES as exc:
             self._failed(exc)
             return {}

@@ -6,8 +6,8 @@ which the caller runs however the request ends. Stored KV is copied out of the l
 spilled pages included): a view would pin the whole cache tensor in memory and defeat the store's byte budget.
 
 With a remote tier (engine.remote_tier), the prompt's complete chunks that no local tier holds are asked of it
-before planning (one round trip); what it holds comes into the local tiers (device first, written through to
-disk) and is reported as served from "remote".
+before planning (one pipelined round trip); what it holds comes into the memory tiers, is reported as served from "remote"
+and gets its disk copy with the request's new chunks, after the first token.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class KVReuse:
                 continue
             kv = decode_kv(stored, store.device)
             if store.put_chunk(entry.key, entry.parent, content_key(self.root.hex(), entry.tokens), entry.start,
-                               entry.tokens, kv, lossy=stored.quant != "none", share=False):
+                               entry.tokens, kv, lossy=stored.quant != "none", share=False, disk=False):
                 restored.add(entry.key)
         return restored
 
@@ -161,6 +161,12 @@ class KVReuse:
             if store.put_chunk(key, plan.parent_of(index), content_key(self.root.hex(), tokens), start, tokens,
                                kv_range(cache, start, end), exact=exact, lossy=first_lossy < end):
                 stored += 1
+        # Chunks restored from the remote tier came into memory only (a disk write before the prefill would
+        # delay the first token); now they get their disk copy too.
+        for key in plan.keys:
+            record = store.records.get(key)
+            if record is not None and not record.on_disk:
+                store.write_through(record)
         return stored
 
     def store_tail(self, plan: Plan, cache, ids: list[int]) -> None:

@@ -116,6 +116,7 @@ class ChunkStore:
         self.memory_tiers = [t for t in (self.device_tier, host) if t is not None]
         self.disk = disk
         self.remote = remote
+        self._unpersisted: set[bytes] = set()  # put with disk=False, not yet given to write_through
         self.records: dict[bytes, ChunkRecord] = {}
         self._staged: dict[bytes, KV] = {}
         self._in_use: set[bytes] = set()  # keys with ref_count > 0 (the disk tier must not evict them)  # payloads fetched for requests in flight that no tier could keep
@@ -266,15 +267,16 @@ class ChunkStore:
 
     # -- insertion ----------------------------------------------------------------------------------------
     def put_chunk(self, key: bytes, parent: bytes, content_key: bytes, start: int, tokens: Sequence[int],
-                  kv: KV, *, exact: bool = True, lossy: bool = False, share: bool = True) -> bool:
+                  kv: KV, *, exact: bool = True, lossy: bool = False, share: bool = True, disk: bool = True) -> bool:
         """`lossy`: `kv` was computed over quantized KV (its values are not those of a full prefill). `share`:
-        also written to the remote tier (False for what was just read from it)."""
+        also written to the remote tier (False for what was just read from it). `disk` False: not written
+        through to disk now (write_through does it later, off the time to first token)."""
         if key in self.records:
             self.records[key].last_access = next(self._clock)
             return True
         record = ChunkRecord(key, parent, content_key, "chunk", start, tuple(tokens), kv_nbytes(kv), exact=exact,
                              lossy=lossy)
-        return self._insert(record, kv, share)
+        return self._insert(record, kv, share, disk)
 
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV, *,
                  lossy: bool = False) -> bool:
@@ -295,7 +297,7 @@ class ChunkStore:
             self.disk.remove([r.key for r in shorter if r.on_disk])
         return True
 
-    def _insert(self, record: ChunkRecord, kv: KV, share: bool = False) -> bool:
+    def _insert(self, record: ChunkRecord, kv: KV, share: bool = False, disk: bool = True) -> bool:
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
         computed_lossy = record.lossy
@@ -308,7 +310,9 @@ class ChunkStore:
                 record.lossy = computed_lossy or tier.quant != "none"
                 placed = True
                 break
-        if self.disk is not None:
+        if self.disk is not None and not disk:
+            self._unpersisted.add(record.key)
+        elif self.disk is not None:
             self._write_disk(record, kv, computed_lossy)
             if not placed and record.on_disk:
                 record.tier = "disk"
@@ -340,6 +344,15 @@ class ChunkStore:
             if other.tier == "disk":
                 self._remove(key)
                 self.counters.evicted += 1
+
+    def write_through(self, record: ChunkRecord) -> None:
+        """Writes the disk copy of an entry held only in memory (one put with disk=False)."""
+        if record.key not in self._unpersisted:
+            return
+        self._unpersisted.discard(record.key)
+        if not record.on_disk and record.tier in ("device", "host"):
+            tier = self.device_tier if record.tier == "device" else self.host_tier
+            self._write_disk(record, tier.get(record.key, torch.device("cpu")), record.lossy)
 
     def disk_encode(self, kv: KV):
         return encode_kv(kv, self.disk.quant, torch.device("cpu"))
@@ -413,6 +426,7 @@ class ChunkStore:
     def _unindex(self, key: bytes) -> None:
         record = self.records.pop(key)
         self._staged.pop(key, None)
+        self._unpersisted.discard(key)
         for offset in range(0, record.num_tokens - ANCHOR_LEN + 1, ANCHOR_LEN):
             anchor = hash(record.tokens[offset:offset + ANCHOR_LEN])
             remaining = [entry for entry in self._anchors.get(anchor, ()) if entry[0] != key]

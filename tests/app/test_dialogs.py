@@ -228,7 +228,8 @@ def test_current_settings_are_preselected(qtbot, tmp_path):
 
     hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "awq_streaming": False})
     assert hub.findChild(QRadioButton, "hubRadio").isChecked()
-    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False, "weights": "auto"}
+    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False, "weights": "auto",
+                            "remote_cache": None}
 
 
 def test_unknown_reuse_mode_is_rejected(qtbot):

@@ -72,8 +72,8 @@ class RedisServer:
                 self.proc.wait(10)
 
 
-@pytest.fixture
-def redis_server(tmp_path):
+def running_redis(tmp_path):
+    """The body of a test module's `redis_server` fixture: a started server, stopped after the test."""
     if BINARY is None:
         pytest.skip("redis-server is not installed (scripts/test.sh installs Debian's redis-server package when "
                     "run as root)")

@@ -14,13 +14,20 @@ import pytest
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.generate import Result
-from redis_server import NEEDS_REDIS, redis_server  # noqa: F401  (the fixture)
+from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import disk_worker  # noqa: E402
 
 pytestmark = NEEDS_REDIS
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    yield from running_redis(tmp_path)
+
+
 TIMEOUT_S = 0.05
 RETRY_S = 0.5
 # What a failing store may add to one request: the issue asks for ~100 ms; one read timeout is 50 ms. The bound

@@ -20,7 +20,7 @@ from engine.keys import chain_key
 from engine.remote_tier import RemoteEntry, RemoteTier
 from engine.store import ChunkRecord
 from engine.tiers import encode_kv
-from redis_server import NEEDS_REDIS, redis_server  # noqa: F401  (the fixture)
+from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
 HERE = Path(__file__).parent
@@ -29,6 +29,12 @@ sys.path.insert(0, str(HERE))
 import disk_worker  # noqa: E402  (the documents and question the worker processes use)
 
 pytestmark = NEEDS_REDIS
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    yield from running_redis(tmp_path)
+
 DOC_CHUNKS = disk_worker.DOC_TOKENS // CHUNK
 
 
