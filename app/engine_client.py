@@ -317,7 +317,10 @@ class EngineClient(QObject):
         """Submits `job` to the worker (called with the lock held, so jobs keep their order)."""
         handlers = {"load": self._run_load, "chat": self._run_chat, "warm": self._run_warm}
         run = handlers[job.kind]
-        self._worker.submit(lambda cancel: run(job), source=SOURCE, cancel=job.cancel,
+        # A chat job returns its request stream, which the worker decodes in one batch with the other tabs' and
+        # the API's requests; its events come to _chat_event.
+        sink = (lambda event: self._chat_event(job, event)) if job.kind == "chat" else None
+        self._worker.submit(lambda cancel: run(job), source=SOURCE, cancel=job.cancel, sink=sink,
                             on_done=lambda done: self._ended(job, done))
 
     # -- worker thread -------------------------------------------------------------------------------------
@@ -382,19 +385,22 @@ class EngineClient(QObject):
             raise RuntimeError("no model is loaded")
         return self._engine
 
-    def _run_chat(self, job: _Job) -> None:
-        from engine import Result
-
+    def _run_chat(self, job: _Job):
         engine = self._require_engine()
         ids = engine.encode(job.payload["messages"])
+        job.payload["running_engine"], job.payload["ids"] = engine, ids
         self.generation_started.emit(job.id)
-        result = None
-        for event in engine.stream(ids, cancel=job.cancel, **job.payload["sampling"]):
-            if isinstance(event, Result):
-                result = event
-            elif event.text:
+        return engine.stream(ids, cancel=job.cancel, **job.payload["sampling"])
+
+    def _chat_event(self, job: _Job, event) -> None:
+        """A chat job's TokenEvent or Result (on the worker's thread)."""
+        from engine import Result
+
+        if not isinstance(event, Result):
+            if event.text:
                 self.token_generated.emit(job.id, event.text)
-        assert result is not None
+            return
+        engine, ids, result = job.payload["running_engine"], job.payload["ids"], event
         stats = result.stats
         segments = [{"start": s, "end": e, "kind": kind, "text": engine.decode(ids[s:e])}
                     for s, e, kind in stats.chunks]

@@ -2,7 +2,8 @@
 `python -m bench decode ...`: weight formats side by side (bench.decode);
 `python -m bench streaming ...`: int4 layer streaming against the resident model (bench.streaming);
 `python -m bench speculative ...`: prompt-lookup speculative decoding against one token per forward;
-`python -m bench remote ...`: a second process restoring a warmed prompt from the shared KV tier (Redis/Valkey)"""
+`python -m bench remote ...`: a second process restoring a warmed prompt from the shared KV tier (Redis/Valkey);
+`python -m bench batching ...`: concurrent streams through the server, one at a time against batched."""
 
 import sys
 
@@ -21,6 +22,10 @@ if __name__ == "__main__":
         from bench.speculative import main as speculative_main
 
         sys.exit(speculative_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["batching"]:
+        from bench.batching import main as batching_main
+
+        sys.exit(batching_main(sys.argv[2:]))
     if sys.argv[1:2] == ["remote"]:
         from bench.remote import main as remote_main
 

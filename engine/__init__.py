@@ -10,5 +10,5 @@ __all__ = [
     "ModelLoadError", "UnsupportedModelError", "awq_streaming_unavailable", "Cancelled",
 ]
 
-from .worker import EngineWorker, WorkerStopped  # noqa: E402  (no torch: the one engine thread and its queue)
-__all__ += ["EngineWorker", "WorkerStopped"]
+from .worker import MAX_BATCH, EngineWorker, WorkerStopped  # noqa: E402  (the engine thread, its queue, its batch)
+__all__ += ["EngineWorker", "WorkerStopped", "MAX_BATCH"]

@@ -133,6 +133,10 @@ class EngineConfig:
     remote_cache: str | None = None
     remote_timeout_s: float = 0.05
     remote_retry_s: float = 5.0
+    # Computed prompt runs are forwarded in pieces ending at multiples of this many tokens (engine.prefill), so a
+    # request joining a batch stalls the others' decode steps for one piece at a time (engine.batching); the
+    # same pieces alone or batched. None: each run in one pass.
+    prefill_piece_tokens: int | None = 256
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -166,6 +170,9 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        piece = self.prefill_piece_tokens
+        if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece < 1):
+            raise ValueError(f"prefill_piece_tokens must be a positive integer or None, got {piece!r}")
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ from . import loader
 from .blend import BLEND_MODEL_TYPES, blend_unavailable
 from .chunking import TokenBreaks
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
-from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens
+from .batching import Forward, batching_unavailable, drive_alone
+from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .keys import root_key
 from .paged import make_cache, spill_unsupported
-from .prefill import prefill
+from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
@@ -105,11 +106,14 @@ class KVBoost:
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
-                        num_draft: int = 4) -> "KVBoost":
+                        num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
+                        remote_timeout_s: float = 0.05, remote_retry_s: float = 5.0) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
         KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
-        machine, 0 turns host or disk off. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
+        machine, 0 turns host or disk off. `remote_cache` "redis://[user:password@]HOST:PORT/DB" (or rediss://,
+        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); each call to it waits
+        at most `remote_timeout_s`, and after a failure it is left alone for `remote_retry_s`. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
         per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
         being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
         `awq_streaming`: layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or
@@ -119,7 +123,8 @@ class KVBoost:
         `speculative` "prompt-lookup" (the default; None: one token per forward): up to `num_draft` tokens
         drafted from the context (prompt, documents, answer so far) are checked in the forward that feeds each
         token (engine.speculative); greedy output is that of one token per forward, sampling keeps its
-        distribution. `quiet`: only errors from transformers' logging (no warnings or progress
+        distribution. `prefill_piece_tokens`: computed prompt runs are forwarded in pieces ending at its
+        multiples, so a request joining a batch holds the others up for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress
         bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
         weights loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
@@ -139,7 +144,9 @@ class KVBoost:
                               disk_cache_dir=str(disk_cache_dir) if disk_cache_dir is not None else None,
                               kv_quant=KVQuantConfig.parse(kv_quant), eviction=eviction,
                               live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens,
-                              speculative=speculative, num_draft=num_draft)
+                              speculative=speculative, num_draft=num_draft,
+                              prefill_piece_tokens=prefill_piece_tokens, remote_cache=remote_cache,
+                              remote_timeout_s=remote_timeout_s, remote_retry_s=remote_retry_s)
         config.validate()
         src = loader.resolve_source(source)
         _check_cancel(cancel)
@@ -189,7 +196,8 @@ class KVBoost:
             changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
         inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
                      "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens",
-                     "speculative", "num_draft")
+                     "speculative", "num_draft", "prefill_piece_tokens", "remote_cache", "remote_timeout_s",
+                     "remote_retry_s")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)
@@ -231,53 +239,62 @@ class KVBoost:
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt is {len(ids)} tokens; {self.name} holds at most {self.max_context} "
                              "(prompt and answer together)")
-        return self._events(ids, params, t_enter, cancel, return_logits)
+        return RequestStream(self, self._events(ids, params, t_enter, cancel, return_logits))
 
     def _events(self, ids, params, t_enter, cancel, return_logits=False):
-        with self._one_request():
-            mode = self.config.reuse
-            repair = self.config.repair if mode == "approx" else None
-            # 1) plan and fetch: every entry the plan reuses is acquired, on the device, until released below.
-            plan, reused_by_tier = self._reuse.plan_and_fetch(ids, mode)
+        """The request as a coroutine (engine.batching): its events, a PAUSE after each prefill piece, and a
+        Forward for each decode step, whose logits the runner sends back. Run by RequestStream (alone, holding
+        the engine's lock) or by a batching.Batch (which holds it for its requests)."""
+        mode = self.config.reuse
+        repair = self.config.repair if mode == "approx" else None
+        # 1) plan and fetch: every entry the plan reuses is acquired, on the device, until released below.
+        plan, reused_by_tier = self._reuse.plan_and_fetch(ids, mode)
+        try:
+            approximate = repair is not None and plan.first_approximate < len(ids)
+            stats = Stats(prompt_tokens=len(ids), reused_tokens=plan.reused_tokens,
+                          recomputed_tokens=len(ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=mode,
+                          repair=repair.mode if approximate else "none", reused_by_tier=reused_by_tier)
+            passes_before = self.streaming.counters() if self.streaming is not None else None
+            # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
+            cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
+            logits, stats.repaired_tokens = yield from prefill_steps(
+                self.model, plan, self.store, cache, self.device, self._rope, repair, self._batch_repair,
+                self.config.prefill_piece_tokens)
+            # 3) decode. The new chunks are stored once the first token is out (time to first token does
+            # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
+            tokens = list(ids)  # the prompt, then every sampled token
+            events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
+                                   device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
+                                   t_enter=t_enter, cancel=cancel, return_logits=return_logits,
+                                   speculative=self.config.speculative, num_draft=self.config.num_draft)
+            storing, chunks_stored = mode != "off", False
             try:
-                approximate = repair is not None and plan.first_approximate < len(ids)
-                stats = Stats(prompt_tokens=len(ids), reused_tokens=plan.reused_tokens,
-                              recomputed_tokens=len(ids) - plan.reused_tokens, chunks=plan.chunk_rows(), reuse=mode,
-                              repair=repair.mode if approximate else "none", reused_by_tier=reused_by_tier)
-                passes_before = self.streaming.counters() if self.streaming is not None else None
-                # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
-                cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
-                logits, stats.repaired_tokens = prefill(self.model, plan, self.store, cache, self.device,
-                                                        self._rope, repair, self._batch_repair)
-                # 3) decode. The new chunks are stored once the first token is out (time to first token does
-                # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
-                tokens = list(ids)  # the prompt, then every sampled token
-                events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
-                                       device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
-                                       t_enter=t_enter, cancel=cancel, return_logits=return_logits,
-                                       speculative=self.config.speculative, num_draft=self.config.num_draft)
-                storing, chunks_stored = mode != "off", False
-                try:
-                    for event in events:
-                        if isinstance(event, Result):
-                            break
-                        yield event
-                        if storing and not chunks_stored:
-                            chunks_stored = True
-                            self._store(stats, plan, cache)
-                finally:
-                    events.close()
-                    if storing:
-                        self._store(stats, plan, cache, tokens, chunks=not chunks_stored)
-                assert isinstance(event, Result), "the decode loop ends with its Result"
-                if passes_before is not None:
-                    passes, tokens = (now - before for now, before in zip(self.streaming.counters(), passes_before))
-                    stats.weight_passes = passes
-                    stats.tokens_per_weight_pass = tokens / passes if passes else 0.0
-                stats.total_ms = (time.perf_counter() - t_enter) * 1000  # storing the tail is part of the call
-                yield event
+                sent = None
+                while True:
+                    event = events.send(sent)
+                    sent = None
+                    if isinstance(event, Forward):
+                        sent = yield event  # the logits of the forward, from whoever runs this coroutine
+                        continue
+                    if isinstance(event, Result):
+                        break
+                    yield event
+                    if storing and not chunks_stored:
+                        chunks_stored = True
+                        self._store(stats, plan, cache)
             finally:
-                self._reuse.release(plan)
+                events.close()
+                if storing:
+                    self._store(stats, plan, cache, tokens, chunks=not chunks_stored)
+            assert isinstance(event, Result), "the decode loop ends with its Result"
+            if passes_before is not None:
+                passes, tokens = (now - before for now, before in zip(self.streaming.counters(), passes_before))
+                stats.weight_passes = passes
+                stats.tokens_per_weight_pass = tokens / passes if passes else 0.0
+            stats.total_ms = (time.perf_counter() - t_enter) * 1000  # storing the tail is part of the call
+            yield event
+        finally:
+            self._reuse.release(plan)
 
     def _store(self, stats: Stats, plan, cache, tokens: list[int] | None = None, *, chunks: bool = True) -> None:
         """Stores the prompt's new chunks and, given the prompt and answer `tokens`, the tail; timed into
@@ -288,6 +305,16 @@ class KVBoost:
         if tokens is not None:
             self._reuse.store_tail(plan, cache, tokens)
         stats.store_ms += (time.perf_counter() - t0) * 1000
+
+    def batching_unavailable(self) -> str | None:
+        """Why this engine's requests cannot share forward passes with others (engine.batching), or None."""
+        if self.config.live_kv_bytes is not None:
+            return "the live KV spills to host memory (live_kv_bytes), one request at a time"
+        return batching_unavailable(self.model)
+
+    def _forward(self, forward: Forward) -> torch.Tensor:
+        """A Forward of one request run by itself."""
+        return run_forward(self.model, forward, self.device)
 
     @contextlib.contextmanager
     def _one_request(self):
@@ -328,7 +355,7 @@ class KVBoost:
         before = self.store.counters.stored
         params = SamplingConfig(max_new_tokens=1)
         result = None
-        for event in self._events(ids, params, t_enter, None):
+        for event in RequestStream(self, self._events(ids, params, t_enter, None)):
             result = event
         return {
             "tokens": len(ids),
@@ -371,8 +398,10 @@ class KVBoost:
         return self.tokenizer.decode(list(ids))
 
     def memory(self) -> dict:
-        """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), and the device's
-        totals when it is CUDA. Reads counters only (no lock), so a UI can call it while a request runs."""
+        """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), the remote tier's
+        counters ("remote": hits, bytes read and written, dropped writes, errors, breaker state) when there is
+        one, and the device's totals when it is CUDA. Reads counters only (no lock, no network), so a UI can call
+        it while a request runs."""
         weights = self._weights()["resident_bytes"]  # packed int4 codes, scales and offsets included
         streamed = self.streaming.plan.streamed_bytes if self.streaming is not None else 0
         report = {"device": str(self.device), "weights_bytes": weights, "streamed_weights_bytes": streamed,
@@ -380,6 +409,8 @@ class KVBoost:
                   "kv_budget_bytes": self.store.tier_budgets()}
         if self.disk_error:
             report["disk_error"] = self.disk_error
+        if self.store.remote is not None:
+            report["remote"] = self.store.remote.stats()
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             report["device_used_bytes"] = total - free
@@ -387,6 +418,7 @@ class KVBoost:
         return report
 
     def cache_stats(self) -> dict:
+        """The store's statistics (engine.store.ChunkStore.stats: each tier under "tiers", the remote one too)."""
         stats = self.store.stats()
         stats["reuse"] = self.config.reuse
         if self.disk_error:
@@ -402,3 +434,47 @@ class KVBoost:
         """Next-token logits [V] of a plain full prefill, no cache involved (the reference for tests/bench)."""
         out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1)
         return out.logits[0, -1]
+
+
+class RequestStream:
+    """What KVBoost.stream returns: an iterator of the request's events (TokenEvents, then the Result), run alone
+    on the calling thread the first time it is iterated, with the engine's lock held until it ends or is closed;
+    or handed whole to an EngineWorker's batch (`take_steps`), which decodes it together with other requests."""
+
+    def __init__(self, engine: KVBoost, steps):
+        self.engine = engine
+        self._steps = steps
+        self._alone = None
+
+    def batch_refusal(self) -> str | None:
+        """Why this request cannot join a batch, or None."""
+        if self._alone is not None or self._steps is None:
+            return "it has already started"
+        return self.engine.batching_unavailable()
+
+    def take_steps(self):
+        """The request's coroutine, for a batch to run (the stream itself then yields nothing)."""
+        steps, self._steps = self._steps, None
+        return steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._alone is None:
+            if self._steps is None:
+                raise StopIteration
+            self._alone = self._run_alone(self._steps)
+            self._steps = None
+        return next(self._alone)
+
+    def _run_alone(self, steps):
+        with self.engine._one_request():
+            yield from drive_alone(steps, self.engine._forward)
+
+    def close(self) -> None:
+        if self._alone is not None:
+            self._alone.close()
+        elif self._steps is not None:
+            self._steps.close()
+            self._steps = None

@@ -13,13 +13,14 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Generator, Sequence
 
 import torch
 from transformers import DynamicCache
 
 from .config import SamplingConfig
 from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
+from .batching import Forward
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 
@@ -50,6 +51,7 @@ class Stats:
     decode_forwards: int = 0  # forwards of the decode loop (each feeds one token, and the drafts checked with it)
     drafted_tokens: int = 0  # speculative decoding: tokens drafted from the context ...
     accepted_tokens: int = 0  # ... and those the model agreed with (kept without a forward of their own)
+    batched_forwards: int = 0  # decode forwards shared with other requests (engine.batching)
 
     @property
     def reused_fraction(self) -> float:
@@ -80,6 +82,14 @@ def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch
     with spilling(cache):  # one block per forward: nothing stays active across the generator's yields
         out = model(input_ids=torch.tensor([[token_id]], device=device), past_key_values=cache, use_cache=True)
     return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def run_forward(model, forward: Forward, device) -> torch.Tensor:
+    """A request's Forward run by itself: logits [len(tokens), V]."""
+    if len(forward.tokens) == 1:
+        return decode_one_token(model, forward.tokens[0], forward.cache, device)[None]
+    return check_forward(model, forward.tokens, forward.cache, device, forward.rowwise)
 
 
 def check_forward(model, tokens: list[int], cache: DynamicCache, device, rowwise: bool) -> torch.Tensor:
@@ -200,17 +210,19 @@ class Detokenizer:
         return delta
 
 
+@torch.inference_mode()  # entered and left around each resume: coroutines interleave on one thread
 def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
                   params: SamplingConfig, stats: Stats, *, device, eos_ids: set[int], max_context: int,
                   t_enter: float, cancel: threading.Event | None = None, return_logits: bool = False,
-                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT) -> Iterator[TokenEvent | Result]:
+                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT) -> Generator:
     """Samples up to max_new_tokens from `logits`, the next-token logits [V] after the prompt `ids` whose KV
     fills `cache`, feeding each token back, until EOS, a stop string, the context limit or `cancel` (checked
     before every step). Every sampled token is appended to `ids`, so the caller can store the KV of
     ids[:cache length] however the loop ended. `speculative` "prompt-lookup": up to `num_draft` tokens drafted
     from the context are checked in the forward that feeds each token (engine.speculative; not over a cache
     that spills, which cannot be cut back). Completes `stats` (times from `t_enter`, the call's start) and
-    yields it in the Result, after the TokenEvents."""
+    yields it in the Result, after the TokenEvents. A coroutine: it also yields a batching.Forward for every
+    forward pass it needs, and whoever runs it sends back the logits (batching.drive_alone, batching.Batch)."""
     prompt_len = len(ids)
     generator = None
     if params.temperature > 0:
@@ -240,42 +252,43 @@ def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, i
             return "cancelled"
         return None
 
-    with torch.inference_mode():
-        first_logits = logits.float().cpu().clone() if return_logits else None
-        chosen = None  # a token already chosen by a speculative check (its logits were in the checked forward)
-        while finish is None:
-            token = chosen if chosen is not None else sample(logits, params, ids, generator)
-            chosen = None
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_ms = (t_first - t_enter) * 1000
-            finish = yield from emit(token)
+    first_logits = logits.float().cpu().clone() if return_logits else None
+    chosen = None  # a token already chosen by a speculative check (its logits were in the checked forward)
+    while finish is None:
+        token = chosen if chosen is not None else sample(logits, params, ids, generator)
+        chosen = None
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if t_first is None:
+            t_first = time.perf_counter()
+            stats.ttft_ms = (t_first - t_enter) * 1000
+        finish = yield from emit(token)
+        if finish is not None:
+            break
+        # Room for drafts: what max_new_tokens leaves, and the context (the cache then holds len(ids) + k).
+        room = min(params.max_new_tokens - (len(ids) - prompt_len), max_context - 1 - len(ids))
+        draft = drafts.draft(min(num_draft, room)) if drafts is not None and room > 0 else []
+        stats.decode_forwards += 1
+        step = Forward([token, *draft], cache, rowwise=rowwise and bool(draft))
+        checked = yield step  # [k + 1, V]: whoever runs this coroutine runs the forward (alone or batched)
+        stats.batched_forwards += step.shared > 1
+        if not draft:
+            logits = checked[-1]
+            continue
+        kept, chosen = verify(draft, _greedy_at(checked, params, ids), _probs_at(checked, params, ids),
+                              generator, is_greedy(params))
+        stats.drafted_tokens += len(draft)
+        stats.accepted_tokens += kept
+        if kept < len(draft):
+            cache.crop(kept - len(draft))  # the rejected drafts' KV
+        for accepted in draft[:kept]:
+            finish = yield from emit(accepted)
             if finish is not None:
                 break
-            # Room for drafts: what max_new_tokens leaves, and the context (the cache then holds len(ids) + k).
-            room = min(params.max_new_tokens - (len(ids) - prompt_len), max_context - 1 - len(ids))
-            draft = drafts.draft(min(num_draft, room)) if drafts is not None and room > 0 else []
-            stats.decode_forwards += 1
-            if not draft:
-                logits = decode_one_token(model, token, cache, device)
-                continue
-            checked = check_forward(model, [token, *draft], cache, device, rowwise)  # [k + 1, V]
-            kept, chosen = verify(draft, _greedy_at(checked, params, ids), _probs_at(checked, params, ids),
-                                  generator, is_greedy(params))
-            stats.drafted_tokens += len(draft)
-            stats.accepted_tokens += kept
-            if kept < len(draft):
-                cache.crop(kept - len(draft))  # the rejected drafts' KV
-            for accepted in draft[:kept]:
-                finish = yield from emit(accepted)
-                if finish is not None:
-                    break
-            if chosen is None:
-                logits = checked[kept]
-        if drafts is not None and cache.get_seq_length() > len(ids):
-            cache.crop(len(ids) - cache.get_seq_length())  # kept drafts past where the answer ended
+        if chosen is None:
+            logits = checked[kept]
+    if drafts is not None and cache.get_seq_length() > len(ids):
+        cache.crop(len(ids) - cache.get_seq_length())  # kept drafts past where the answer ended
     finish_reason = finish or "length"
     generated = ids[prompt_len:]
     tail = detok.finish()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from .batching import PAUSE
 from .blend import blend
 from .paged import KV, spilling
 from .plan import APPROXIMATE, MISS, Plan, Segment
@@ -19,12 +20,27 @@ from .rope import rerotate_kv
 from .store import ChunkStore
 
 
-@torch.inference_mode()
 def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
-            batch_repair: bool = True) -> tuple[torch.Tensor, int]:
+            batch_repair: bool = True, piece_tokens: int | None = None) -> tuple[torch.Tensor, int]:
     """Fills `cache` for the whole prompt following `plan`; returns the logits of the last prompt token [V] and
     the number of reused tokens that repair recomputed. `batch_repair`: the model can run the batched pass
-    (engine.blend.blend_unavailable is None), so selective repair runs as one pass rather than one per seam."""
+    (engine.blend.blend_unavailable is None), so selective repair runs as one pass rather than one per seam.
+    `piece_tokens`: computed runs are cut at multiples of it (prefill_steps)."""
+    steps = prefill_steps(model, plan, store, cache, device, rope, repair, batch_repair, piece_tokens)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+@torch.inference_mode()
+def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
+                  batch_repair: bool = True, piece_tokens: int | None = None):
+    """prefill() as a generator that yields batching.PAUSE after each forward pass but the last, so that other
+    requests can take a decode step in between; returns (logits, repaired). Computed runs are forwarded in pieces
+    that end at multiples of `piece_tokens` (None: each run in one pass): the same cuts whether the request runs
+    alone or batched, so its KV is the same either way."""
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
     batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
@@ -46,18 +62,32 @@ def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, de
             while i < len(segments) and segments[i].kind == MISS and segments[i].start < blend_from:
                 i += 1
             end = segments[i - 1].end
-            input_ids = torch.tensor([plan.ids[start:end]], device=device)
-            if i == len(segments):
-                out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                logits = out.logits[0, -1]
-            else:
-                decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            last_run = i == len(segments)
+            for piece_start, piece_end in _pieces(start, end, piece_tokens):
+                input_ids = torch.tensor([plan.ids[piece_start:piece_end]], device=device)
+                if last_run and piece_end == end:
+                    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    logits = out.logits[0, -1]
+                else:
+                    decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+                    yield PAUSE
         if i < len(segments):
             rest = segments[i:]
             pieces = [None if seg.kind == MISS else _segment_kv(seg, store, rope, device) for seg in rest]
             logits, repaired = blend(model, plan.ids, rest, pieces, cache, repair, device)
     assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
     return logits, repaired
+
+
+def _pieces(start: int, end: int, piece_tokens: int | None):
+    """[start, end) cut at the multiples of piece_tokens inside it."""
+    if not piece_tokens:
+        yield start, end
+        return
+    while start < end:
+        cut = min(end, (start // piece_tokens + 1) * piece_tokens)
+        yield start, cut
+        start = cut
 
 
 def _segment_kv(seg: Segment, store: ChunkStore, rope, device) -> KV:

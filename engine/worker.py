@@ -10,7 +10,14 @@ item handed to the job's sink, or queued for whoever iterates the Job handle.
         ...
 
 Order: FIFO within a source; between sources, the one served least recently goes next (round robin), so one
-client that queues many requests cannot starve another. Cancel: a job cancelled before it starts never runs
+client that queues many requests cannot starve another.
+
+Batching: a job whose function returns a request stream that can be batched (KVBoost.stream's RequestStream,
+engine.batching) does not run to its end before the next job starts: it joins the running batch, and the worker
+takes the next waiting job at once. Between jobs taken, the batch takes one step: one forward pass decodes a
+token (and its drafts) for every request in it, a newcomer's prefill runs one piece per step. So requests from
+the window's tabs and the API arriving while others decode join at the next step, up to `max_batch` at once;
+past that, jobs wait in their queue. Any other job (a model load, a warm-up) runs whole between two steps. Cancel: a job cancelled before it starts never runs
 (its state is SKIPPED); cancelling a running one sets its event, which the engine checks at every decode step.
 A job that raises ends FAILED with the exception on its handle; the worker goes on with the next one.
 """
@@ -23,6 +30,8 @@ import queue
 import threading
 from collections import deque
 from typing import Any, Callable, Iterable
+
+from .batching import MAX_BATCH, Batch
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +118,13 @@ WAITING, RUNNING, FINISHED, FAILED, SKIPPED = Job.WAITING, Job.RUNNING, Job.FINI
 class EngineWorker:
     """One daemon thread running submitted jobs one at a time (see the module docstring for the order)."""
 
-    def __init__(self, name: str = "kvboost-engine"):
+    def __init__(self, name: str = "kvboost-engine", max_batch: int = MAX_BATCH):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch!r}")
+        self.max_batch = max_batch
+        self._batch = Batch(max_batch)
+        self._in_batch: list[Job] = []  # jobs whose requests are in the batch
+        self._deferred: tuple[Job, Any] | None = None  # a request on another model: joins once the batch is empty
         self._cond = threading.Condition()
         self._waiting: dict[str, deque[Job]] = {}  # by source, FIFO; a source with none waiting has no entry
         self._last_turn: dict[str, int] = {}  # source -> the turn it was last served on
@@ -144,7 +159,16 @@ class EngineWorker:
 
     @property
     def running(self) -> Job | None:
-        return self._running
+        """The job running alone, else the oldest in the batch (None when the worker is idle)."""
+        return self._running or next(iter(self.running_jobs), None)
+
+    @property
+    def running_jobs(self) -> list[Job]:
+        """Every job running now: the one running alone, and those in the batch."""
+        jobs = list(self._in_batch)
+        if self._deferred is not None:
+            jobs.append(self._deferred[0])
+        return ([self._running] if self._running is not None else []) + jobs
 
     @property
     def thread_id(self) -> int | None:
@@ -163,10 +187,10 @@ class EngineWorker:
             self._stopping = True
             dropped = [job for jobs in self._waiting.values() for job in jobs]
             self._waiting.clear()
-            running = self._running
+            running = self.running_jobs
             self._cond.notify_all()
-        if running is not None:
-            running.cancel()
+        for job in running:  # batched requests end at their next step, with finish_reason "cancelled"
+            job.cancel()
         for job in dropped:
             job.cancel()
             job._finish(SKIPPED)
@@ -191,23 +215,46 @@ class EngineWorker:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._stopping:
+                while not self._waiting and not self._batch and not self._stopping:
                     self._cond.wait()
-                if self._stopping:  # stop() has taken the waiting jobs
+                if self._stopping and not self._batch and self._deferred is None:  # stop() took the waiting jobs
                     return
-                job = self._take()
-                if not job.cancelled:
-                    job.state = RUNNING
-                    self._running = job
+                job = None
+                if self._waiting and not self._stopping and len(self._batch) < self.max_batch \
+                        and self._deferred is None:
+                    job = self._take()
+                    if not job.cancelled:
+                        job.state = RUNNING
+                        self._running = job
+            if job is None:
+                self._step()
+                continue
             if job.state == WAITING:  # cancelled while it waited: it never runs
                 job._finish(SKIPPED)
                 continue
             self._run(job)
 
+    def _step(self) -> None:
+        """One batch step; then the deferred request joins if the batch has emptied."""
+        self._batch.step()
+        if self._deferred is not None and not self._batch:
+            job, stream = self._deferred
+            self._deferred = None
+            self._join(job, stream)
+
     def _run(self, job: Job) -> None:
         events = None
         try:
             events = job._fn(job.cancel_event)
+            refusal = events.batch_refusal() if hasattr(events, "batch_refusal") else "not a request stream"
+            if refusal is None and self.max_batch > 1:
+                with self._cond:
+                    self._running = None
+                if self._batch.accepts(events.engine):
+                    self._join(job, events)
+                else:  # another model than the batch's: it starts once the batch has finished
+                    self._deferred = (job, events)
+                return
             if events is not None:
                 for event in events:
                     job._deliver(event)
@@ -218,11 +265,22 @@ class EngineWorker:
             # A generator left by an exception (its sink's, say) is closed now, not whenever it is collected: it
             # may hold the engine's lock until then.
             close = getattr(events, "close", None)
-            if close is not None:
+            if close is not None and job.state == RUNNING and job not in self._in_batch \
+                    and (self._deferred is None or self._deferred[0] is not job):
                 try:
                     close()
                 except Exception:
                     log.exception("closing the events of %r failed", job)
             with self._cond:
                 self._running = None
-        job._finish(state, error)
+        if job not in self._in_batch and (self._deferred is None or self._deferred[0] is not job):
+            job._finish(state, error)
+
+    def _join(self, job: Job, stream) -> None:
+        self._in_batch.append(job)
+
+        def ended(error: BaseException | None) -> None:
+            self._in_batch.remove(job)
+            job._finish(FINISHED if error is None else FAILED, error)
+
+        self._batch.admit(stream.take_steps(), stream.engine, job._deliver, ended)

@@ -5,8 +5,10 @@
     POST /v1/chat/completions    chat template from the model; streaming (SSE, `data: [DONE]`) or not
     POST /v1/completions         a plain prompt
 
-Requests run one at a time in arrival order on the engine's one thread (an EngineWorker: the desktop app's, where
-the window's requests take turns with the API's, or the server's own); a request's wait is its `kvboost.queue_ms`.
+Requests run on the engine's one thread (an EngineWorker: the desktop app's, where the window's requests take turns
+with the API's, or the server's own), decoded together in one batch (engine.batching: up to the worker's
+`max_batch` at once, a newcomer joining at the next step); past that they wait in arrival order, and a request's
+wait is its `kvboost.queue_ms`.
 A client that goes away cancels its generation at the next token, or before it runs. Every response carries the
 engine's cache statistics in an extra `kvboost` field that OpenAI clients ignore.
 
@@ -34,7 +36,7 @@ from jinja2 import TemplateError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import EngineWorker, Result, SamplingConfig, TokenEvent, WorkerStopped
+from engine import MAX_BATCH, EngineWorker, Result, SamplingConfig, TokenEvent, WorkerStopped
 
 from .guard import Guard, Timeouts, server_options  # noqa: F401  (server_options: part of this module's API)
 from .schema import APIError, ChatBody, CompletionBody, RequestBody, error_response, parse
@@ -63,14 +65,16 @@ class Scheduler:
     behind a generation). Jobs run on `worker`, the one torch thread, as source "api": the desktop app passes its
     own (its window's requests take turns with these); without one the server has its own."""
 
-    def __init__(self, engine, max_queue: int = MAX_QUEUE, worker: EngineWorker | None = None):
+    def __init__(self, engine, max_queue: int = MAX_QUEUE, worker: EngineWorker | None = None,
+                 max_batch: int = MAX_BATCH):
         self.engine = engine
         self.max_queue = max_queue
         self._owns_worker = worker is None
-        self.worker = worker if worker is not None else EngineWorker(name="kvboost-server-engine")
+        self.worker = worker if worker is not None else EngineWorker(name="kvboost-server-engine",
+                                                                     max_batch=max_batch)
         self._lock = threading.Lock()
         self._waiting: list[Job] = []
-        self._current: Job | None = None
+        self._running: list[Job] = []
         self._closed = False
         self.num_served = 0  # jobs that ran (to the end, or cancelled part way)
         self.num_cancelled = 0  # of those, stopped by a cancel (client gone, server closing)
@@ -84,7 +88,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return int(self._current is not None)
+        return len(self._running)
 
     async def encode(self, prompt) -> list[int]:
         """`engine.encode(prompt)` off the event loop; its errors come through as they are."""
@@ -105,7 +109,8 @@ class Scheduler:
             self._waiting.append(job)
         try:
             self.worker.submit(lambda cancel: self._run(job), source="api", cancel=job.cancel,
-                               sink=lambda event: self._emit(job, event), on_done=lambda done: self._ended(job, done))
+                               sink=lambda event: self._emit_event(job, event),
+                               on_done=lambda done: self._ended(job, done))
         except WorkerStopped:  # the app's worker, stopped as the app quits
             with self._lock:
                 self._waiting.remove(job)
@@ -116,7 +121,7 @@ class Scheduler:
         worker it was given goes on with its other jobs, its own worker stops."""
         with self._lock:
             self._closed = True
-            jobs = self._waiting + ([self._current] if self._current else [])
+            jobs = self._waiting + self._running
         for job in jobs:
             job.cancel.set()
         self._encoder.shutdown(wait=False, cancel_futures=True)
@@ -129,15 +134,18 @@ class Scheduler:
         except RuntimeError:  # the server's loop is closed: nobody is listening any more
             job.cancel.set()
 
+    def _emit_event(self, job: Job, event) -> None:
+        if isinstance(event, Result) and event.finish_reason == "cancelled":
+            self.num_cancelled += 1
+        self._emit(job, event)
+
     def _run(self, job: Job):
+        """The job's request stream, which the worker batches with the others (or runs alone)."""
         with self._lock:
             self._waiting.remove(job)
-            self._current = job
+            self._running.append(job)
         job.started = time.perf_counter()
-        for event in self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling):
-            if isinstance(event, Result) and event.finish_reason == "cancelled":
-                self.num_cancelled += 1
-            yield event
+        return self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling)
 
     def _ended(self, job: Job, done) -> None:
         with self._lock:  # one step: once nothing runs, the counts are final
@@ -145,7 +153,8 @@ class Scheduler:
                 self._waiting.remove(job)
                 self.num_skipped += 1
             else:
-                self._current = None
+                if job in self._running:
+                    self._running.remove(job)
                 self.num_served += 1
         if done.state == done.SKIPPED:
             self._emit(job, APIError(499, "the request was cancelled before it ran", code="cancelled"))
@@ -186,7 +195,8 @@ def kvboost_stats(result: Result, job: Job) -> dict:
             "recomputed_tokens": s.recomputed_tokens, "tokens_by_kind": by_kind,
             "reused_by_tier": s.reused_by_tier, "ttft_ms": round(s.ttft_ms, 2),
             "queue_ms": round(((job.started or job.enqueued) - job.enqueued) * 1000, 2),
-            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "reuse": s.reuse}
+            "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "reuse": s.reuse,
+            "batched_forwards": s.batched_forwards}
 
 
 def _include_usage(body: RequestBody) -> bool:
@@ -205,7 +215,7 @@ def _finish_reason(result: Result) -> str:
 # -- the app ------------------------------------------------------------------------------------------------------
 def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, max_queue: int = MAX_QUEUE, loopback_only: bool = True,
-               timeouts: Timeouts = Timeouts()) -> FastAPI:
+               timeouts: Timeouts = Timeouts(), max_batch: int = MAX_BATCH) -> FastAPI:
     """The HTTP app over `engine`, served under `model_id`. Generation runs on `worker`, the thread that runs
     everything else on this engine (the desktop app passes its own); None: a worker of the server's own.
     `loopback_only`: the server listens on 127.0.0.1, so requests naming another Host are refused (DNS
@@ -213,7 +223,7 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
     app = FastAPI(title="KVBoost", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, loopback_only=loopback_only,
                        body_timeout=timeouts.body_s)
-    scheduler = Scheduler(engine, max_queue, worker)
+    scheduler = Scheduler(engine, max_queue, worker, max_batch)
     app.state.scheduler = scheduler
     card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "kvboost"}
 
@@ -389,10 +399,11 @@ def _engine_error(exc: Exception) -> APIError:
 
 
 def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "warning", timeouts: Timeouts = Timeouts()) -> None:
-    """Runs the server in this thread until interrupted, its requests on an engine thread of its own."""
+          log_level: str = "warning", timeouts: Timeouts = Timeouts(), max_batch: int = MAX_BATCH) -> None:
+    """Runs the server in this thread until interrupted, its requests on an engine thread of its own, decoded
+    up to `max_batch` at once (1: one at a time)."""
     app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS,
-                     timeouts=timeouts)
+                     timeouts=timeouts, max_batch=max_batch)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, **server_options(timeouts))
     finally:

@@ -29,8 +29,21 @@ def build_server_parser() -> argparse.ArgumentParser:
                         help="seconds a client has to send a request body once its head is in (default 30; then 408)")
     parser.add_argument("--keep-alive-timeout", type=_positive_seconds, default=5.0,
                         help="seconds an idle connection stays open between requests (default 5)")
+    parser.add_argument("--max-batch", type=_positive_int, default=8,
+                        help="requests decoded together in one forward pass per step (default 8; 1: one at a time, "
+                        "in arrival order); more wait in the queue")
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return value
 
 
 def _positive_seconds(text: str) -> float:
@@ -69,7 +82,7 @@ def main(argv=None) -> int:
         serve(engine, model_id=model_id, host=args.host, port=args.port, api_key=args.api_key,
               log_level="info" if args.verbose else "warning",
               timeouts=Timeouts(header_s=args.header_timeout, body_s=args.body_timeout,
-                                keep_alive_s=args.keep_alive_timeout))
+                                keep_alive_s=args.keep_alive_timeout), max_batch=args.max_batch)
     except KeyboardInterrupt:
         pass
     return 0

@@ -24,13 +24,15 @@ class ServerThread:
     `alive` tell how it goes (a port in use ends the thread), wait_started() blocks for it. stop() cancels the
     server's running and waiting requests and ends the thread. `worker`: the EngineWorker that runs this
     engine for its other users (the desktop app's); requests then take turns with theirs on its one thread,
-    and stop() leaves it and their jobs running. None: the server has a worker of its own, stopped with it."""
+    and stop() leaves it and their jobs running. None: the server has a worker of its own, stopped with it,
+    decoding up to `max_batch` requests at once (engine.batching; 1: one at a time)."""
 
     def __init__(self, engine, *, model_id: str, worker=None, port: int | None = None, api_key: str | None = None,
-                 timeouts: Timeouts = Timeouts(), name: str = "kvboost-api"):
+                 timeouts: Timeouts = Timeouts(), name: str = "kvboost-api", max_batch: int | None = None):
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(engine, model_id=model_id, worker=worker, api_key=api_key, timeouts=timeouts)
+        options = {} if max_batch is None else {"max_batch": max_batch}  # for a worker of its own
+        self.app = create_app(engine, model_id=model_id, worker=worker, api_key=api_key, timeouts=timeouts, **options)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                                      log_level="warning", **server_options(timeouts)))
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)

@@ -292,3 +292,27 @@ def test_serving_on_a_port_in_use_is_reported_and_switched_off(window, qtbot):
     assert "in use" in failed.args[0]
     assert not window.serve_action.isChecked()
     assert "could not start" in window.banner_label.text()
+
+
+def test_two_tabs_answer_at_once_in_one_batch_with_the_answers_each_gives_alone(qtbot, window):
+    from PySide6.QtCore import Qt
+
+    questions = ["Name three colors of the rainbow.", "What is two plus two?"]
+    alone = []
+    for question in questions:  # each alone, in a tab of its own
+        tab = window.new_conversation()
+        greedy(window, tab)
+        alone.append(send(qtbot, tab, question)["text"])
+    tabs = [window.new_conversation() for _ in questions]
+    finished: dict[int, dict] = {}
+    window.client.generation_finished.connect(lambda job, answer: finished.__setitem__(job, answer))
+    for tab, question in zip(tabs, questions):  # sent one after the other, without waiting
+        greedy(window, tab)
+        tab.composer.setPlainText(question)
+        qtbot.keyClick(tab.composer, Qt.Key_Return)
+    assert all(tab.is_generating for tab in tabs)  # both answering at once
+    qtbot.waitUntil(lambda: len(finished) == 2, timeout=WAIT_MS)
+    for tab, want in zip(tabs, alone):
+        saved = window.db.messages(tab.conversation_id)[-1]
+        assert saved["content"] == want and saved["status"] == "done"
+        assert saved["stats"]["batched_forwards"] > 0  # their decode steps shared forward passes

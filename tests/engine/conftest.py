@@ -10,3 +10,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def smollm_int4_engine(smollm):
+    """An int4 copy of the session's real model (its head and table int8, as weights="int4" loads it), reuse and
+    speculation off."""
+    import copy
+
+    from engine import EngineConfig, KVBoost
+    from engine.head import quantize_head
+    from engine.int4 import quantize_model
+
+    model = copy.deepcopy(smollm.model)
+    quantize_model(model, group_size=64, kernel="cpu_int4pack")
+    quantize_head(model, "int8+embedding")
+    return KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))

@@ -13,9 +13,9 @@ from torch import nn
 
 from engine import EngineConfig, KVBoost
 from engine.config import ChunkingConfig, SamplingConfig
-from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens
-from engine.head import quantize_head
-from engine.int4 import kernel_unavailable, quantize_model
+from engine.batching import drive_alone
+from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
+from engine.int4 import kernel_unavailable
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify
 
@@ -150,7 +150,8 @@ def test_sampled_continuations_follow_the_models_distribution_with_speculation(o
         events = decode_tokens(model, tokenizer, cache, logits, ids, params, stats, device=torch.device("cpu"),
                                eos_ids={EOS}, max_context=1000, t_enter=0.0, speculative="prompt-lookup",
                                num_draft=2)
-        result = [e for e in events if isinstance(e, Result)][0]
+        cpu = torch.device("cpu")
+        result = [e for e in drive_alone(events, lambda f: run_forward(model, f, cpu)) if isinstance(e, Result)][0]
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
         drafted += stats.drafted_tokens > 0
         assert cache.get_seq_length() <= len(ids)
@@ -205,17 +206,6 @@ def test_bad_speculative_options_are_refused():
 
 needs_cpu_int4 = pytest.mark.skipif(kernel_unavailable("cpu_int4pack", "cpu") is not None,
                                     reason="no CPU int4 kernel")
-
-
-@pytest.fixture(scope="module")
-def smollm_int4_engine(smollm):
-    """An int4 copy of the session's real model (its head and table int8, as weights="int4" loads it)."""
-    import copy
-
-    model = copy.deepcopy(smollm.model)
-    quantize_model(model, group_size=64, kernel="cpu_int4pack")
-    quantize_head(model, "int8+embedding")
-    return KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
 
 
 @needs_cpu_int4

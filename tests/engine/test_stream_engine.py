@@ -5,6 +5,8 @@ before or instead of a load, with the reason."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from awq_checkpoints import write_awq_checkpoint
@@ -119,3 +121,26 @@ def test_a_model_staged_on_the_host_computes_as_one_loaded_on_its_device(awq_fol
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         assert torch.equal(staged(ids).logits, direct(ids).logits)
+
+
+def test_batched_requests_share_each_weight_pass_of_a_streamed_model(awq_folder, tmp_path, one_thread):
+    """One forward per step for the whole batch: with layer streaming, each copy of the streamed layers serves
+    every request in it (and their drafted tokens)."""
+    from engine import EngineWorker, Result
+
+    streamed = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=smallest_budget(awq_folder, tmp_path))
+    prompts = [PROMPT, random_ids(40, seed=4), random_ids(33, seed=5)]
+    alone = [streamed.generate(p, max_new_tokens=12) for p in prompts]
+    worker = EngineWorker(name="test-stream-batch")
+    gate = threading.Event()
+    worker.submit(lambda cancel: gate.wait(30), source="gate")
+    jobs = [worker.submit(lambda c, p=p: streamed.stream(p, cancel=c, max_new_tokens=12)) for p in prompts]
+    passes_before, tokens_before = streamed.streaming.counters()
+    gate.set()
+    together = [[e for e in job if isinstance(e, Result)][0] for job in jobs]
+    passes, tokens = (now - before for now, before in zip(streamed.streaming.counters(), (passes_before, tokens_before)))
+    assert worker.stop(5)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    forwards_alone = sum(r.stats.decode_forwards + 1 for r in alone)  # + 1: each prompt's prefill pass
+    assert passes < forwards_alone * 0.6  # batched: most passes served all three
+    assert tokens / passes > 1.5

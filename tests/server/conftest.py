@@ -15,6 +15,14 @@ def server(smollm):
     running.stop()
 
 
+@pytest.fixture(scope="module")
+def fifo_server(smollm):
+    """A server that decodes one request at a time, in arrival order (kvboost-server --max-batch 1)."""
+    running = RunningServer(smollm.with_options(), max_batch=1)
+    yield running
+    running.stop()
+
+
 @pytest.fixture
 def client(server):
     from openai import OpenAI

@@ -10,12 +10,13 @@ from server.thread import free_port  # noqa: F401  (tests import it from here)
 class RunningServer:
     """Served as `kvboost-server` serves it (server.app's settings, `timeouts` included), started and waited for."""
 
-    def __init__(self, engine, model_id="smollm2", api_key=None, timeouts=None):
+    def __init__(self, engine, model_id="smollm2", api_key=None, timeouts=None, max_batch=None):
         from server.app import Timeouts
         from server.thread import ServerThread
 
         self.engine = engine
-        self._thread = ServerThread(engine, model_id=model_id, api_key=api_key, timeouts=timeouts or Timeouts())
+        self._thread = ServerThread(engine, model_id=model_id, api_key=api_key, timeouts=timeouts or Timeouts(),
+                                    max_batch=max_batch)
         self.app, self.port, self.url = self._thread.app, self._thread.port, self._thread.url
         self._thread.start()
         assert self._thread.wait_started(30), "server did not start"

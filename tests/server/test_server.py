@@ -167,7 +167,14 @@ def test_api_key_is_required_when_set(smollm):
         running.stop()
 
 
-def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(client, server):
+@pytest.mark.parametrize("batched", [True, False], ids=["batched", "one-at-a-time"])
+def test_concurrent_streams_get_the_answers_they_get_alone(batched, server, fifo_server):
+    """Requests queued behind a busy engine: batched, those that arrive while others decode are decoded with
+    them (the last three together); with --max-batch 1, one at a time in arrival order."""
+    from openai import OpenAI
+
+    server = server if batched else fifo_server
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     questions = [f"Name a {thing}." for thing in ("color", "fruit", "planet", "animal")]
     alone = {q: client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q}],
                                                temperature=0, max_tokens=12).choices[0].message.content
@@ -200,6 +207,10 @@ def test_concurrent_streams_are_served_in_arrival_order_with_the_same_answers(cl
     for t in threads:
         t.join(timeout=300)
     assert {q: r[0] for q, r in results.items()} == alone
+    if batched:  # the first ran alone until the engine was free; then the others joined it
+        assert all(results[q][1]["batched_forwards"] > 0 for q in questions[1:])
+        return
+    assert not any(results[q][1]["batched_forwards"] for q in questions)
     # One at a time in arrival order: each stream's first token comes a whole generation after the one before.
     assert sorted(questions, key=first_token_at.__getitem__) == questions
     waits = [results[q][1]["queue_ms"] for q in questions]
@@ -246,7 +257,8 @@ def test_a_non_streaming_client_that_gives_up_cancels_its_generation(server):
     assert server.scheduler.num_cancelled == cancelled + 1
 
 
-def test_a_waiting_request_whose_client_left_never_runs(server):
+def test_a_waiting_request_whose_client_left_never_runs(fifo_server):
+    server = fifo_server  # one at a time: the second request waits (batched, it would join the first)
     idle(server)
     served, skipped = server.scheduler.num_served, server.scheduler.num_skipped
     with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=120) as resp:

@@ -1,0 +1,161 @@
+"""Continuous batching through the real server: N concurrent streams, one at a time (--max-batch 1, the server as
+it was) against decoded together (the default), side by side in one run, through the `openai` client on
+127.0.0.1.
+
+For N = 1, 2, 4, 8 streams (each its own question, greedy, the same max_tokens) it measures the time until all
+have finished, the aggregate decode rate (completion tokens of all streams / that time) and the median TTFT,
+and checks that every stream's text is the same on both servers. Then a newcomer: the TTFT of one request sent
+while 7 others are decoding, against its TTFT alone on the same server.
+
+    python -m bench batching                   # float weights, 48 new tokens per stream
+    python -m bench batching --weights int4 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+QUESTIONS = ["Name {n} animals that live in the sea.", "Give {n} tips for sleeping well.",
+             "List {n} countries in Europe and their capitals.", "Describe {n} uses of a paperclip.",
+             "Name {n} famous scientists and what they found.", "Give {n} reasons to learn to cook.",
+             "List {n} fruits that are red.", "Explain {n} ways to save energy at home."]
+
+
+def stream(client, question: str, max_tokens: int, started: threading.Event | None = None) -> dict:
+    """One streamed chat request: TTFT and total ms (client side), text, completion tokens, kvboost stats."""
+    t0 = time.perf_counter()
+    ttft, text, stats, tokens = None, "", {}, 0
+    for chunk in client.chat.completions.create(model="bench", messages=[{"role": "user", "content": question}],
+                                                temperature=0, max_tokens=max_tokens, stream=True,
+                                                stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta.content or ""
+        if delta and ttft is None:
+            ttft = (time.perf_counter() - t0) * 1000
+            if started is not None:
+                started.set()
+        text += delta
+        if chunk.choices[0].finish_reason:
+            stats = chunk.model_extra.get("kvboost", {})
+    total = (time.perf_counter() - t0) * 1000
+    return {"ttft": ttft if ttft is not None else total, "total": total, "text": text, "tokens": tokens,
+            "stats": stats}
+
+
+def concurrent(client, questions: list[str], max_tokens: int) -> tuple[float, list[dict]]:
+    """All questions sent at once, each from its own thread: (wall ms until the last finished, results)."""
+    results: list = [None] * len(questions)
+
+    def ask(i):
+        results[i] = stream(client, questions[i], max_tokens)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return (time.perf_counter() - t0) * 1000, results
+
+
+def newcomer(client, question: str, max_tokens: int, others: list[str]) -> dict:
+    """`question` sent once every one of `others` has its first token (they are decoding)."""
+    started = [threading.Event() for _ in others]
+    results: list = [None] * len(others)
+
+    def ask(i):
+        results[i] = stream(client, others[i], max_tokens * 3, started[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(others))]
+    for t in threads:
+        t.start()
+    for event in started:
+        event.wait(600)
+    result = stream(client, question, max_tokens)
+    result["others_done_before"] = sum(r is not None for r in results)
+    for t in threads:
+        t.join()
+    return result
+
+
+def run(weights: str, max_tokens: int, counts: list[int]) -> int:
+    import openai
+
+    from engine import KVBoost
+    from engine.cli import quiet_transformers
+    from server.thread import ServerThread
+
+    quiet_transformers()
+    base = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
+    servers = {"fifo": ServerThread(base.with_options(), model_id="bench", max_batch=1).start(),
+               "batched": ServerThread(base.with_options(), model_id="bench", max_batch=8).start()}
+    assert all(s.wait_started(30) for s in servers.values()), "a server did not start"
+    clients = {name: openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=900)
+               for name, s in servers.items()}
+    for client in clients.values():
+        stream(client, "Hi", 2)  # one-time start-up costs
+    rows = []
+    for n in counts:
+        questions = [QUESTIONS[i % len(QUESTIONS)].format(n=3 + i // len(QUESTIONS)) for i in range(n)]
+        row = {"n": n}
+        for name, client in clients.items():  # FIFO first, then batched: machine noise hits both alike
+            row[name] = concurrent(client, questions, max_tokens)
+        rows.append(row)
+    late = "Name three colors of the rainbow."
+    others = [QUESTIONS[i].format(n=5) for i in range(7)]
+    arrivals = {}
+    for name, client in clients.items():
+        alone = stream(client, late, max_tokens)
+        joined = newcomer(client, late, max_tokens, others)
+        arrivals[name] = (alone, joined)
+    for s in servers.values():
+        s.stop()
+
+    print(f"# Batching bench ({weights} weights)\n")
+    print(f"{Path(base.name).name} on CPU, greedy, up to {max_tokens} new tokens per stream; every stream its own "
+          "question, sent at once through the openai client to kvboost-server on 127.0.0.1. `one at a time` is "
+          "--max-batch 1 (the server before batching), `batched` the default (8).\n")
+    print("| streams | all done, one at a time | all done, batched | sooner | tok/s one at a time | tok/s batched "
+          "| median TTFT one at a time / batched | same text |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        (fifo_ms, fifo), (batch_ms, batched) = row["fifo"], row["batched"]
+        same = sum(a["text"] == b["text"] for a, b in zip(fifo, batched))
+        fifo_rate = sum(r["tokens"] for r in fifo) / (fifo_ms / 1000)
+        batch_rate = sum(r["tokens"] for r in batched) / (batch_ms / 1000)
+        print(f"| {row['n']} | {fifo_ms / 1000:.1f} s | {batch_ms / 1000:.1f} s | {fifo_ms / batch_ms:.2f}x | "
+              f"{fifo_rate:.1f} | {batch_rate:.1f} | {statistics.median(r['ttft'] for r in fifo):.0f} / "
+              f"{statistics.median(r['ttft'] for r in batched):.0f} ms | {same}/{row['n']} |")
+    print("\nA newcomer sent while 7 streams decode, against the same request alone on the same server:\n")
+    print("| server | TTFT alone | TTFT while 7 decode | ratio | same text |")
+    print("|---|---|---|---|---|")
+    for name, (alone, joined) in arrivals.items():
+        label = "one at a time" if name == "fifo" else "batched"
+        print(f"| {label} | {alone['ttft']:.0f} ms | {joined['ttft']:.0f} ms | {joined['ttft'] / alone['ttft']:.2f}x "
+              f"| {'yes' if alone['text'] == joined['text'] else 'no'} |")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--weights", default="float", choices=["float", "int4"])
+    parser.add_argument("--tokens", type=int, default=48, help="max new tokens per stream (default 48)")
+    parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts (default 1,2,4,8)")
+    args = parser.parse_args(argv)
+    return run(args.weights, args.tokens, [int(n) for n in args.streams.split(",")])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

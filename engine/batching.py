@@ -1,0 +1,275 @@
+"""Continuous batching: several requests' decode steps in one forward pass, each over its own cache.
+
+A request runs as a coroutine (KVBoost._events): it yields its events (TokenEvent, Result), a `PAUSE` after each
+prefill piece, and a `Forward` whenever it needs the model: the tokens to feed (the last sampled token, and any
+drafted ones) over its own cache; the logits come back through `send`. Run alone (`drive_alone`), each Forward is
+the plain forward a decode step has always been. A `Batch` (run by the EngineWorker) advances every running
+request to its next Forward and answers all of them with ONE forward pass: their tokens packed into one sequence
+of one batch row, so every weight is read once per step for the whole batch.
+
+Exactness. Nothing is padded and no cache is shared: inside the packed forward, each layer's new keys and values
+are split back into the requests' own caches (`PackedCache.update`) and attention is computed per request over
+its own cache, through the same registered attention function and arguments a one-token decode step uses (drafted
+tokens one position at a time, as paged.rowwise_attention does alone). Everything else in a decoder layer
+(embedding, norms, rotary at each token's own position, linears, the head) works per token. So a request's
+logits in a batch equal its logits alone wherever the linear kernels compute a row the same whatever the number
+of rows: bit for bit over the int4 and int8 kernels; float32 sgemm rounds by row count (~1e-5 on the logits).
+
+Newcomers join at the next step: their prefill runs in pieces of at most `EngineConfig.prefill_piece_tokens`
+(alone or batched the same, so the KV is the same), one piece per step between the others' decode steps.
+Only models whose attention can be split this way are batched (`batching_unavailable`); others run one request
+at a time, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .paged import spill_unsupported
+
+log = logging.getLogger(__name__)
+
+MAX_BATCH = 8  # requests decoded together; more wait in the worker's queue
+
+
+@dataclass(eq=False)
+class Forward:
+    """A request's need for the model: feed `tokens` over `cache` and send back their logits [len(tokens), V].
+    `rowwise`: several tokens attend one position at a time (drafted tokens; paged.rowwise_attention).
+    `shared`: set by whoever runs it, the number of requests the forward served."""
+
+    tokens: list[int]
+    cache: Any
+    rowwise: bool = False
+    shared: int = 1
+
+
+PAUSE = object()  # a request yields it between prefill pieces: the others take their step before its next piece
+
+
+def batching_unavailable(model) -> str | None:
+    """Why requests on `model` cannot share a forward, or None when they can: attention must be split per
+    request exactly (full causal attention through transformers' registry, as paged attention needs)."""
+    why = spill_unsupported(model)
+    if why is not None:
+        return why
+    if ALL_ATTENTION_FUNCTIONS.get(model.config._attn_implementation) is None:
+        return f"attention implementation {model.config._attn_implementation!r} has no registry entry to split"
+    return None
+
+
+# ------------------------------------------------------------------------------------------ the packed forward
+
+class PackedCache(DynamicCache):
+    """What the model sees as its cache in a packed forward: each layer's update is split into the requests'
+    own caches (rows of `sizes` tokens, in order), and what each returned is kept for the attention hook."""
+
+    def __init__(self, caches: list, sizes: list[int]):
+        super().__init__()
+        self.caches, self.sizes = caches, sizes
+        self.returned: dict[int, tuple[torch.Tensor, list]] = {}  # layer -> (the keys handed back, per request)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        rows, start = [], 0
+        for cache, size in zip(self.caches, self.sizes):
+            k, v = cache.update(key_states[:, :, start:start + size], value_states[:, :, start:start + size],
+                                layer_idx)
+            rows.append((start, size, k, v))
+            start += size
+        self.returned[layer_idx] = (key_states, rows)
+        return key_states, value_states
+
+
+_local = threading.local()  # .packed: the PackedCache of the forward running on this thread, if any
+_hook_lock = threading.Lock()
+_hooks: dict[str, list] = {}  # attention implementation -> [packed forwards running, the function wrapped]
+
+
+@contextmanager
+def _split_attention(impl: str, packed: PackedCache):
+    """Within the block, attention calls on this thread whose keys are what `packed` handed back run per
+    request; every other call (other threads, other caches) goes to the registered function unchanged."""
+    with _hook_lock:
+        if impl not in _hooks:
+            registered = ALL_ATTENTION_FUNCTIONS.get(impl)
+            previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
+            ALL_ATTENTION_FUNCTIONS[impl] = _splitter(registered)
+            _hooks[impl] = [0, registered, previous]
+        _hooks[impl][0] += 1
+    _local.packed = packed
+    try:
+        yield
+    finally:
+        _local.packed = None
+        with _hook_lock:
+            _hooks[impl][0] -= 1
+            if not _hooks[impl][0]:
+                _, _, previous = _hooks.pop(impl)
+                del ALL_ATTENTION_FUNCTIONS[impl]
+                if previous is not None:
+                    ALL_ATTENTION_FUNCTIONS[impl] = previous
+
+
+def _splitter(registered):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        packed = getattr(_local, "packed", None)
+        entry = packed.returned.get(getattr(module, "layer_idx", None)) if packed is not None else None
+        if entry is None or entry[0] is not key:
+            return registered(module, query, key, value, attention_mask, *args, **kwargs)
+        outputs = []
+        for start, size, k, v in entry[1]:
+            length = k.shape[2]
+            for i in range(size):  # one position at a time, over the keys up to it: what a decode step computes
+                end = length - size + 1 + i
+                out, _ = registered(module, query[:, :, start + i:start + i + 1], k[:, :, :end], v[:, :, :end],
+                                    None, *args, **kwargs)
+                outputs.append(out)  # [1, 1, H, D]
+        return torch.cat(outputs, dim=1), None
+
+    return attention
+
+
+@torch.inference_mode()
+def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor]:
+    """One forward for every Forward: their tokens packed in one sequence, each at its own positions; returns
+    each one's logits [len(tokens), V]."""
+    sizes = [len(f.tokens) for f in forwards]
+    tokens = [t for f in forwards for t in f.tokens]
+    positions = [p for f in forwards for p in range(f.cache.get_seq_length(), f.cache.get_seq_length() + len(f.tokens))]
+    packed = PackedCache([f.cache for f in forwards], sizes)
+    with _split_attention(model.config._attn_implementation, packed):
+        out = model(input_ids=torch.tensor([tokens], device=device),
+                    position_ids=torch.tensor([positions], device=device), past_key_values=packed, use_cache=True)
+    logits = out.logits[0]
+    return list(torch.split(logits, sizes))
+
+
+# -------------------------------------------------------------------------------------------- running requests
+
+def drive_alone(steps, forward: Callable[[Forward], torch.Tensor]):
+    """The events of one request coroutine run by itself: each Forward answered by `forward`, pauses skipped.
+    Closing this generator closes the request (its `finally` stores and releases)."""
+    value = None
+    try:
+        while True:
+            try:
+                item = steps.send(value)
+            except StopIteration:
+                return
+            value = None
+            if isinstance(item, Forward):
+                value = forward(item)
+            elif item is not PAUSE:
+                yield item
+    finally:
+        steps.close()
+
+
+@dataclass(eq=False)
+class Member:
+    """A request in a batch: its coroutine, the engine it runs on, where its events go, what it waits for."""
+
+    steps: Any
+    engine: Any
+    deliver: Callable[[Any], None]
+    on_end: Callable[[BaseException | None], None]
+    pending: Any = None  # what the next send() hands the coroutine (its logits)
+    waiting: Forward | None = None
+    done: bool = False
+
+
+class Batch:
+    """The requests decoding together on one model. `step()` advances each to its next Forward (delivering its
+    events; a newcomer runs its plan and a prefill piece) and answers them all with one forward pass."""
+
+    def __init__(self, max_size: int = MAX_BATCH):
+        self.max_size = max_size
+        self.members: list[Member] = []
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def accepts(self, engine) -> bool:
+        """Whether a request on `engine` can join now (room, and the same model as the batch)."""
+        return len(self.members) < self.max_size and (not self.members or engine.model is self.members[0].engine.model)
+
+    def admit(self, steps, engine, deliver, on_end) -> Member:
+        member = Member(steps, engine, deliver, on_end)
+        self.members.append(member)
+        return member
+
+    def step(self) -> None:
+        """One step of every member, with the lock of every engine in the batch held for its duration (between
+        steps, other work on those engines can run: a warm-up, a request on another thread)."""
+        engines = sorted({id(m.engine): m.engine for m in self.members}.items())
+        for _, engine in engines:
+            engine._lock.acquire()
+        try:
+            self._step()
+        finally:
+            for _, engine in reversed(engines):
+                engine._lock.release()
+
+    def _step(self) -> None:
+        for member in list(self.members):
+            self._advance(member)
+        ready = [m for m in self.members if m.waiting is not None]
+        if not ready:
+            return
+        engine = ready[0].engine
+        forwards = [m.waiting for m in ready]
+        try:
+            if len(ready) == 1:
+                results = [engine._forward(forwards[0])]
+            else:
+                results = packed_forward(engine.model, forwards, engine.device)
+        except BaseException as exc:  # a failed forward fails the requests in it; the batch goes on
+            for m in ready:
+                self._end(m, exc)
+            return
+        for m, logits in zip(ready, results):
+            m.waiting.shared = len(ready)
+            m.pending, m.waiting = logits, None
+
+    def _advance(self, member: Member) -> None:
+        """Runs `member` to its next Forward or pause, handing out its events; ends it when it returns/raises."""
+        value, member.pending = member.pending, None
+        while True:
+            try:
+                item = member.steps.send(value)
+            except StopIteration:
+                self._end(member, None)
+                return
+            except BaseException as exc:
+                self._end(member, exc)
+                return
+            value = None
+            if isinstance(item, Forward):
+                member.waiting = item
+                return
+            if item is PAUSE:
+                return
+            try:
+                member.deliver(item)
+            except BaseException as exc:  # the front end's failure ends its request only
+                self._end(member, exc)
+                return
+
+    def _end(self, member: Member, error: BaseException | None) -> None:
+        if member.done:
+            return
+        member.done = True
+        self.members.remove(member)
+        try:
+            member.steps.close()  # runs the request's finally: its KV stored, its entries released
+        except Exception:
+            log.exception("closing a batched request failed")
+        member.on_end(error)

@@ -1,0 +1,267 @@
+"""Continuous batching (engine.batching, engine.worker): requests decoded together in one forward per step give
+the greedy text each gives alone (real model, float and int4, drafts on and off; tiny models of several
+families), newcomers join while others decode and their prefill pieces interleave with the others' steps,
+cancelling or failing one request leaves the others alone, and models whose attention cannot be split run one
+request at a time."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny_models import ARCHS, build_model, build_tokenizer, random_ids
+
+from engine import EngineConfig, EngineWorker, KVBoost, Result, TokenEvent
+from engine.batching import Batch, Forward, packed_forward
+from engine.config import ChunkingConfig
+from engine.generate import run_forward
+from engine.int4 import kernel_unavailable
+from engine.live_cache import GrowingCache
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+             "Explain photosynthesis in one sentence.", "What is 12 times 12?", "Name a famous painter.",
+             "Translate 'good morning' into Spanish.",
+             "Repeat exactly: 'The quick brown fox jumps over the lazy dog.' Then repeat it again."]
+
+needs_cpu_int4 = pytest.mark.skipif(kernel_unavailable("cpu_int4pack", "cpu") is not None,
+                                    reason="no CPU int4 kernel")
+
+
+def run_together(engine_for, prompts, max_batch=8, **sampling) -> list[Result]:
+    """Every prompt submitted to one worker at once (held back by a gate job until all are queued), so they
+    start in one batch; `engine_for(i)` is the engine of prompt i."""
+    worker = EngineWorker(name="test-batching", max_batch=max_batch)
+    gate = threading.Event()
+    worker.submit(lambda cancel: gate.wait(30), source="gate")
+    jobs = [worker.submit(lambda cancel, i=i, p=p: engine_for(i).stream(p, cancel=cancel, **sampling), source="t")
+            for i, p in enumerate(prompts)]
+    gate.set()
+    results = [[e for e in job if isinstance(e, Result)][0] for job in jobs]
+    assert worker.stop(5)
+    return results
+
+
+def chat_ids(engine, question):
+    return engine.encode([{"role": "user", "content": question}])
+
+
+@pytest.mark.parametrize("speculative", [None, "prompt-lookup"])
+def test_eight_requests_batched_answer_as_each_does_alone_on_the_real_model(smollm, speculative):
+    engine = smollm.with_options(reuse="off", speculative=speculative)
+    prompts = [chat_ids(engine, q) for q in QUESTIONS]
+    alone = [engine.generate(p, max_new_tokens=24) for p in prompts]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=24)
+    for a, b in zip(alone, together):
+        assert b.token_ids == a.token_ids, (a.text, b.text)
+    assert all(r.stats.batched_forwards > 0 for r in together)
+    if speculative:
+        assert sum(r.stats.drafted_tokens for r in together) > 0  # drafted rows and single rows shared forwards
+
+
+@needs_cpu_int4
+@torch.inference_mode()
+def test_a_packed_forward_gives_each_request_its_logits_and_kv_alone_bit_for_bit_over_int4(smollm_int4_engine):
+    """The linears see all rows at once, attention runs per request over its own cache: over the int4 and int8
+    kernels (which compute a row the same whatever the number of rows) nothing differs at all."""
+    model, cpu = smollm_int4_engine.model, torch.device("cpu")
+    prompts = [list(range(1000, 1100)), list(range(3000, 3037)), list(range(5000, 5211))]
+    fed = [[2000], [2100, 2101, 2102], [2200]]  # one row checks two drafted tokens
+    alone, packed = [GrowingCache() for _ in prompts], [GrowingCache() for _ in prompts]
+    for prompt, a, b in zip(prompts, alone, packed):
+        for cache in (a, b):
+            model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    want = [run_forward(model, Forward(t, c, rowwise=len(t) > 1), cpu) for t, c in zip(fed, alone)]
+    got = packed_forward(model, [Forward(t, c, rowwise=len(t) > 1) for t, c in zip(fed, packed)], cpu)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    for a, b in zip(alone, packed):
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                   for x, y in zip(a.layers, b.layers))
+
+
+@needs_cpu_int4
+def test_the_real_model_in_int4_batched_answers_as_alone(smollm_int4_engine):
+    engine = smollm_int4_engine.with_options(speculative="prompt-lookup")
+    prompts = [chat_ids(engine, q) for q in QUESTIONS[:5]]
+    alone = [engine.generate(p, max_new_tokens=20) for p in prompts]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=20)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_every_family_answers_the_same_batched_and_those_that_cannot_split_run_alone(arch, one_thread):
+    model, tokenizer = build_model(arch), build_tokenizer()
+    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off"))
+    prompts = [random_ids(n, seed) for n, seed in ((30, 1), (47, 2), (12, 3), (65, 4))]
+    alone = [engine.generate(p, max_new_tokens=12) for p in prompts]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=12)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    shared = [r.stats.batched_forwards for r in together]
+    if engine.batching_unavailable() is None:
+        assert all(shared)
+    else:  # sliding windows, eager-only attention: one request at a time, as before
+        assert not any(shared)
+        assert arch in ("gemma2", "gemma3", "mistral")
+
+
+def test_a_spilling_engine_runs_its_requests_one_at_a_time(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(),
+                     EngineConfig(disk_cache_bytes=0, reuse="off", live_kv_bytes=20_000, live_page_tokens=8))
+    assert "live_kv_bytes" in engine.batching_unavailable()
+    prompts = [random_ids(40, 5), random_ids(41, 6)]
+    alone = [engine.generate(p, max_new_tokens=10) for p in prompts]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=10)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert not any(r.stats.batched_forwards for r in together)
+
+
+class Recorder:
+    """Where a Batch delivers its members' events: one log, in order, of (member name, event)."""
+
+    def __init__(self):
+        self.log: list[tuple[str, object]] = []
+        self.ends: dict[str, BaseException | None] = {}
+
+    def admit(self, batch, engine, name, prompt, **sampling):
+        stream = engine.stream(prompt, **sampling)
+        batch.admit(stream.take_steps(), engine, lambda e: self.log.append((name, e)),
+                    lambda err: self.ends.__setitem__(name, err))
+
+    def result(self, name) -> Result:
+        return [e for n, e in self.log if n == name and isinstance(e, Result)][0]
+
+    def tokens_of(self, name, until: int | None = None) -> int:
+        return sum(1 for n, e in self.log[:until] if n == name and isinstance(e, TokenEvent))
+
+
+def test_a_newcomers_prefill_runs_one_piece_per_step_between_the_others_decode_steps(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(),
+                     EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None, prefill_piece_tokens=16))
+    long_prompt = random_ids(100, 8)  # 7 pieces: 6 of 16 tokens without logits, then the last 4
+    want = engine.generate(long_prompt, max_new_tokens=5)
+    batch, rec = Batch(), Recorder()
+    rec.admit(batch, engine, "old", random_ids(20, 9), max_new_tokens=40)
+    for _ in range(3):
+        batch.step()
+    joined_at = len(rec.log)
+    rec.admit(batch, engine, "new", long_prompt, max_new_tokens=5)
+    while len(batch):
+        batch.step()
+    first_new = next(i for i, (n, e) in enumerate(rec.log) if n == "new")
+    # Between joining and its first token the newcomer took 7 steps; the old request decoded in each.
+    assert rec.tokens_of("old", first_new) - rec.tokens_of("old", joined_at) >= 6
+    assert rec.result("new").token_ids == want.token_ids
+    assert rec.ends == {"old": None, "new": None}
+
+
+def test_a_request_joining_a_running_batch_answers_as_alone_and_before_the_others_finish(smollm):
+    engine = smollm.with_options(reuse="off")
+    long_ones = [engine.encode(text) for text in ("Once upon a time, in a land far away,", "The history of Rome",
+                                                  "Chapter one. The storm")]  # plain text: it goes on and on
+    newcomer = chat_ids(engine, QUESTIONS[4])
+    want = engine.generate(newcomer, max_new_tokens=8)
+    worker = EngineWorker(name="test-batching")
+    try:
+        olds = [worker.submit(lambda cancel, p=p: engine.stream(p, cancel=cancel, max_new_tokens=60,
+                                                               stop=["\x00never"]), source="window")
+                for p in long_ones]
+        first = iter(olds[0])
+        for _ in range(4):  # the old requests are decoding
+            assert isinstance(next(first), TokenEvent)
+        job = worker.submit(lambda cancel: engine.stream(newcomer, cancel=cancel, max_new_tokens=8), source="api")
+        result = [e for e in job if isinstance(e, Result)][0]
+        assert not all(old.done for old in olds)  # it joined them; it did not wait for them to finish
+        assert result.token_ids == want.token_ids
+        assert result.stats.batched_forwards > 0
+        for old in olds:
+            old.wait(60)
+    finally:
+        worker.stop(10)
+
+
+def test_cancelling_one_batched_request_ends_it_alone(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    prompts = [random_ids(30, 11), random_ids(31, 12), random_ids(32, 13)]
+    alone = [engine.generate(p, max_new_tokens=30) for p in prompts]
+    worker = EngineWorker(name="test-batching")
+    gate = threading.Event()
+    worker.submit(lambda cancel: gate.wait(30), source="gate")
+    cancel = threading.Event()
+    jobs = [worker.submit(lambda c, p=p: engine.stream(p, cancel=c, max_new_tokens=30), source="t",
+                          cancel=cancel if i == 1 else None) for i, p in enumerate(prompts)]
+    gate.set()
+    events = iter(jobs[1])
+    for _ in range(3):
+        next(events)
+    cancel.set()
+    results = [[e for e in job if isinstance(e, Result)][0] for job in (jobs[0], jobs[2])]
+    cancelled = [e for e in events if isinstance(e, Result)][0]
+    assert worker.stop(5)
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.token_ids) < 30
+    assert [r.token_ids for r in results] == [alone[0].token_ids, alone[2].token_ids]
+
+
+def test_a_front_end_that_fails_on_an_event_fails_only_its_own_request(one_thread):
+    engine = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    prompts = [random_ids(25, 21), random_ids(26, 22)]
+    want = engine.generate(prompts[1], max_new_tokens=15)
+    batch, rec = Batch(), Recorder()
+
+    def broken_sink(event):
+        raise OSError("the window is gone")
+
+    stream = engine.stream(prompts[0], max_new_tokens=15)
+    batch.admit(stream.take_steps(), engine, broken_sink, lambda err: rec.ends.__setitem__("broken", err))
+    rec.admit(batch, engine, "fine", prompts[1], max_new_tokens=15)
+    while len(batch):
+        batch.step()
+    assert isinstance(rec.ends["broken"], OSError) and rec.ends["fine"] is None
+    assert rec.result("fine").token_ids == want.token_ids
+    assert not engine._lock.locked()  # the engine is free again for requests alone
+
+
+def test_batched_requests_store_their_chunks_and_a_later_request_reuses_them_exactly(one_thread):
+    model, tokenizer = build_model("llama"), build_tokenizer()
+    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16)))
+    cold = engine.with_options(reuse="off")
+    shared = random_ids(64, 31)
+    prompts = [shared + random_ids(9, 32), shared + random_ids(7, 33), random_ids(50, 34)]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=10)
+    assert [r.token_ids for r in together] == [cold.generate(p, max_new_tokens=10).token_ids for p in prompts]
+    follow_up = shared + random_ids(12, 35)
+    again = engine.generate(follow_up, max_new_tokens=10)
+    assert again.stats.reused_tokens >= 64
+    assert again.token_ids == cold.generate(follow_up, max_new_tokens=10).token_ids
+
+
+def test_a_request_on_another_model_waits_for_the_batch_and_then_runs(one_thread):
+    first = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    second = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    prompts = [random_ids(20, 41), random_ids(21, 42), random_ids(22, 43)]
+    engines = [first, second, first]
+    alone = [e.generate(p, max_new_tokens=8) for e, p in zip(engines, prompts)]
+    together = run_together(lambda i: engines[i], prompts, max_new_tokens=8)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_max_batch_one_is_the_one_at_a_time_worker(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    prompts = [random_ids(20, 51), random_ids(20, 52)]
+    together = run_together(lambda i: engine, prompts, max_batch=1, max_new_tokens=8)
+    assert not any(r.stats.batched_forwards for r in together)
+    assert [r.token_ids for r in together] == [engine.generate(p, max_new_tokens=8).token_ids for p in prompts]
+
+
+def test_stopping_the_worker_ends_every_batched_request_with_a_result(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    worker = EngineWorker(name="test-batching")
+    jobs = [worker.submit(lambda c, s=s: engine.stream(random_ids(20, s), cancel=c, max_new_tokens=400), source="t")
+            for s in (61, 62, 63)]
+    events = [iter(job) for job in jobs]
+    for it in events:
+        assert isinstance(next(it), TokenEvent)  # all three are decoding
+    assert worker.stop(10)
+    results = [[e for e in it if isinstance(e, Result)][0] for it in events]
+    assert [r.finish_reason for r in results] == ["cancelled"] * 3
+    assert not engine._lock.locked()
