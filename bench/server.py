@@ -105,8 +105,8 @@ def run(quick: bool = False) -> int:
               f"{off / on:.1f}x")
 
     print("\n## Concurrent streams (reuse on)\n")
-    print("N clients send the same-sized chat request at once (each its own question); requests run one at a "
-          "time in arrival order.\n")
+    print("N clients send the same-sized chat request at once (each its own question); the server decodes them "
+          "together (continuous batching; `python -m bench batching` compares it with one at a time).\n")
     print("| streams | TTFT first / median / last | total time per stream (median) | all finished in |")
     print("|---|---|---|---|")
     for n in (1, 2, 4) if quick else (1, 2, 4, 8):

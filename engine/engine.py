@@ -108,31 +108,33 @@ class KVBoost:
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
                         remote_timeout_s: float = 0.05, remote_retry_s: float = 5.0) -> "KVBoost":
-        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig).
-        KV tiers: `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
+        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
+        `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
         machine, 0 turns host or disk off. `remote_cache` "redis://[user:password@]HOST:PORT/DB" (or rediss://,
-        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); each call to it waits
-        at most `remote_timeout_s`, and after a failure it is left alone for `remote_retry_s`. `kv_quant`: "none" | "int8" | "int4" for host and disk, or a dict
-        per tier. `eviction`: "lru" | "importance-lru". `live_kv_bytes`: device bytes for the KV of the request
-        being generated, beyond which cold pages of `live_page_tokens` spill to host RAM (attention stays exact).
-        `awq_streaming`: layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or
-        weights="int4") that do not fit in `weight_budget_bytes` of device memory (None: 90% of free VRAM on
-        CUDA, of available RAM on the CPU) live off the device and are copied, one layer at a time, into
-        `stream_slots` slots before they run; a budget below the plan's minimum is a ValueError naming it.
-        `speculative` "prompt-lookup" (the default; None: one token per forward): up to `num_draft` tokens
-        drafted from the context (prompt, documents, answer so far) are checked in the forward that feeds each
-        token (engine.speculative); greedy output is that of one token per forward, sampling keeps its
-        distribution. `prefill_piece_tokens`: computed prompt runs are forwarded in pieces ending at its
-        multiples, so a request joining a batch holds the others up for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress
-        bars), for front ends. `cancel`: checked between the stages of the load (source found, config read,
-        weights loaded); once set, the load stops there with engine.Cancelled.
+        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); each call to it
+        waits at most `remote_timeout_s`, and after a failure it is left alone for `remote_retry_s`. `kv_quant`:
+        "none" | "int8" | "int4" for host and disk, or a dict per tier. `eviction`: "lru" | "importance-lru".
+        `live_kv_bytes`: device bytes for the KV of the request being generated, beyond which cold pages of
+        `live_page_tokens` spill to host RAM (attention stays exact). `awq_streaming`: layer streaming
+        (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or weights="int4") that do not fit in
+        `weight_budget_bytes` of device memory (None: 90% of free VRAM on CUDA, of available RAM on the CPU)
+        live off the device and are copied, one layer at a time, into `stream_slots` slots before they run; a
+        budget below the plan's minimum is a ValueError naming it. `speculative` "prompt-lookup" (the default;
+        None: one token per forward): up to `num_draft` tokens drafted from the context (prompt, documents,
+        answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
+        that of one token per forward, sampling keeps its distribution. `prefill_piece_tokens`: computed prompt
+        runs are forwarded in pieces ending at its multiples, so a request joining a batch holds the others up
+        for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress bars),
+        for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
+        loaded); once set, the load stops there with engine.Cancelled.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
         "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
         tensors taken as they are); `head` "auto" | "float" | "int8" | "int8+embedding" | "int4" |
         "int4+embedding" (the output head, and with "+embedding" the input table, in fewer bytes; "auto": int8
-        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head); `kernel` the int4 matmul path
-        ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says what was loaded."""
+        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
+        `kernel` the int4 matmul path ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says
+        what was loaded."""
         if quiet:
             loader.quiet_transformers()
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:

@@ -17,8 +17,10 @@ engine.batching) does not run to its end before the next job starts: it joins th
 takes the next waiting job at once. Between jobs taken, the batch takes one step: one forward pass decodes a
 token (and its drafts) for every request in it, a newcomer's prefill runs one piece per step. So requests from
 the window's tabs and the API arriving while others decode join at the next step, up to `max_batch` at once;
-past that, jobs wait in their queue. Any other job (a model load, a warm-up) runs whole between two steps. Cancel: a job cancelled before it starts never runs
-(its state is SKIPPED); cancelling a running one sets its event, which the engine checks at every decode step.
+past that, jobs wait in their queue. Any other job (a model load, a warm-up) runs whole between two steps.
+
+Cancel: a job cancelled before it starts never runs (its state is SKIPPED); cancelling a running one sets its
+event, which the engine checks at every decode step.
 A job that raises ends FAILED with the exception on its handle; the worker goes on with the next one.
 """
 

@@ -4,11 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 # The shared KV tier's tests run a real redis-server (Debian's package): installed here when it is missing and
-# this runs as root (CI); elsewhere those tests skip and say why.
+# this runs as root (CI), and a failed install stops the run; without root those tests skip and say why.
 if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -q redis-server >/dev/null 2>&1 \
         || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; } \
-        || echo "redis-server could not be installed: the shared KV tier tests will skip" >&2
+        || { echo "test.sh: redis-server could not be installed with apt-get" >&2; exit 1; }
 fi
 export QT_QPA_PLATFORM=offscreen
 # engine/ never imports Qt (contract in pyproject.toml).

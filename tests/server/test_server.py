@@ -290,3 +290,13 @@ def test_web_pages_and_foreign_hosts_are_refused_without_an_api_key(server):
 def test_deeply_nested_json_is_a_400_not_a_crash(server):
     resp = httpx.post(server.url + "/v1/completions", content=b"[" * 100_000 + b"]" * 100_000)
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_json"
+
+
+def test_the_command_line_takes_a_batch_size_of_at_least_one(capsys):
+    from server.cli import build_server_parser
+
+    assert build_server_parser().parse_args([]).max_batch == 8
+    assert build_server_parser().parse_args(["--max-batch", "1"]).max_batch == 1
+    with pytest.raises(SystemExit):
+        build_server_parser().parse_args(["--max-batch", "0"])
+    assert "must be at least 1" in capsys.readouterr().err
