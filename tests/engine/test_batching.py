@@ -265,3 +265,19 @@ def test_stopping_the_worker_ends_every_batched_request_with_a_result(one_thread
     results = [[e for e in it if isinstance(e, Result)][0] for it in events]
     assert [r.finish_reason for r in results] == ["cancelled"] * 3
     assert not engine._lock.locked()
+
+
+def test_a_batched_request_stops_drafting_when_its_drafts_are_not_kept(one_thread):
+    """Alone, drafts cost little; in a batch each one is another row for the whole step, so a request whose
+    drafts are mostly rejected stops drafting there (its answer is the same either way)."""
+    engine = KVBoost(build_model("llama"), build_tokenizer(),
+                     EngineConfig(disk_cache_bytes=0, reuse="off", speculative="prompt-lookup"))
+    # A repeated motif, then random words: n-grams to draft from; with these seeds the random model keeps
+    # 42% and 38% of its drafts alone (and 60% of the third's)
+    prompts = [random_ids(4, seed) * 4 + random_ids(40, seed + 100) for seed in (90, 95, 86)]
+    alone = [engine.generate(p, max_new_tokens=30) for p in prompts]
+    together = run_together(lambda i: engine, prompts, max_new_tokens=30)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    low = [(a, b) for a, b in zip(alone, together) if a.stats.accepted_tokens < 0.5 * a.stats.drafted_tokens]
+    assert low, "a prompt whose drafts a random model mostly rejects"
+    assert sum(b.stats.drafted_tokens for _, b in low) < sum(a.stats.drafted_tokens for a, _ in low)
