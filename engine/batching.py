@@ -173,6 +173,50 @@ def drive_alone(steps, forward: Callable[[Forward], torch.Tensor]):
         steps.close()
 
 
+class RequestStream:
+    """What KVBoost.stream returns: an iterator of the request's events (TokenEvents, then the Result), run alone
+    on the calling thread the first time it is iterated, with the engine's lock held until it ends or is closed;
+    or handed whole to an EngineWorker's batch (`take_steps`), which decodes it together with other requests."""
+
+    def __init__(self, engine, steps):
+        self.engine = engine
+        self._steps = steps
+        self._alone = None
+
+    def batch_refusal(self) -> str | None:
+        """Why this request cannot join a batch, or None."""
+        if self._alone is not None or self._steps is None:
+            return "it has already started"
+        return self.engine.batching_unavailable()
+
+    def take_steps(self):
+        """The request's coroutine, for a batch to run (the stream itself then yields nothing)."""
+        steps, self._steps = self._steps, None
+        return steps
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._alone is None:
+            if self._steps is None:
+                raise StopIteration
+            self._alone = self._run_alone(self._steps)
+            self._steps = None
+        return next(self._alone)
+
+    def _run_alone(self, steps):
+        with self.engine._one_request():
+            yield from drive_alone(steps, self.engine._forward)
+
+    def close(self) -> None:
+        if self._alone is not None:
+            self._alone.close()
+        elif self._steps is not None:
+            self._steps.close()
+            self._steps = None
+
+
 @dataclass(eq=False)
 class Member:
     """A request in a batch: its coroutine, the engine it runs on, where its events go, what it waits for."""

@@ -2,6 +2,9 @@
 
 A request runs in three steps, each a module of its own: plan and fetch (engine.reuse), prefill (engine.prefill),
 decode (engine.generate); the facade stores what the prefill computed, after the first token and in `finally`.
+The request is a coroutine (engine.batching): run alone by the RequestStream that stream() returns, or with
+others in an EngineWorker's batch. Over 400 lines: the one facade class, its from_pretrained options documented
+where they are taken.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from . import loader
 from .blend import BLEND_MODEL_TYPES, blend_unavailable
 from .chunking import TokenBreaks
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
-from .batching import Forward, batching_unavailable, drive_alone
+from .batching import Forward, RequestStream, batching_unavailable
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .keys import root_key
 from .paged import make_cache, spill_unsupported
@@ -437,46 +440,3 @@ class KVBoost:
         out = self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False, logits_to_keep=1)
         return out.logits[0, -1]
 
-
-class RequestStream:
-    """What KVBoost.stream returns: an iterator of the request's events (TokenEvents, then the Result), run alone
-    on the calling thread the first time it is iterated, with the engine's lock held until it ends or is closed;
-    or handed whole to an EngineWorker's batch (`take_steps`), which decodes it together with other requests."""
-
-    def __init__(self, engine: KVBoost, steps):
-        self.engine = engine
-        self._steps = steps
-        self._alone = None
-
-    def batch_refusal(self) -> str | None:
-        """Why this request cannot join a batch, or None."""
-        if self._alone is not None or self._steps is None:
-            return "it has already started"
-        return self.engine.batching_unavailable()
-
-    def take_steps(self):
-        """The request's coroutine, for a batch to run (the stream itself then yields nothing)."""
-        steps, self._steps = self._steps, None
-        return steps
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self._alone is None:
-            if self._steps is None:
-                raise StopIteration
-            self._alone = self._run_alone(self._steps)
-            self._steps = None
-        return next(self._alone)
-
-    def _run_alone(self, steps):
-        with self.engine._one_request():
-            yield from drive_alone(steps, self.engine._forward)
-
-    def close(self) -> None:
-        if self._alone is not None:
-            self._alone.close()
-        elif self._steps is not None:
-            self._steps.close()
-            self._steps = None

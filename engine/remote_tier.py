@@ -51,8 +51,8 @@ DEFAULT_TIMEOUT_S = 0.05
 DEFAULT_RETRY_S = 5.0
 QUEUE_ITEMS = 256
 QUEUE_BYTES = 256 << 20
-# Failures of the store or the link (refused, reset, timed out, auth, out of memory, a reply redis-py cannot
-# parse): each one opens the breaker.
+# Failures of the store or the link (refused, reset, timed out, auth, a reply redis-py cannot parse): each one
+# opens the breaker. A full store refusing a write (OutOfMemoryError) is not one: it still serves reads.
 FAILURES = (redis.RedisError, OSError)
 
 
@@ -111,6 +111,7 @@ class RemoteCounters:
     written_bytes: int = 0
     dropped: int = 0  # writes dropped because the queue was full (the store too slow)
     skipped: int = 0  # reads and writes not tried while the breaker was open
+    refused: int = 0  # writes the store refused because it is full (maxmemory under noeviction)
     errors: int = 0  # failed calls (each one opened or kept open the breaker)
 
 
@@ -311,6 +312,13 @@ class RemoteTier:
                 self.client.set(self.key(key), blob)
                 self.counters.writes += 1
                 self.counters.written_bytes += len(blob)
+        except redis.OutOfMemoryError as exc:
+            # Full under a policy that refuses writes (noeviction): the store answers, and what it holds is still
+            # worth reading, so this is no outage for the breaker. Logged once, counted each time.
+            if not self.counters.refused:
+                log.warning("shared KV tier %s is full and refuses writes (%s); set maxmemory-policy allkeys-lru",
+                            self.url, exc)
+            self.counters.refused += 1
         except FAILURES as exc:
             self._failed(exc)
             return

@@ -183,6 +183,30 @@ def test_a_full_write_queue_drops_writes_without_waiting(redis_server):
     tier.close()
 
 
+def test_a_full_store_that_refuses_writes_still_serves_reads(redis_server):
+    """maxmemory reached under `noeviction`: a write is refused with OOM. That says nothing about reads, so
+    it is counted as `refused` and the breaker stays closed: what the store holds keeps being served."""
+    tier = RemoteTier(redis_server.url, "ns-test")
+    kv = tuple((torch.randn(1, 2, CHUNK, 16), torch.randn(1, 2, CHUNK, 16)) for _ in range(2))
+    stored = encode_kv(kv, "none", torch.device("cpu"))
+
+    def record(first):
+        tokens = tuple(range(first, first + CHUNK))
+        return ChunkRecord(chain_key(b"\0" * 16, tokens), b"\0" * 16, None, "chunk", 0, tokens, stored.nbytes)
+
+    kept = record(0)
+    assert tier.put(kept, stored) and tier.flush()
+    client = redis_server.client()
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", client.info("memory")["used_memory"])  # full
+    assert tier.put(record(1), stored) and tier.flush()
+    assert tier.counters.refused == 1 and tier.counters.writes == 1
+    assert tier.breaker.state == "closed"
+    entry = RemoteEntry(kept.key, kept.parent, kept.start, tuple(kept.tokens))
+    assert list(tier.get_many([entry])) == [kept.key]
+    tier.close()
+
+
 def test_kvboost_cache_stats_shows_the_remote_tier(redis_server, tmp_path, capsys):
     from engine.cli import main
 
