@@ -39,8 +39,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head", default="auto",
                    help="output head (and embedding table) format: auto (int8 under int4 weights where the int8 "
                         "kernel runs), float, int8, int8+embedding, int4, int4+embedding")
-    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "off"),
-                   help="prompt-lookup: draft tokens from the context and check them in one forward (default)")
+    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "draft-model", "off"),
+                   help="prompt-lookup: draft tokens from the context and check them in one forward (default); "
+                        "draft-model: drafts from --draft-model")
+    p.add_argument("--draft-model", default=None, metavar="SOURCE",
+                   help="a smaller model of the same tokenizer that drafts tokens (implies --speculative draft-model)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
 
 
@@ -75,6 +78,7 @@ def load_engine(args):
                                    eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
                                    weights=args.weights, group_size=args.group_size, head=args.head,
                                    speculative=None if args.speculative == "off" else args.speculative,
+                                   draft_model=args.draft_model,
                                    remote_cache=args.remote_cache)
 
 

@@ -158,8 +158,8 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.kv_quant.validate()
         self.chunking.validate()
-        if self.speculative not in (None, "prompt-lookup"):
-            raise ValueError(f"speculative must be 'prompt-lookup' or None, got {self.speculative!r}")
+        if self.speculative not in (None, "prompt-lookup", "draft-model"):
+            raise ValueError(f"speculative must be 'prompt-lookup', 'draft-model' or None, got {self.speculative!r}")
         if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 1 <= self.num_draft <= 32:
             raise ValueError(f"num_draft must be an integer in 1..32, got {self.num_draft!r}")
         if self.remote_cache is not None and (not isinstance(self.remote_cache, str) or

@@ -22,6 +22,7 @@ from .blend import BLEND_MODEL_TYPES, blend_unavailable
 from .chunking import TokenBreaks
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
 from .batching import Forward, RequestStream, batching_unavailable
+from .draft_model import draft_model_mismatch
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .keys import root_key
 from .paged import make_cache, spill_unsupported
@@ -50,9 +51,11 @@ def _check_cancel(cancel: threading.Event | None) -> None:
 
 class KVBoost:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, fingerprint: str | None = None,
-                 name: str = "model", streaming: Streaming | None = None):
+                 name: str = "model", streaming: Streaming | None = None, draft_model=None):
         config = config or EngineConfig()
         config.validate()
+        if config.speculative == "draft-model" and draft_model is None:
+            raise ValueError("speculative='draft-model' needs a draft model (from_pretrained(draft_model=...))")
         if rotary_module(model) is None:
             raise UnsupportedModelError(
                 f"{model.config.model_type!r} does not use rotary position embeddings (RoPE); KVBoost reuses KV "
@@ -63,6 +66,7 @@ class KVBoost:
         self.config = config
         self.name = name
         self.streaming = streaming  # layer streaming under this model (engine.stream_setup), or None
+        self.draft_model = draft_model  # the smaller model drafting for speculative="draft-model", or None
         self.device = next(model.parameters()).device
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
@@ -110,7 +114,8 @@ class KVBoost:
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
-                        remote_timeout_s: float = 0.05, remote_retry_s: float = 5.0) -> "KVBoost":
+                        remote_timeout_s: float = 0.05, remote_retry_s: float = 5.0,
+                        draft_model: str | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
         `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -126,7 +131,8 @@ class KVBoost:
         budget below the plan's minimum is a ValueError naming it. `speculative` "prompt-lookup" (the default;
         None: one token per forward): up to `num_draft` tokens drafted from the context (prompt, documents,
         answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
-        that of one token per forward, sampling keeps its distribution. `prefill_piece_tokens`: computed prompt
+        that of one token per forward, sampling keeps its distribution; `draft_model` (a source like `source`,
+        of the same tokenizer: a smaller model of the family) drafts instead (speculative="draft-model"). `prefill_piece_tokens`: computed prompt
         runs are forwarded in pieces ending at its multiples, so a request joining a batch holds the others up
         for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress bars),
         for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
@@ -140,6 +146,8 @@ class KVBoost:
         what was loaded."""
         if quiet:
             loader.quiet_transformers()
+        if draft_model is not None and speculative == "prompt-lookup":  # the default: a draft model replaces it
+            speculative = "draft-model"
         if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
             raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
         config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
@@ -177,7 +185,15 @@ class KVBoost:
             streaming = start_streaming(model, dev, budget_bytes=weight_budget_bytes, num_slots=stream_slots,
                                         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
                                         context_bytes=config.cache_bytes or 0 if dev.type == "cuda" else 0)
-        return cls(model, tokenizer, config, name=src.describe(), streaming=streaming)
+        draft = None
+        if draft_model is not None and config.speculative == "draft-model":
+            _check_cancel(cancel)
+            draft, draft_tokenizer = loader.load_model(loader.resolve_source(draft_model), dev, dt)
+            why = draft_model_mismatch(tokenizer, draft_tokenizer, model.get_input_embeddings().num_embeddings,
+                                       draft.get_input_embeddings().num_embeddings)
+            if why is not None:
+                raise UnsupportedModelError(f"draft model {draft_model}: {why}")
+        return cls(model, tokenizer, config, name=src.describe(), streaming=streaming, draft_model=draft)
 
     def with_options(self, **changes) -> "KVBoost":
         """Another engine over the same loaded model, with its own empty memory tiers (e.g. reuse="off"); with
@@ -207,7 +223,8 @@ class KVBoost:
         fields["repair"] = repair
         fields.update(changes)
         return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
-                       fingerprint=self.fingerprint, name=self.name, streaming=self.streaming)
+                       fingerprint=self.fingerprint, name=self.name, streaming=self.streaming,
+                       draft_model=self.draft_model)
 
     def _find_eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -271,7 +288,8 @@ class KVBoost:
             events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
                                    device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
                                    t_enter=t_enter, cancel=cancel, return_logits=return_logits,
-                                   speculative=self.config.speculative, num_draft=self.config.num_draft)
+                                   speculative=self.config.speculative, num_draft=self.config.num_draft,
+                                   draft_model=self.draft_model)
             storing, chunks_stored = mode != "off", False
             try:
                 sent = None

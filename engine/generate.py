@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from .config import SamplingConfig
 from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
 from .batching import Forward
+from .draft_model import DraftModel
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 
@@ -224,13 +225,15 @@ def _drafts_do_not_pay(stats: Stats) -> bool:
 def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
                   params: SamplingConfig, stats: Stats, *, device, eos_ids: set[int], max_context: int,
                   t_enter: float, cancel: threading.Event | None = None, return_logits: bool = False,
-                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT) -> Generator:
+                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT,
+                  draft_model=None) -> Generator:
     """Samples up to max_new_tokens from `logits`, the next-token logits [V] after the prompt `ids` whose KV
     fills `cache`, feeding each token back, until EOS, a stop string, the context limit or `cancel` (checked
     before every step). Every sampled token is appended to `ids`, so the caller can store the KV of
     ids[:cache length] however the loop ended. `speculative` "prompt-lookup": up to `num_draft` tokens drafted
     from the context are checked in the forward that feeds each token (engine.speculative; not over a cache
-    that spills, which cannot be cut back). Completes `stats` (times from `t_enter`, the call's start) and
+    that spills, which cannot be cut back); "draft-model": drafted by `draft_model` (engine.draft_model).
+    Completes `stats` (times from `t_enter`, the call's start) and
     yields it in the Result, after the TokenEvents. A coroutine: it also yields a batching.Forward for every
     forward pass it needs, and whoever runs it sends back the logits (batching.drive_alone, batching.Batch)."""
     prompt_len = len(ids)
@@ -239,7 +242,9 @@ def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, i
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
     detok = Detokenizer(tokenizer, params.stop)
-    drafts = NgramIndex(ids) if speculative and not isinstance(cache, SpillingCache) else None
+    drafts = None
+    if speculative and not isinstance(cache, SpillingCache):
+        drafts = DraftModel(draft_model, ids, device) if speculative == "draft-model" else NgramIndex(ids)
     rowwise = drafts is not None and hasattr(model, "config") and spill_unsupported(model) is None
     finish = None  # why the loop ended, once it has
     batched = False  # whether the last forward served other requests too (engine.batching)

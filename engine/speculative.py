@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-MODES = ("prompt-lookup",)
+MODES = ("prompt-lookup", "draft-model")  # the second: engine.draft_model
 DEFAULT_NUM_DRAFT = 4
 MAX_NGRAM = 3
 MIN_NGRAM = 2  # single tokens match too often by chance ("the", ","): drafts from them are mostly rejected

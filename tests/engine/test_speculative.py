@@ -133,8 +133,9 @@ def exact_probability(tokens: tuple[int, ...], last: int, table: torch.Tensor) -
     return p
 
 
+@pytest.mark.parametrize("mode", ["prompt-lookup", "draft-model"])
 @torch.inference_mode()
-def test_sampled_continuations_follow_the_models_distribution_with_speculation(one_thread):
+def test_sampled_continuations_follow_the_models_distribution_with_speculation(mode, one_thread):
     """3-token continuations of 4000 seeded runs against their exact probabilities under a bigram model, drafts
     checked in most runs: a rule that kept drafts too often (or checked them at the wrong position) would
     move the mass towards the cycle's path."""
@@ -148,8 +149,8 @@ def test_sampled_continuations_follow_the_models_distribution_with_speculation(o
         ids, stats = list(prompt), Stats()
         params = SamplingConfig(max_new_tokens=3, temperature=1.0, seed=seed)
         events = decode_tokens(model, tokenizer, cache, logits, ids, params, stats, device=torch.device("cpu"),
-                               eos_ids={EOS}, max_context=1000, t_enter=0.0, speculative="prompt-lookup",
-                               num_draft=2)
+                               eos_ids={EOS}, max_context=1000, t_enter=0.0, speculative=mode,
+                               num_draft=2, draft_model=model)  # the draft model: its own greedy path
         cpu = torch.device("cpu")
         result = [e for e in drive_alone(events, lambda f: run_forward(model, f, cpu)) if isinstance(e, Result)][0]
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
