@@ -51,3 +51,36 @@ def test_a_model_loaded_with_a_shared_cache_shows_it_in_the_meter(qtbot, idle_wi
     store.kill()
     down = dict(report, remote=dict(report["remote"], state="open", last_error="ConnectionError: refused"))
     assert "(unreachable)" in memory_text(1 << 30, down) and "refused" in memory_tooltip(down)
+
+
+def test_an_answer_restored_from_the_shared_cache_says_so_in_its_cache_map(qtbot, window, smollm, tmp_path):
+    """One machine's answer fills the store; a second engine with empty memory and disk tiers (another machine)
+    answers the same long question from it: the same text, and the cache map counts the shared tokens."""
+    from PySide6.QtCore import Qt
+
+    from qt_helpers import send
+
+    server = RedisServer(tmp_path).start()
+    try:
+        question = "Summarize this passage in one line.\n\n" + " ".join(
+            f"Line {i}: the river carries silt from the northern hills to the delta every spring." for i in range(30))
+        first_engine = smollm.with_options(disk_cache_bytes=0, remote_cache=server.url)
+        with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):
+            window.client.use_engine(first_engine)
+        tab = window.new_conversation()
+        window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 12})
+        first = send(qtbot, tab, question)
+        assert first_engine.store.remote.flush(30)
+        with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):  # "another machine": nothing local
+            window.client.use_engine(smollm.with_options(disk_cache_bytes=0, remote_cache=server.url))
+        other = window.new_conversation()
+        window.db.update_conversation(other.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 12})
+        second = send(qtbot, other, question)
+        assert second["text"] == first["text"]
+        shared = second["stats"]["reused_by_tier"].get("remote", 0)
+        assert shared >= 128  # at least one whole chunk came from the store
+        widget = other.chat_view.widgets[-1]
+        qtbot.mouseClick(widget.map_button, Qt.LeftButton)
+        assert f"{shared} from the shared cache" in widget.cache_map.toPlainText()
+    finally:
+        server.stop()
