@@ -106,9 +106,8 @@ class ChunkStore:
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, *,
                  device: torch.device | str = "cpu", device_quant: str = "none", host: MemoryTier | None = None,
                  disk=None, remote=None):
-        """`budget_bytes`: the device tier's budget. `host` (MemoryTier), `disk` (engine.disk.DiskTier) and
-        `remote` (engine.remote_tier.RemoteTier: shared by machines, read by engine.reuse) are the optional lower
-        tiers."""
+        """`budget_bytes`: the device tier's budget. Optional lower tiers: `host` (MemoryTier), `disk`
+        (engine.disk.DiskTier), `remote` (engine.remote_tier.RemoteTier: shared by machines, read by engine.reuse)."""
         self.device = torch.device(device)
         self.policy = policy or LRU()
         self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant)
@@ -118,8 +117,8 @@ class ChunkStore:
         self.remote = remote
         self._unpersisted: set[bytes] = set()  # put with disk=False, not yet given to write_through
         self.records: dict[bytes, ChunkRecord] = {}
-        self._staged: dict[bytes, KV] = {}
-        self._in_use: set[bytes] = set()  # keys with ref_count > 0 (the disk tier must not evict them)  # payloads fetched for requests in flight that no tier could keep
+        self._staged: dict[bytes, KV] = {}  # payloads fetched for requests in flight that no tier could keep
+        self._in_use: set[bytes] = set()  # keys with ref_count > 0 (the disk tier must not evict them)
         self._by_content: dict[bytes, set[bytes]] = {}
         self._tails_by_parent: dict[bytes, set[bytes]] = {}
         self._chunks_by_parent: dict[bytes, set[bytes]] = {}
