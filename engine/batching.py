@@ -143,7 +143,8 @@ def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor]
     each one's logits [len(tokens), V]."""
     sizes = [len(f.tokens) for f in forwards]
     tokens = [t for f in forwards for t in f.tokens]
-    positions = [p for f in forwards for p in range(f.cache.get_seq_length(), f.cache.get_seq_length() + len(f.tokens))]
+    starts = [f.cache.get_seq_length() for f in forwards]
+    positions = [p for f, start in zip(forwards, starts) for p in range(start, start + len(f.tokens))]
     packed = PackedCache([f.cache for f in forwards], sizes)
     with _split_attention(model.config._attn_implementation, packed):
         out = model(input_ids=torch.tensor([tokens], device=device),

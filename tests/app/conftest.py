@@ -46,23 +46,22 @@ def loaded_client(qtbot, client, smollm):
     return client
 
 
-@pytest.fixture
-def window(qtbot, db, loaded_client, aio_loop):
-    from app.main_window import MainWindow
-
-    w = MainWindow(db, loaded_client, theme_choice="light")
-    qtbot.addWidget(w)
-    w.show()
-    return w
-
-
-@pytest.fixture
-def idle_window(qtbot, db, client, aio_loop):
-    """A main window over a client with no model loaded yet (the test loads one, or points it elsewhere)."""
+def _shown_window(qtbot, db, client):
     from app.main_window import MainWindow
 
     w = MainWindow(db, client, theme_choice="light")
     qtbot.addWidget(w)
     w.show()
     return w
+
+
+@pytest.fixture
+def window(qtbot, db, loaded_client, aio_loop):
+    return _shown_window(qtbot, db, loaded_client)
+
+
+@pytest.fixture
+def idle_window(qtbot, db, client, aio_loop):
+    """A main window over a client with no model loaded yet (the test loads one, or points it elsewhere)."""
+    return _shown_window(qtbot, db, client)
 

@@ -16,17 +16,12 @@ from engine import EngineConfig, EngineWorker, KVBoost, Result, TokenEvent
 from engine.batching import Batch, Forward, packed_forward
 from engine.config import ChunkingConfig
 from engine.generate import run_forward
-from engine.int4 import kernel_unavailable
 from engine.live_cache import GrowingCache
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
              "Explain photosynthesis in one sentence.", "What is 12 times 12?", "Name a famous painter.",
              "Translate 'good morning' into Spanish.",
              "Repeat exactly: 'The quick brown fox jumps over the lazy dog.' Then repeat it again."]
-
-needs_cpu_int4 = pytest.mark.skipif(kernel_unavailable("cpu_int4pack", "cpu") is not None,
-                                    reason="no CPU int4 kernel")
-
 
 def run_together(engine_for, prompts, max_batch=8, **sampling) -> list[Result]:
     """Every prompt submitted to one worker at once (held back by a gate job until all are queued), so they
@@ -59,7 +54,6 @@ def test_eight_requests_batched_answer_as_each_does_alone_on_the_real_model(smol
         assert sum(r.stats.drafted_tokens for r in together) > 0  # drafted rows and single rows shared forwards
 
 
-@needs_cpu_int4
 @torch.inference_mode()
 def test_a_packed_forward_gives_each_request_its_logits_and_kv_alone_bit_for_bit_over_int4(smollm_int4_engine):
     """The linears see all rows at once, attention runs per request over its own cache: over the int4 and int8
@@ -80,7 +74,6 @@ def test_a_packed_forward_gives_each_request_its_logits_and_kv_alone_bit_for_bit
                    for x, y in zip(a.layers, b.layers))
 
 
-@needs_cpu_int4
 def test_the_real_model_in_int4_batched_answers_as_alone(smollm_int4_engine):
     engine = smollm_int4_engine.with_options(speculative="prompt-lookup")
     prompts = [chat_ids(engine, q) for q in QUESTIONS[:5]]

@@ -15,7 +15,6 @@ from engine import EngineConfig, KVBoost
 from engine.config import ChunkingConfig, SamplingConfig
 from engine.batching import drive_alone
 from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
-from engine.int4 import kernel_unavailable
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify
 
@@ -205,11 +204,6 @@ def test_bad_speculative_options_are_refused():
 
 # -- int4 weights: the check computes what decode steps compute, bit for bit ----------------------------------------
 
-needs_cpu_int4 = pytest.mark.skipif(kernel_unavailable("cpu_int4pack", "cpu") is not None,
-                                    reason="no CPU int4 kernel")
-
-
-@needs_cpu_int4
 @torch.inference_mode()
 def test_a_checking_forward_gives_the_decode_steps_logits_and_kv_bit_for_bit_over_int4_layers(smollm_int4_engine,
                                                                                              one_thread):
@@ -227,7 +221,6 @@ def test_a_checking_forward_gives_the_decode_steps_logits_and_kv_bit_for_bit_ove
                for a, b in zip(checked_cache.layers, stepped_cache.layers))
 
 
-@needs_cpu_int4
 def test_the_real_model_in_int4_answers_the_same_with_speculation(smollm_int4_engine, one_thread):
     import pydoc_data.topics
 
