@@ -18,12 +18,20 @@ with a ranged GET from that file's size (after a dropped connection, a cancel or
 the hash, and only then renames the blob into place and links the snapshot: a file that looks complete is
 complete. A hash mismatch deletes the partial file (its bytes cannot be trusted to resume from).
 
-Invariants: a snapshot path exists only for a verified blob; a safetensors folder's config.json is linked last,
-so a folder without it is unfinished (scan() marks it so).
+A hostile hub or a hostile cache: every name from the hub is checked first (engine.hub_names), and every path is
+checked, with its links followed, to lie inside the cache folder before anything is made, written or linked there
+(check_inside, OutsideCache): a link in the cache that points out of it is refused, never written through.
+What a failure leaves: a full disk (DiskFull) or any other write error, a dropped connection, a redirect loop and
+a cancel keep the `.incomplete` file, and the next download resumes from it; a hash mismatch deletes it. An empty
+file is a blob like any other (named by the hash of no bytes).
+
+Invariants: a snapshot path exists only for a verified blob; a blob's name is the hash of its bytes; a
+safetensors folder's config.json is linked last, so a folder without it is unfinished (scan() marks it so).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -38,29 +46,46 @@ from filelock import FileLock, Timeout
 from huggingface_hub import get_session
 from huggingface_hub.utils import hf_raise_for_status
 
+from . import hub_names
+from .hub_names import DiskFull, DownloadCancelled, DownloadFailed, HashMismatch, ModelHubError, OutsideCache
+
+__all__ = ["ModelHubError", "DownloadCancelled", "DownloadFailed", "HashMismatch", "DiskFull", "OutsideCache",
+           "Digest", "LocalModel", "repo_folder", "repo_from_folder", "check_inside", "make_folder", "write_failed",
+           "fetch_blob", "link_snapshot", "write_ref", "snapshot_file", "scan"]
+
 CHUNK_BYTES = 1 << 20
 RETRIES = 4  # consecutive failed attempts (no new byte between them) before a download gives up
 INCOMPLETE = ".incomplete"
 
 
-class ModelHubError(Exception):
-    """Searching, listing or downloading models failed; the message says what and why."""
-
-
-class DownloadCancelled(ModelHubError):
-    """The cancel event was set; the partial file stays for a later resume."""
-
-
-class DownloadFailed(ModelHubError):
-    """The bytes could not be fetched or are not the hub's (the message says which)."""
-
-
-class HashMismatch(DownloadFailed):
-    """The downloaded bytes do not hash to what the hub says; the partial file was deleted."""
-
-
 def repo_folder(cache_dir: Path, repo: str) -> Path:
-    return Path(cache_dir) / ("models--" + repo.replace("/", "--"))
+    return Path(cache_dir) / ("models--" + hub_names.repo_id(repo).replace("/", "--"))
+
+
+def check_inside(cache_dir: Path, path: Path) -> Path:
+    """`path`, after checking that with every link in it followed it lies inside `cache_dir` (itself resolved:
+    the cache folder may be a link); raises OutsideCache."""
+    try:
+        root, real = Path(cache_dir).resolve(), Path(path).resolve()
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a link loop
+        raise OutsideCache(f"{path} cannot be resolved ({exc}); nothing is written through it") from exc
+    if not real.is_relative_to(root):
+        raise OutsideCache(f"{path} resolves to {real}, outside the cache {root}: a link in the cache points out "
+                           "of it, and nothing is written through it (remove the link, or point the cache there)")
+    return Path(path)
+
+
+def make_folder(cache_dir: Path, folder: Path) -> None:
+    check_inside(cache_dir, folder).mkdir(parents=True, exist_ok=True)
+
+
+def write_failed(exc: OSError, what: str) -> DownloadFailed:
+    """A write error of the disk as this module's: DiskFull for a full disk or quota, else DownloadFailed."""
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFull(f"{what}: the disk is full{where}; what was written is kept, and the same download resumes "
+                        "from it once there is room")
+    return DownloadFailed(f"{what}: cannot write{where}: {exc.strerror or exc}")
 
 
 def repo_from_folder(folder: Path) -> str | None:
@@ -98,12 +123,14 @@ def fetch_blob(url: str, blob: Path, *, size: int, digest: Digest | None, header
     called with the bytes held so far (first with what a resume starts from). Raises DownloadCancelled (partial
     kept), HashMismatch (partial deleted), DownloadFailed for a short or oversized body, httpx2.TransportError when
     the server stays unreachable and huggingface_hub's HfHubHTTPError for an HTTP error."""
-    partial = blob.with_name(blob.name + INCOMPLETE)
-    blob.parent.mkdir(parents=True, exist_ok=True)
+    cache_dir = blob.parents[2]  # <cache>/models--org--name/blobs/<etag>
+    partial = check_inside(cache_dir, blob.with_name(blob.name + INCOMPLETE))
+    check_inside(cache_dir, blob)
+    make_folder(cache_dir, blob.parent)
     # The lock sits where huggingface_hub keeps its own (<cache>/.locks/models--org--name/), and stays: deleting
     # a lock file while another process waits on it would let two writers append to one partial file.
-    lock_path = blob.parents[2] / ".locks" / blob.parents[1].name / f"{blob.name}.lock"
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = check_inside(cache_dir, cache_dir / ".locks" / blob.parents[1].name / f"{blob.name}.lock")
+    make_folder(cache_dir, lock_path.parent)
     lock = FileLock(str(lock_path))
     try:
         lock.acquire(timeout=0.2)
@@ -126,6 +153,10 @@ def _fetch_locked(url, partial: Path, *, size, digest, headers, on_bytes, cancel
     if hasher is not None and done:
         _hash_prefix(partial, hasher, done)
     on_bytes(done)
+    try:
+        partial.touch()  # an empty file has no body to write it
+    except OSError as exc:
+        raise write_failed(exc, f"starting {partial.name}") from exc
     failures = 0
     while done < size:
         if cancel is not None and cancel.is_set():
@@ -139,18 +170,23 @@ def _fetch_locked(url, partial: Path, *, size, digest, headers, on_bytes, cancel
                     done = 0
                     hasher = digest.new(size) if digest else None
                     on_bytes(0)
-                with open(partial, "ab" if done else "wb") as f:
-                    for chunk in response.iter_bytes(CHUNK_BYTES):
-                        if cancel is not None and cancel.is_set():
-                            raise DownloadCancelled(f"cancelled after {done} of {size} bytes")
-                        if done + len(chunk) > size:
-                            raise DownloadFailed(f"the server sent more than the {size} bytes it announced")
-                        f.write(chunk)
-                        if hasher is not None:
-                            hasher.update(chunk)
-                        done += len(chunk)
-                        failures = 0
-                        on_bytes(done)
+                try:
+                    with open(partial, "ab" if done else "wb") as f:
+                        for chunk in response.iter_bytes(CHUNK_BYTES):
+                            if cancel is not None and cancel.is_set():
+                                raise DownloadCancelled(f"cancelled after {done} of {size} bytes")
+                            if done + len(chunk) > size:
+                                raise DownloadFailed(f"the server sent more than the {size} bytes it announced")
+                            f.write(chunk)
+                            if hasher is not None:
+                                hasher.update(chunk)
+                            done += len(chunk)
+                            failures = 0
+                            on_bytes(done)
+                except OSError as exc:  # the disk: full, read-only, gone (a chunk may be half written: a resume
+                    # starts from the file's size, so what is on disk stays a prefix of the file)
+                    held = partial.stat().st_size if partial.exists() else 0
+                    raise write_failed(exc, f"writing {partial.name} ({held} of {size} bytes held)") from exc
             if done < size:
                 raise httpx2.RemoteProtocolError(f"the body ended after {done} of {size} bytes")
         except httpx2.TransportError:
@@ -168,14 +204,19 @@ def _fetch_locked(url, partial: Path, *, size, digest, headers, on_bytes, cancel
 
 def link_snapshot(repo_dir: Path, commit: str, path: str, blob: Path) -> Path:
     """Points snapshots/<commit>/<path> at `blob` (a relative symlink; where symlinks are not allowed, the blob
-    moves there, as huggingface_hub does)."""
+    moves there, as huggingface_hub does). What was at the pointer (a link, followed or not) is replaced."""
+    cache_dir = repo_dir.parent
     pointer = repo_dir / "snapshots" / commit / path
-    pointer.parent.mkdir(parents=True, exist_ok=True)
+    check_inside(cache_dir, blob)
+    make_folder(cache_dir, pointer.parent)
+    pointer = check_inside(cache_dir, pointer.parent) / pointer.name  # the pointer itself is replaced, not followed
     if pointer.is_symlink() or pointer.exists():
         pointer.unlink()
     try:
         os.symlink(os.path.relpath(blob, pointer.parent), pointer)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # the disk's, not a missing symlink permission
+            raise
         os.replace(blob, pointer)
     return pointer
 
@@ -183,14 +224,18 @@ def link_snapshot(repo_dir: Path, commit: str, path: str, blob: Path) -> Path:
 def write_ref(repo_dir: Path, revision: str, commit: str) -> None:
     if revision == commit:
         return
-    ref = repo_dir / "refs" / revision
-    ref.parent.mkdir(parents=True, exist_ok=True)
+    ref = check_inside(repo_dir.parent, repo_dir / "refs" / revision)
+    make_folder(repo_dir.parent, ref.parent)
     ref.write_text(commit)
 
 
 def snapshot_file(repo_dir: Path, commit: str, path: str) -> Path | None:
-    """The complete local file for `path` at `commit`, or None."""
+    """The complete local file for `path` at `commit`, or None (also for one that links out of the cache)."""
     pointer = repo_dir / "snapshots" / commit / path
+    try:
+        check_inside(repo_dir.parent, pointer)
+    except OutsideCache:
+        return None
     return pointer if pointer.is_file() else None  # is_file follows the link: a dangling one is not complete
 
 

@@ -12,6 +12,12 @@ long to tell an offline user so. Downloads go through engine.hub_cache (its docs
 $HF_HOME/hub, else huggingface_hub's default (~/.cache/huggingface/hub), read when the library is made so the
 HF conventions hold whatever was imported first. Unreachable or offline ($HF_HUB_OFFLINE): HubUnreachable with
 the reason; downloaded() never touches the network.
+
+The hub is not trusted: its answers are checked before anything of them reaches the file system (engine.hub_names:
+repo ids, revisions, commits, ETags, file names, sizes and hashes in the shapes the hub sends; RefusedHubAnswer
+otherwise), an answer huggingface_hub cannot parse is RefusedHubAnswer too, and every error is of the ModelHubError
+family (a redirect loop, a full disk: DiskFull, a link out of the cache: OutsideCache). A failed download keeps its
+`.incomplete` file and the next download resumes from it, except after a hash mismatch, which deletes it.
 """
 
 from __future__ import annotations
@@ -32,12 +38,21 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-from . import hub_cache
-from .hub_cache import DownloadCancelled, DownloadFailed, HashMismatch, LocalModel, ModelHubError
+from . import hub_cache, hub_names
+from .hub_cache import LocalModel
+from .hub_names import (
+    DiskFull,
+    DownloadCancelled,
+    DownloadFailed,
+    HashMismatch,
+    ModelHubError,
+    OutsideCache,
+    RefusedHubAnswer,
+)
 
 __all__ = ["ModelHub", "ModelHubError", "HubUnreachable", "HubNotFound", "DownloadCancelled", "DownloadFailed",
-           "HashMismatch", "SearchResult", "RemoteFile", "ModelEntry", "RepoFiles", "LocalModel", "gguf_quant",
-           "SUPPORTED_ARCHITECTURES", "FORMATS"]
+           "HashMismatch", "RefusedHubAnswer", "OutsideCache", "DiskFull", "SearchResult", "RemoteFile", "ModelEntry",
+           "RepoFiles", "LocalModel", "gguf_quant", "SUPPORTED_ARCHITECTURES", "FORMATS"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # config.json model_type / GGUF general.architecture values the engine is tested with (tests/engine/tiny_models.py,
@@ -70,6 +85,29 @@ def gguf_quant(filename: str) -> str:
         if _QUANT.fullmatch(token):
             return token.upper()
     return stem
+
+
+@contextlib.contextmanager
+def _parsing(what: str):
+    """huggingface_hub's (or json's) failure to read a hub answer as RefusedHubAnswer: no hub sends such JSON."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError) as exc:
+        raise RefusedHubAnswer(f"{what}: the hub's answer is not what the hub API sends ({type(exc).__name__}: "
+                               f"{hub_names.shown(str(exc))})") from exc
+
+
+def _mapping(value) -> dict | None:
+    """A field the hub sends as an object (config, gguf), or None for anything else."""
+    return value if isinstance(value, dict) else None
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _tags(value) -> set[str]:
+    return {t for t in value if isinstance(t, str)} if isinstance(value, list) else set()
 
 
 def _quant_method(config: dict | None) -> str | None:
@@ -140,9 +178,10 @@ class RepoFiles:
         raise ModelHubError(f"{self.repo} has no {choice!r}; choose one of: {names}")
 
 
-def _architecture(config: dict | None, gguf: dict | None, tags) -> str | None:
+def _architecture(config: dict | None, gguf: dict | None, tags: set[str]) -> str | None:
     arch = (config or {}).get("model_type") or (gguf or {}).get("architecture")
-    return arch or next((t for t in tags or () if t in SUPPORTED_ARCHITECTURES), None)
+    return arch if isinstance(arch, str) and arch else next((t for t in sorted(tags) if t in SUPPORTED_ARCHITECTURES),
+                                                            None)
 
 
 def _support(architecture: str | None, formats) -> str | None:
@@ -156,26 +195,40 @@ def _support(architecture: str | None, formats) -> str | None:
 
 
 def _search_result(info: ModelInfo) -> SearchResult:
-    tags = set(info.tags or ())
-    quant = _quant_method(info.config)
+    tags, config, gguf = _tags(info.tags), _mapping(info.config), _mapping(info.gguf)
+    quant = _quant_method(config)
     formats = []
-    if "gguf" in tags or info.gguf:
+    if "gguf" in tags or gguf:
         formats.append("gguf")
     if quant == "awq" or "awq" in tags:
         formats.append("awq")
     elif "safetensors" in tags and quant is None:
         formats.append("safetensors")
-    arch = _architecture(info.config, info.gguf, tags)
-    params = (info.safetensors.total if info.safetensors else None) or (info.gguf or {}).get("total")
+    arch = _architecture(config, gguf, tags)
+    params = _count(info.safetensors.total if info.safetensors else None) or _count((gguf or {}).get("total"))
     reason = _support(arch, formats)
-    return SearchResult(info.id, arch, tuple(formats), info.downloads or 0, info.likes or 0, params, reason is None,
-                        reason)
+    return SearchResult(hub_names.repo_id(info.id, "the hub's repo id"), arch, tuple(formats),
+                        _count(info.downloads) or 0, _count(info.likes) or 0, params, reason is None, reason)
+
+
+def _remote_file(sibling) -> RemoteFile:
+    """One file of the hub's listing (a RepoSibling), its name, size and hashes checked."""
+    path = hub_names.file_name(sibling.rfilename)
+    lfs = sibling.lfs
+    size = hub_names.size_or_none(sibling.size, f"the size of {path}")
+    if size is None and lfs is not None:
+        size = hub_names.size_or_none(lfs.size, f"the lfs size of {path}")
+    sha256 = hub_names.hash_or_none(lfs.sha256, hub_names.SHA256, f"the lfs sha256 of {path}") if lfs else None
+    blob_id = hub_names.hash_or_none(sibling.blob_id, hub_names.GIT_SHA1, f"the blobId of {path}")
+    return RemoteFile(path, size or 0, sha256, blob_id)
 
 
 def _entries(info: ModelInfo) -> tuple[ModelEntry, ...]:
-    files = [RemoteFile(s.rfilename, int(s.size or (s.lfs.size if s.lfs else 0)), s.lfs.sha256 if s.lfs else None,
-                        s.blob_id) for s in info.siblings or ()]
-    arch = _architecture(info.config, info.gguf, info.tags)
+    if not isinstance(info.siblings, (list, type(None))):
+        raise hub_names.refused("the hub's file list (siblings)", info.siblings, "not a list")
+    files = [_remote_file(s) for s in info.siblings or ()]
+    config = _mapping(info.config)
+    arch = _architecture(config, _mapping(info.gguf), _tags(info.tags))
     arch_reason = _support(arch, ["any"])
     quants: dict[str, list[RemoteFile]] = {}
     for f in files:
@@ -186,7 +239,7 @@ def _entries(info: ModelInfo) -> tuple[ModelEntry, ...]:
     folder = [f for f in files if "/" not in f.path and f.path.endswith(FOLDER_SUFFIXES)]
     names = {f.path for f in folder}
     if "config.json" in names and any(n.endswith(".safetensors") for n in names):
-        quant = _quant_method(info.config)
+        quant = _quant_method(config)
         fmt = "awq" if quant == "awq" else "safetensors"
         note = arch_reason or (f"weights quantized with {quant!r}: the engine loads float, AWQ and GGUF weights"
                                if quant not in (None, "awq") else None)
@@ -199,6 +252,16 @@ def _entries(info: ModelInfo) -> tuple[ModelEntry, ...]:
                                if len(parts) > 1 else None)
         entries.append(ModelEntry(quant, "gguf", tuple(parts), note is None, note))
     return tuple(entries)
+
+
+def _digest(etag: str, f: RemoteFile) -> hub_cache.Digest:
+    """What the bytes must hash to: the ETag itself (a blob's name is its bytes' hash), sha256 for 64 hex digits,
+    git's blob sha1 for 40. A listing that names another hash of the same kind is refused."""
+    kind, listed = ("sha256", f.sha256) if len(etag) == 64 else ("git-sha1", f.blob_id)
+    if listed is not None and listed != etag:
+        raise RefusedHubAnswer(f"refused {f.path}: its ETag is {kind} {etag}, the hub's listing says {listed}; "
+                               "nothing was written")
+    return hub_cache.Digest(kind, etag)
 
 
 def default_cache_dir() -> Path:
@@ -247,6 +310,13 @@ class ModelHub:
                 raise HubNotFound(f"{what}: not found on {self.endpoint} (HTTP {status}; a private or gated repo "
                                   "needs a token)") from exc
             raise ModelHubError(f"{what}: {self.endpoint} answered HTTP {status}: {first}") from exc
+        except httpx2.TooManyRedirects as exc:
+            raise ModelHubError(f"{what}: {self.endpoint} redirects in a loop ({exc}){resume}") from exc
+        except (httpx2.HTTPError, httpx2.InvalidURL, httpx2.StreamError) as exc:  # e.g. a redirect to no URL
+            raise ModelHubError(f"{what}: {self.endpoint} answered what no hub sends ({type(exc).__name__}: "
+                                f"{hub_names.shown(str(exc))}){resume}") from exc
+        except OSError as exc:  # the disk (after the OSErrors above, which are the network's)
+            raise hub_cache.write_failed(exc, what) from exc
 
     def _headers(self) -> dict:
         return build_hf_headers(token=self.token)
@@ -263,31 +333,38 @@ class ModelHub:
         tags = [t for t in (format, architecture) if t]
         if tags:
             params["filter"] = tags
-        with self._errors(f"searching for {query!r}"):
+        what = f"searching for {query!r}"
+        with self._errors(what), _parsing(what):
             response = get_session().get(f"{self.endpoint}/api/models", params=params, headers=self._headers(),
                                          timeout=self.timeout_s)
             hf_raise_for_status(response)
-            items = response.json()
-        results = [_search_result(ModelInfo(**{"siblings": None, **item})) for item in items]
+            infos = [ModelInfo(**{"siblings": None, **item}) for item in response.json()]
+        results = [_search_result(info) for info in infos]
         return [r for r in results if r.supported or not supported_only][:limit]
 
     def files(self, repo: str, revision: str = "main") -> RepoFiles:
         """`repo`'s downloadable entries at `revision`, with sizes and hashes."""
-        with self._errors(f"listing the files of {repo}"):
+        repo, revision = hub_names.repo_id(repo), hub_names.revision(revision)
+        what = f"listing the files of {repo}"
+        with self._errors(what), _parsing(what):
             info = self._api.model_info(repo, revision=revision, files_metadata=True, timeout=self.timeout_s)
-        return RepoFiles(repo, info.sha or revision, _architecture(info.config, info.gguf, info.tags),
-                         _entries(info), info.config, info.gguf)
+        sha = info.sha if info.sha is not None or not hub_names.COMMIT.fullmatch(revision) else revision
+        commit = hub_names.commit(sha, f"the commit (sha) of {repo}")
+        config, gguf = _mapping(info.config), _mapping(info.gguf)
+        return RepoFiles(repo, commit, _architecture(config, gguf, _tags(info.tags)), _entries(info), config, gguf)
 
     def download(self, repo: str, choice: str | None = None, *, revision: str = "main",
                  progress: ProgressCallback | None = None, cancel: threading.Event | None = None) -> Path:
         """Downloads one entry of `repo` (RepoFiles.entry(choice)) and returns what --model takes: the .gguf file
         or the snapshot folder. Resumes what an earlier attempt left; raises DownloadCancelled when `cancel` is
-        set (the partial file stays), HashMismatch, HubUnreachable, HubNotFound."""
+        set (the partial file stays), HashMismatch, HubUnreachable, HubNotFound, RefusedHubAnswer, OutsideCache,
+        DiskFull (the partial file stays)."""
         listing = self.files(repo, revision)
         entry = listing.entry(choice)
         commit = listing.revision
         repo_dir = hub_cache.repo_folder(self.cache_dir, repo)
-        (repo_dir / "snapshots").mkdir(parents=True, exist_ok=True)  # scan_cache_dir calls a repo without it corrupt
+        with self._errors(f"downloading {repo}"):  # scan_cache_dir calls a repo without snapshots/ corrupt
+            hub_cache.make_folder(self.cache_dir, repo_dir / "snapshots")
         report = progress or (lambda done, total: None)
         done = 0
         headers = self._headers()
@@ -299,7 +376,8 @@ class ModelHub:
                             cancel)
             done += f.size
             report(done, entry.size)
-        hub_cache.write_ref(repo_dir, revision, commit)
+        with self._errors(f"downloading {repo}"):
+            hub_cache.write_ref(repo_dir, revision, commit)
         snapshot = repo_dir / "snapshots" / commit
         return snapshot / entry.files[0].path if entry.format == "gguf" else snapshot
 
@@ -309,18 +387,16 @@ class ModelHub:
             meta = get_hf_file_metadata(url, token=self.token, timeout=self.timeout_s, endpoint=self.endpoint)
             if not meta.etag:
                 raise DownloadFailed(f"{url}: the server sent no ETag to name the file by")
-            size = meta.size if meta.size is not None else f.size
-            sha = f.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
-            digest = (hub_cache.Digest("sha256", sha) if sha else
-                      hub_cache.Digest("git-sha1", f.blob_id) if f.blob_id else None)
-            blob = repo_dir / "blobs" / meta.etag
+            name = hub_names.etag(meta.etag, f"the ETag of {f.path}")
+            size = hub_names.size_or_none(meta.size, f"the size of {f.path} (X-Linked-Size or Content-Length)")
+            blob = hub_cache.check_inside(self.cache_dir, repo_dir / "blobs" / name)
             if not blob.is_file():
                 try:
-                    hub_cache.fetch_blob(url, blob, size=size, digest=digest, headers=headers, on_bytes=on_bytes,
-                                         cancel=cancel, timeout_s=self.timeout_s)
-                except HashMismatch as exc:
-                    raise HashMismatch(f"{repo}/{f.path}: {exc}") from exc
-        hub_cache.link_snapshot(repo_dir, commit, f.path, blob)
+                    hub_cache.fetch_blob(url, blob, size=f.size if size is None else size, digest=_digest(name, f),
+                                         headers=headers, on_bytes=on_bytes, cancel=cancel, timeout_s=self.timeout_s)
+                except (HashMismatch, DiskFull) as exc:
+                    raise type(exc)(f"{repo}/{f.path}: {exc}") from exc
+            hub_cache.link_snapshot(repo_dir, commit, f.path, blob)
 
     def read_remote(self, repo: str, commit: str, path: str, *, max_bytes: int | None = None) -> bytes:
         """A small file of `repo` at `commit` (or its first `max_bytes`), in memory: not written to the cache."""
@@ -356,9 +432,16 @@ class ModelHub:
     def remove(self, repo: str) -> int:
         """Deletes every downloaded file of `repo` (finished or not); returns the bytes freed."""
         repo_dir = hub_cache.repo_folder(self.cache_dir, repo)
+        locks = self.cache_dir / ".locks" / repo_dir.name
         if not repo_dir.is_dir():
             raise ModelHubError(f"{repo} is not downloaded (nothing in {self.cache_dir})")
-        freed = sum(p.stat().st_size for p in repo_dir.rglob("*") if p.is_file() and not p.is_symlink())
-        shutil.rmtree(repo_dir)
-        shutil.rmtree(self.cache_dir / ".locks" / repo_dir.name, ignore_errors=True)
+        hub_cache.check_inside(self.cache_dir, repo_dir)  # deleting through a link would delete what it points at
+        hub_cache.check_inside(self.cache_dir, locks)
+        freed = sum((Path(folder) / name).lstat().st_size for folder, _, names in os.walk(repo_dir) for name in names
+                    if not (Path(folder) / name).is_symlink())
+        try:
+            shutil.rmtree(repo_dir)
+        except OSError as exc:
+            raise ModelHubError(f"removing {repo}: cannot delete {exc.filename}: {exc.strerror or exc}") from exc
+        shutil.rmtree(locks, ignore_errors=True)
         return freed

@@ -2,7 +2,8 @@
 (GET /api/models), model info with file metadata (GET /api/models/{repo}[/revision/{rev}]?blobs=true), and
 HEAD / ranged GET of /{repo}/resolve/{rev}/{path} with X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size,
 Accept-Ranges and 206 answers. Faults on demand: drop the connection after N bytes of a file, advertise a wrong
-sha256, answer 404, serve slowly, be killed with transfers in flight."""
+sha256, answer 404, serve slowly, be killed with transfers in flight. Hostile answers on demand: any ETag, file name
+or commit in place of the real one, a redirect loop, any model-info / search JSON, any file at any path."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import functools
 import hashlib
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from urllib.parse import parse_qs, unquote, urlsplit
 
 LFS_SUFFIXES = (".gguf", ".safetensors", ".bin")
@@ -48,6 +50,15 @@ class Faults:
     wrong_hash: set[str] = field(default_factory=set)  # file paths whose advertised sha256 is wrong
     missing: set[str] = field(default_factory=set)  # file paths answered with 404 (still listed)
     seconds_per_chunk: float = 0.0  # slow transfers (for cancel tests)
+    # -- a hostile hub ---------------------------------------------------------------------------------------
+    etag: dict[str, str] = field(default_factory=dict)  # file path -> the ETag (and X-Linked-Etag) sent, verbatim
+    rfilenames: dict[str, object] = field(default_factory=dict)  # file path -> the rfilename the listing gives
+    commit: object = None  # the listing's sha and X-Repo-Commit for every repo (None: each repo's own)
+    redirect_loop: set[str] = field(default_factory=set)  # file paths, or "api" (model info), redirected to themselves
+    info: dict[str, object] = field(default_factory=dict)  # repo -> the model-info answer, any JSON (bytes: verbatim)
+    search: object = None  # the search answer, any JSON (None: the real one)
+    headers: dict[str, str] = field(default_factory=dict)  # sent by every file answer in place of its own
+    any_file: Path | None = None  # answers every path nothing else does: the hub serves whatever name it listed
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,6 +76,12 @@ def _digests(path: Path) -> tuple[str, str]:
     """(sha256, git blob sha1) of a file; remembered per size and mtime (the GGUF is hashed once a session)."""
     st = path.stat()
     return _digests_of(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+def _any_file(source: Path, name: str) -> _File:
+    """`source` served as `name` (an LFS file when the name says so)."""
+    sha, blob_id = _digests(source)
+    return _File(source, source.stat().st_size, sha, blob_id, name.endswith(LFS_SUFFIXES))
 
 
 class FakeHub:
@@ -91,15 +108,20 @@ class FakeHub:
         return hashlib.sha256(b"not this file" + f.sha256.encode()).hexdigest() if path in self.faults.wrong_hash \
             else f.sha256
 
+    def commit_of(self, repo: _Repo | None):
+        if self.faults.commit is not None:
+            return self.faults.commit
+        return repo.commit if repo is not None else "0" * 40
+
     def summary(self, repo: _Repo, with_files: bool) -> dict:
-        item = {"id": repo.id, "modelId": repo.id, "sha": repo.commit, "tags": repo.tags, "downloads": repo.downloads,
+        item = {"id": repo.id, "modelId": repo.id, "sha": self.commit_of(repo), "tags": repo.tags, "downloads": repo.downloads,
                 "likes": 0, "pipeline_tag": "text-generation", "private": False}
         for key in ("config", "gguf", "safetensors"):
             if getattr(repo, key) is not None:
                 item[key] = getattr(repo, key)
         if with_files:
             item["siblings"] = [
-                {"rfilename": name, "size": f.size, "blobId": f.blob_id,
+                {"rfilename": self.faults.rfilenames.get(name, name), "size": f.size, "blobId": f.blob_id,
                  **({"lfs": {"size": f.size, "sha256": self.advertised_sha256(name, f), "pointerSize": 134}}
                     if f.lfs else {})}
                 for name, f in repo.files.items()]
@@ -117,7 +139,7 @@ class FakeHub:
         class Handler(_Handler):
             fake = hub
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", self._port), Handler)
+        self._server = _Server(("127.0.0.1", self._port), Handler)
         self._server.daemon_threads = True
         self._port = self._server.server_address[1]  # a restart comes back on the same port
         threading.Thread(target=self._server.serve_forever, name="fake-hub", daemon=True).start()
@@ -141,6 +163,13 @@ class FakeHub:
         return [r for m, p, r in self.requests if m == "GET" and p.endswith("/" + path)]
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """A client that hung up (a cancel, a refused download) is no error of the hub's."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class _Handler(BaseHTTPRequestHandler):
     fake: FakeHub
     protocol_version = "HTTP/1.1"
@@ -162,7 +191,7 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _send_json(self, status: int, body, headers: dict | None = None) -> None:
-        data = json.dumps(body).encode()
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -183,24 +212,39 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _route(self):
         parts = urlsplit(self.path)
+        raw = parts.path.lstrip("/").split("/")  # split before unquoting: a revision is quoted slashes and all
         path = unquote(parts.path)
         query = parse_qs(parts.query)
         self.fake.requests.append((self.command, path, self.headers.get("Range")))
+        faults = self.fake.faults
         if path == "/api/models":
+            if faults.search is not None:
+                return self._send_json(200, faults.search)
             return self._search(query)
         if path.startswith("/api/models/"):
-            rest = path[len("/api/models/"):].split("/")
+            rest = [unquote(p) for p in raw[2:]]
             repo_id, revision = "/".join(rest[:2]), (rest[3] if len(rest) >= 4 and rest[2] == "revision" else "main")
+            if "api" in faults.redirect_loop:
+                return self._redirect_to_itself()
+            if repo_id in faults.info:
+                return self._send_json(200, faults.info[repo_id])
             repo = self.fake.repos.get(repo_id)
             if repo is None:
                 return self._not_found("RepoNotFound")
-            if revision not in ("main", repo.commit):
+            if revision not in ("main", repo.commit, faults.commit):
                 return self._not_found("RevisionNotFound")
             return self._send_json(200, self.fake.summary(repo, with_files=True))
-        bits = path.lstrip("/").split("/")
-        if len(bits) >= 5 and bits[2] == "resolve":
-            return self._resolve("/".join(bits[:2]), bits[3], "/".join(bits[4:]))
+        if len(raw) >= 5 and raw[2] == "resolve":
+            return self._resolve("/".join(raw[:2]), unquote(raw[3]), unquote("/".join(raw[4:])))
+        if faults.any_file is not None:  # a `../` name the client's URL normalization moved out of /resolve/
+            return self._serve(None, PurePosixPath(path).name, _any_file(faults.any_file, path))
         self._not_found("RepoNotFound")
+
+    def _redirect_to_itself(self) -> None:
+        self.send_response(302)
+        self.send_header("Location", self.path)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
 
     def _search(self, query: dict) -> None:
         text = (query.get("search") or [""])[0].lower()
@@ -211,14 +255,23 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(200, [self.fake.summary(r, with_files=False) for r in found[:limit]])
 
     def _resolve(self, repo_id: str, revision: str, name: str) -> None:
+        faults = self.fake.faults
+        if name in faults.redirect_loop:
+            return self._redirect_to_itself()
         repo = self.fake.repos.get(repo_id)
+        f = repo.files.get(name) if repo is not None else None
+        if f is None and faults.any_file is not None:
+            return self._serve(repo, name, _any_file(faults.any_file, name))
         if repo is None:
             return self._not_found("RepoNotFound")
-        if revision not in ("main", repo.commit):
+        if revision not in ("main", repo.commit, faults.commit):
             return self._not_found("RevisionNotFound")
-        f = repo.files.get(name)
-        if f is None or name in self.fake.faults.missing:
+        if f is None or name in faults.missing:
             return self._not_found("EntryNotFound")
+        self._serve(repo, name, f)
+
+    def _serve(self, repo: _Repo | None, name: str, f: _File) -> None:
+        faults = self.fake.faults
         start, end = 0, f.size - 1
         ranged = self.headers.get("Range")
         if ranged and ranged.startswith("bytes="):
@@ -231,22 +284,23 @@ class _Handler(BaseHTTPRequestHandler):
                 self.end_headers()
                 return
         self.send_response(206 if ranged else 200)
-        etag = self.fake.advertised_sha256(name, f) if f.lfs else f.blob_id
-        self.send_header("X-Repo-Commit", repo.commit)
-        self.send_header("ETag", f'"{etag}"')
+        etag = f'"{self.fake.advertised_sha256(name, f) if f.lfs else f.blob_id}"'
+        etag = faults.etag.get(name, etag)
+        headers = {"X-Repo-Commit": str(self.fake.commit_of(repo)), "ETag": etag}
         if f.lfs:
-            self.send_header("X-Linked-Etag", f'"{etag}"')
-            self.send_header("X-Linked-Size", str(f.size))
-        self.send_header("Accept-Ranges", "bytes")
-        self.send_header("Content-Length", str(end - start + 1))
+            headers.update({"X-Linked-Etag": etag, "X-Linked-Size": str(f.size)})
+        headers.update({"Accept-Ranges": "bytes", "Content-Length": str(end - start + 1)})
         if ranged:
-            self.send_header("Content-Range", f"bytes {start}-{end}/{f.size}")
+            headers["Content-Range"] = f"bytes {start}-{end}/{f.size}"
+        headers.update(faults.headers)
+        for key, value in headers.items():
+            self.send_header(key, value)
         self.end_headers()
         if self.command == "HEAD":
             return
-        drop_at = self.fake.faults.drop_after.get(name)
+        drop_at = faults.drop_after.get(name)
         if drop_at is not None and start < drop_at:
-            del self.fake.faults.drop_after[name]  # once: the resume gets the rest
+            del faults.drop_after[name]  # once: the resume gets the rest
             end = drop_at - 1
         else:
             drop_at = None
@@ -258,8 +312,8 @@ class _Handler(BaseHTTPRequestHandler):
                     block = src.read(min(CHUNK, left))
                     self.wfile.write(block)
                     left -= len(block)
-                    if self.fake.faults.seconds_per_chunk:
-                        time.sleep(self.fake.faults.seconds_per_chunk)
+                    if faults.seconds_per_chunk:
+                        time.sleep(faults.seconds_per_chunk)
                 self.wfile.flush()
             except OSError:  # the client went away (a cancel) or the hub was killed
                 self.close_connection = True
