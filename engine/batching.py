@@ -177,7 +177,11 @@ def drive_alone(steps, forward: Callable[[Forward], torch.Tensor]):
 class RequestStream:
     """What KVBoost.stream returns: an iterator of the request's events (TokenEvents, then the Result), run alone
     on the calling thread the first time it is iterated, with the engine's lock held until it ends or is closed;
-    or handed whole to an EngineWorker's batch (`take_steps`), which decodes it together with other requests."""
+    or handed whole to an EngineWorker's batch (`take_steps`), which decodes it together with other requests.
+
+    The engine is released as soon as the Result is handed out, when the stream is closed (`close()`, or leaving
+    a `with` block), and when the consumer drops it, e.g. by breaking out of its `for` loop: nothing it holds
+    refers back to it, so it goes with its last reference, not at some later garbage collection."""
 
     def __init__(self, engine, steps):
         self.engine = engine
@@ -202,20 +206,35 @@ class RequestStream:
         if self._alone is None:
             if self._steps is None:
                 raise StopIteration
-            self._alone = self._run_alone(self._steps)
+            self._alone = _run_alone(self.engine, self._steps)
             self._steps = None
-        return next(self._alone)
+        from .generate import Result  # (generate imports this module)
 
-    def _run_alone(self, steps):
-        with self.engine._one_request():
-            yield from drive_alone(steps, self.engine._forward)
+        event = next(self._alone)
+        if isinstance(event, Result):  # the last event: the engine is free before the consumer asks again
+            self.close()
+        return event
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def close(self) -> None:
+        """Ends the request where it is (it stores what it computed and releases what it holds and the engine)."""
         if self._alone is not None:
             self._alone.close()
         elif self._steps is not None:
             self._steps.close()
             self._steps = None
+
+
+def _run_alone(engine, steps):
+    """The request's events under the engine's lock. A function, not a method of RequestStream: a generator
+    holding the stream would keep it alive through a reference cycle after its consumer let go."""
+    with engine._one_request():
+        yield from drive_alone(steps, engine._forward)
 
 
 @dataclass(eq=False)

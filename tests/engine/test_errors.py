@@ -128,3 +128,35 @@ def test_same_seed_same_sample_and_stop_strings(smollm):
     assert greedy.text.startswith(cut.text)
     short = smollm.chat([{"role": "user", "content": "Describe Paris at length."}], max_new_tokens=5)
     assert short.finish_reason == "length" and len(short.token_ids) == 5
+
+
+def test_breaking_out_of_a_stream_loop_leaves_the_engine_usable(smollm):
+    """No garbage collection between the break and the next request: the stream goes with its last reference."""
+    import gc
+
+    gc.disable()
+    try:
+        for _event in smollm.stream("Tell me about lighthouses.", max_new_tokens=16):
+            break
+        assert smollm.generate("Hello", max_new_tokens=2).token_ids
+    finally:
+        gc.enable()
+
+
+def test_leaving_a_with_block_closes_the_stream(smollm):
+    with smollm.stream("Tell me about lighthouses.", max_new_tokens=16) as stream:
+        next(stream)
+        kept = stream  # still referenced after the block
+    assert smollm.generate("Hello", max_new_tokens=2).token_ids
+    assert list(kept) == []
+
+
+def test_the_engine_is_free_once_the_result_is_handed_out(smollm):
+    stream = smollm.stream("Hello", max_new_tokens=4)
+    result = None
+    while not isinstance(result, Result):
+        result = next(stream)
+    # The stream is still referenced and was not asked for its end: the engine serves the next request anyway.
+    assert smollm.generate("Hello", max_new_tokens=2).token_ids
+    assert result.stats.prompt_tokens > 0
+    assert list(stream) == []
