@@ -18,6 +18,7 @@ from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .gguf_int4 import GGUFBlocks, memoized_name_maps
 from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import Int4Linear, decoder_linears, quantize_model, weights_format
+from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
 
 log = logging.getLogger(__name__)
 
@@ -133,9 +134,49 @@ def read_config(source: ModelSource):
     if source.kind == "hub":
         kwargs["local_files_only"] = True
     try:
-        return AutoConfig.from_pretrained(source.location, **kwargs)
+        # trust_remote_code=False: a model's own Python files are never run, and never asked about (with None,
+        # transformers asks on a terminal and runs them on "y").
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=False, **kwargs)
     except Exception as exc:  # corrupt files surface as assorted parser errors
+        code = own_code(source)
+        if code:
+            raise ModelLoadError(
+                f"{source.describe()} needs its own Python code ({code}), which KVBoost never runs: choose a model "
+                "whose architecture transformers implements (llama, mistral, qwen2, qwen3, gemma2/3, phi3)") from None
         raise ModelLoadError(f"could not read the config of {source.describe()}: {type(exc).__name__}: {exc}") from exc
+
+
+def own_code(source: ModelSource) -> str | None:
+    """The Python files a folder or hub model's config.json asks to run (its auto_map), or None."""
+    folder = local_folder(source)
+    if folder is None:
+        return None
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    auto_map = config.get("auto_map") if isinstance(config, dict) else None
+    if not auto_map:
+        return None
+    shown = ", ".join(str(v) for v in (auto_map.values() if isinstance(auto_map, dict) else [auto_map]))
+    return f"auto_map: {shown[:120]}"
+
+
+def checked_config(source: ModelSource, folder: Path | None):
+    """The model's config after engine.model_checks: every size within bounds and, together, within what the
+    weight files hold (ModelLoadError naming the field otherwise), before anything is allocated."""
+    config = read_config(source)
+    if source.kind == "gguf":
+        weight_bytes = weight_file_bytes(Path(source.location), source.gguf_file)
+    else:
+        weight_bytes = weight_file_bytes(folder)
+        if weight_bytes == 0:
+            raise ModelLoadError(f"{folder} holds no weight files ({', '.join(WEIGHT_SUFFIXES[:2])})")
+    try:
+        check_config(config.get_text_config(), weight_bytes)
+    except ConfigError as exc:
+        raise ModelLoadError(f"{source.describe()}: {exc}") from None
+    return config
 
 
 def local_folder(source: ModelSource) -> Path | None:
@@ -169,18 +210,22 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
     folder = local_folder(source)
+    config = checked_config(source, folder) if source.kind != "hub" or folder is not None else None
     if folder is not None and is_awq_folder(folder):
-        return _load_awq(source, folder, device, dtype, weights, kernel, head)
+        return _load_awq(source, folder, config, device, dtype, weights, kernel, head)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict = {}
+    kwargs: dict = {"trust_remote_code": False}
+    if config is not None:
+        kwargs["config"] = config
     if source.kind == "gguf":
         kwargs["gguf_file"] = source.gguf_file
     if source.kind == "hub":
         kwargs["local_files_only"] = True
     with memoized_name_maps():  # transformers rebuilds gguf's name map per module: seconds per GGUF load
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(source.location, **{k: v for k, v in kwargs.items()
+                                                                         if k != "config"})
             model = AutoModelForCausalLM.from_pretrained(
                 source.location, dtype=dtype, attn_implementation="sdpa", **kwargs
             )
@@ -207,13 +252,12 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     return model, tokenizer
 
 
-def _load_awq(source: ModelSource, folder: Path, device: torch.device, dtype: torch.dtype, weights: str,
+def _load_awq(source: ModelSource, folder: Path, config, device: torch.device, dtype: torch.dtype, weights: str,
               kernel: str, head: str):
     from transformers import AutoTokenizer
 
-    config = read_config(ModelSource("folder", str(folder)))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
         model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel)
         head = auto_head(model) if head == "auto" else head
         if head != "float":
