@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.models import DownloadFailed, ModelHub, ModelHubError
+from engine.models import DiskFull, ModelHub, ModelHubError, OutsideCache, RefusedHubAnswer
 from fake_hub import FakeHub
 
 SMALL_REPO = "test-org/small-GGUF"
@@ -108,7 +108,7 @@ def test_an_etag_that_is_a_path_is_refused_and_nothing_is_written_outside(hub, l
     if etag == "absolute":
         etag = f'"{tmp_path / "outside" / "x"}"'
     hub.faults.etag[SMALL_NAME] = etag
-    with pytest.raises(DownloadFailed, match=r"ETag .*outside/x"):
+    with pytest.raises(RefusedHubAnswer, match=r"ETag .*outside/x"):
         library.download(SMALL_REPO)
     assert written_outside(tmp_path, cache) == []
     assert looks_complete_files(cache) == []
@@ -121,14 +121,14 @@ def test_a_file_name_that_leaves_the_snapshot_is_refused_and_nothing_is_linked_o
         name = str(tmp_path / "outside" / "x.gguf")
     hub.faults.rfilenames[SMALL_NAME] = name
     hub.faults.any_file = small_file  # the hub serves the file at whatever URL that name makes
-    with pytest.raises(DownloadFailed, match=r"rfilename.*outside/x\.gguf"):
+    with pytest.raises(RefusedHubAnswer, match=r"rfilename.*outside/x\.gguf"):
         library.download(SMALL_REPO)
     assert written_outside(tmp_path, cache) == []
 
 
 def test_a_commit_that_is_a_path_is_refused_and_no_snapshot_folder_is_made_outside(hub, library, cache, tmp_path):
     hub.faults.commit = "../../../outside/snapcommit"
-    with pytest.raises(DownloadFailed, match=r"commit .*outside/snapcommit"):
+    with pytest.raises(RefusedHubAnswer, match=r"commit .*outside/snapcommit"):
         library.download(SMALL_REPO)
     assert written_outside(tmp_path, cache) == []
 
@@ -140,7 +140,7 @@ def test_a_link_in_the_cache_that_points_out_of_it_is_not_written_through(librar
     outside.mkdir()
     (cache / link).parent.mkdir(parents=True, exist_ok=True)
     (cache / link).symlink_to(outside)
-    with pytest.raises(DownloadFailed, match="outside the cache"):
+    with pytest.raises(OutsideCache, match="outside the cache"):
         library.download(SMALL_REPO)
     assert list(outside.iterdir()) == []
 
@@ -152,7 +152,7 @@ def test_remove_does_not_delete_through_a_link_out_of_the_cache(library, cache, 
     mine.write_text("mine")
     shutil.rmtree(cache / ".locks")
     (cache / ".locks").symlink_to(tmp_path / "outside")
-    with pytest.raises(ModelHubError, match="outside the cache"):
+    with pytest.raises(OutsideCache, match="outside the cache"):
         library.remove(SMALL_REPO)
     assert mine.read_text() == "mine"
 
@@ -189,7 +189,7 @@ def test_an_empty_file_downloads_as_a_verified_blob_and_a_snapshot_link(hub, lib
 
 def test_a_full_disk_is_one_clear_error_and_the_next_download_resumes(hub, small_disk, big_file):
     library = ModelHub(endpoint=hub.url, cache_dir=small_disk / "hf-cache", token=False)
-    with pytest.raises(DownloadFailed, match="disk is full") as refused:
+    with pytest.raises(DiskFull, match="disk is full") as refused:
         library.download(BIG_REPO)
     assert "resume" in str(refused.value)
     (partial,) = (small_disk / "hf-cache").rglob("*.incomplete")
