@@ -1,6 +1,11 @@
 """`kvboost models search QUERY | files REPO | download REPO [FILE] | list | remove REPO`: the model library
 (engine.models) on the command line. Progress goes to stderr; `download` prints the local path as its last line
-on stdout (what `--model` takes). $HF_ENDPOINT, $HF_HOME and $HF_HUB_CACHE are honoured."""
+on stdout (what `--model` takes). $HF_ENDPOINT, $HF_HOME and $HF_HUB_CACHE are honoured.
+
+A failure is one line on stderr (`kvboost models: error: ...`) and exit status 1 (130 for a cancel): an
+unreachable hub, a refused hub answer (a name that is a path, a redirect loop), a full disk. A failed download
+keeps what it fetched (`<etag>.incomplete`, listed as unfinished) and the same command resumes from it; only a
+hash mismatch deletes it."""
 
 from __future__ import annotations
 
