@@ -9,6 +9,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .config import EngineConfig
+
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -28,6 +30,14 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-cache", default=None, metavar="URL",
                    help="a Redis/Valkey store shared by machines, below the disk tier: redis://[user:password@]HOST:"
                         "PORT/DB, rediss:// for TLS (default: none; see README, 'The shared KV tier')")
+    defaults = EngineConfig()
+    p.add_argument("--remote-timeout", dest="remote_timeout_s", type=float, default=defaults.remote_timeout_s,
+                   metavar="SECONDS",
+                   help="the shared store counts as failing when silent this long; also the least a read may take "
+                        "(a read may take as long as the prefill it saves, up to --remote-max-wait)")
+    p.add_argument("--remote-max-wait", dest="remote_max_wait_s", type=float, default=defaults.remote_max_wait_s,
+                   metavar="SECONDS",
+                   help="the most a read of the shared store may take, however much prefill it saves")
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
                    help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as QUANTIZED)")
     p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
@@ -79,7 +89,8 @@ def load_engine(args):
                                    weights=args.weights, group_size=args.group_size, head=args.head,
                                    speculative=None if args.speculative == "off" else args.speculative,
                                    draft_model=args.draft_model,
-                                   remote_cache=args.remote_cache)
+                                   remote_cache=args.remote_cache, remote_timeout_s=args.remote_timeout_s,
+                                   remote_max_wait_s=args.remote_max_wait_s)
 
 
 def _badge(stats) -> str:

@@ -128,11 +128,16 @@ class EngineConfig:
     speculative: str | None = "prompt-lookup"
     num_draft: int = 4
     # The shared KV tier (engine.remote_tier): a redis://, rediss:// or unix:// URL of a Redis or Valkey store,
-    # None: off. Each call waits at most remote_timeout_s; after a failure the store is left alone for
-    # remote_retry_s.
+    # None: off. A read may take as long as the prefill it saves (the engine's measured prefill rate times the
+    # tokens it restores), at least remote_timeout_s and at most remote_max_wait_s; a store silent for
+    # remote_timeout_s while an answer is awaited is failing, and after a failure it is left alone for
+    # remote_retry_s. Values longer than remote_max_value_bytes are refused unread (None: the most one chunk's KV
+    # and its header can take, from the model).
     remote_cache: str | None = None
-    remote_timeout_s: float = 0.05
+    remote_timeout_s: float = 0.25
+    remote_max_wait_s: float = 10.0
     remote_retry_s: float = 5.0
+    remote_max_value_bytes: int | None = None
     # Computed prompt runs are forwarded in pieces ending at multiples of this many tokens (engine.prefill), so a
     # request joining a batch stalls the others' decode steps for one piece at a time (engine.batching); the
     # same pieces alone or batched. None: each run in one pass.
@@ -166,10 +171,16 @@ class EngineConfig:
                                               self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES):
             shown = self.remote_cache.rsplit("@", 1)[-1] if isinstance(self.remote_cache, str) else self.remote_cache
             raise ValueError(f"remote_cache must be a redis://, rediss:// or unix:// URL or None, got {shown!r}")
-        for name in ("remote_timeout_s", "remote_retry_s"):
+        for name in ("remote_timeout_s", "remote_max_wait_s", "remote_retry_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.remote_max_wait_s < self.remote_timeout_s:
+            raise ValueError(f"remote_max_wait_s ({self.remote_max_wait_s!r}) must be at least remote_timeout_s "
+                             f"({self.remote_timeout_s!r})")
+        value = self.remote_max_value_bytes
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"remote_max_value_bytes must be a positive integer or None, got {value!r}")
         piece = self.prefill_piece_tokens
         if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece < 1):
             raise ValueError(f"prefill_piece_tokens must be a positive integer or None, got {piece!r}")

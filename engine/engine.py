@@ -71,7 +71,7 @@ class KVBoost:
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")
-        self.store, self.disk_error = build_store(config, self.device, self._root, name, model.dtype)
+        self.store, self.disk_error = build_store(config, self.device, self._root, name, model)
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
         self.max_context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
@@ -114,14 +114,16 @@ class KVBoost:
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
-                        remote_timeout_s: float = 0.05, remote_retry_s: float = 5.0,
-                        draft_model: str | None = None) -> "KVBoost":
+                        remote_timeout_s: float = 0.25, remote_max_wait_s: float = 10.0, remote_retry_s: float = 5.0,
+                        remote_max_value_bytes: int | None = None, draft_model: str | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
         `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
         machine, 0 turns host or disk off. `remote_cache` "redis://[user:password@]HOST:PORT/DB" (or rediss://,
-        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); each call to it
-        waits at most `remote_timeout_s`, and after a failure it is left alone for `remote_retry_s`. `kv_quant`:
+        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); a read of it may take
+        what the prefill it saves would, at least `remote_timeout_s` and at most `remote_max_wait_s`; a store silent
+        for `remote_timeout_s` is failing and left alone for `remote_retry_s`; values longer than
+        `remote_max_value_bytes` (None: one chunk's KV and header) are refused unread. `kv_quant`:
         "none" | "int8" | "int4" for host and disk, or a dict per tier. `eviction`: "lru" | "importance-lru".
         `live_kv_bytes`: device bytes for the KV of the request being generated, beyond which cold pages of
         `live_page_tokens` spill to host RAM (attention stays exact). `awq_streaming`: layer streaming
@@ -159,7 +161,8 @@ class KVBoost:
                               live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens,
                               speculative=speculative, num_draft=num_draft,
                               prefill_piece_tokens=prefill_piece_tokens, remote_cache=remote_cache,
-                              remote_timeout_s=remote_timeout_s, remote_retry_s=remote_retry_s)
+                              remote_timeout_s=remote_timeout_s, remote_max_wait_s=remote_max_wait_s,
+                              remote_retry_s=remote_retry_s, remote_max_value_bytes=remote_max_value_bytes)
         config.validate()
         src = loader.resolve_source(source)
         _check_cancel(cancel)
@@ -218,7 +221,7 @@ class KVBoost:
         inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
                      "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens",
                      "speculative", "num_draft", "prefill_piece_tokens", "remote_cache", "remote_timeout_s",
-                     "remote_retry_s")
+                     "remote_max_wait_s", "remote_retry_s", "remote_max_value_bytes")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)

@@ -89,6 +89,20 @@ def encode_file(stored: StoredKV, namespace: str, key: bytes, entry: dict | None
     return prefix + b"\0" * (-len(prefix) % ALIGN) + data
 
 
+# Bound on a header's JSON (engine.remote_tier refuses longer values unread): the fixed fields with the
+# namespace, key and parent, each tensor's and part's description, each token id (at most 10 digits and a comma).
+HEADER_BYTES = 2048
+TENSOR_HEADER_BYTES = 256
+TOKEN_HEADER_BYTES = 12
+
+
+def max_file_bytes(data_bytes: int, num_tensors: int, num_tokens: int) -> int:
+    """The most bytes a payload file of `num_tensors` tensors holding `data_bytes` of data for `num_tokens`
+    tokens can take: the prefix, the header, each tensor's alignment, the data."""
+    return _PREFIX + ALIGN + HEADER_BYTES + num_tensors * (TENSOR_HEADER_BYTES + ALIGN) + \
+        num_tokens * TOKEN_HEADER_BYTES + data_bytes
+
+
 class PayloadError(Exception):
     """A payload file that cannot be trusted (missing, truncated, corrupt, someone else's, not a file)."""
 

@@ -1,24 +1,33 @@
-"""The shared KV tier on Redis or Valkey (through redis-py), below the disk tier: chunk KV one machine computed
-answers prompts on every machine pointed at the same store.
+"""The shared KV tier on Redis or Valkey, below the disk tier: chunk KV one machine computed answers prompts on
+every machine pointed at the same store. engine.resp speaks to the store (RESP2 only, every reply bounded).
 
 Keys:   kvboost:<namespace>:<chained chunk key, hex>. The namespace (remote_namespace) hashes everything that
         changes the bytes of a chunk's KV: the model fingerprint and the chunking (both in the engine's root key),
         the payload format version, this tier's kv_quant, the device type, dtype and the torch / transformers
         versions. Entries of another model or setting have other keys, so they are never even read.
 Values: the disk tier's payload format (engine.payload_file): a header saying what the KV is of (namespace, key,
-        parent, position, token ids) and the data, under one checksum. A value that fails any check (format,
-        size, namespace, key, the prompt's own tokens, checksum, tensor shapes) is a MISS, counted and deleted.
+        parent, position, token ids) and the data, under one checksum. A value is used only when every check
+        passes: format, size, namespace, key, the prompt's own tokens, checksum, and every tensor against the
+        running model (engine.tiers.KVLayout: layers, KV heads, head dim, dtype, quantized parts as this tier's
+        kv_quant writes them). Anything else where a value belongs (a value failing a check, one longer than
+        `max_value_bytes`, an integer, array or other reply, a WRONGTYPE error) is a MISS, counted `bad` and
+        deleted from the store; it never reaches a memory tier, and never fails the request.
 
 Only exact chunks with the computed values are shared: tails belong to one conversation, APPROXIMATE and lossy
-entries never leave the machine (a lossy value would be served as exact elsewhere).
+entries never leave the machine (a lossy value would be served as exact elsewhere). What was read from the store
+is not written back to it.
 
-The store being slow, gone or hung is never the user's problem:
-- every call has connect and read timeouts of `timeout_s` (tens of ms) and no retries (redis-py's default retries
-  with back-off would hold a request for seconds);
-- a circuit breaker: the first failure opens it; for `retry_s` nothing is sent (reads are misses, writes are
-  skipped), logged once per outage; then one call is let through as a trial, and its success closes it;
-- writes go through a bounded queue to one background thread; when the queue is full a write is dropped and
-  counted, the request never waits for the store.
+The store being slow, gone, hung or hostile is never the user's problem:
+- a read may take as long as the prefill it saves: the tokens it would restore at this engine's measured prefill
+  rate (observe_prefill; DEFAULT_PREFILL_TOKENS_PER_S before one was measured), at least `timeout_s` and at most
+  `max_wait_s`, for the whole call (connect and handshake included). What arrived by then is used; the rest is
+  `unread` and computed. Such a slow read is not a failure;
+- a store that refuses or drops connections, is silent for `timeout_s` while an answer is awaited, or does not
+  answer in RESP2 is failing: a circuit breaker opens on the first failure; for `retry_s` nothing is sent (reads
+  are misses, writes are skipped), logged once per outage; then one call is let through as a trial, and its
+  success closes it. A bad value and a write the store refuses (full, read-only) do not open it;
+- writes go through a bounded queue to one background thread, each within `max_wait_s`; when the queue is full
+  a write is dropped and counted, the request never waits for the store.
 """
 
 from __future__ import annotations
@@ -34,30 +43,31 @@ from collections import deque
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
-from .payload_file import FORMAT_VERSION, PayloadError, decode_bytes, encode_file
-from .tiers import QUANT_MODES, StoredKV
+from .payload_file import FORMAT_VERSION, decode_bytes, encode_file
+from .resp import SCHEMES, DeadlinePassed, Pool, Reply, StoreError, exchange, parse_url, start
+from .tiers import QUANT_MODES, KVLayout, StoredKV
 
 log = logging.getLogger(__name__)
 
-SCHEMES = ("redis", "rediss", "unix")
 KEY_PREFIX = "kvboost"
 NAMESPACES_KEY = f"{KEY_PREFIX}:namespaces"  # hash: namespace -> what it stands for (kvboost cache stats)
-DEFAULT_TIMEOUT_S = 0.05
+DEFAULT_TIMEOUT_S = 0.25
+DEFAULT_MAX_WAIT_S = 10.0
 DEFAULT_RETRY_S = 5.0
+# What a read of a prompt's chunks may take before this engine measured its own prefill: the rate of a small model
+# on a busy CPU, so that a first request waits for the store rather than recomputing under load.
+DEFAULT_PREFILL_TOKENS_PER_S = 500.0
+RATE_WEIGHT = 0.3  # of each new prefill in the running rate
+DEFAULT_MAX_VALUE_BYTES = 256 << 20  # without a model to size it from (engine.tiered_store sizes it per model)
 QUEUE_ITEMS = 256
 QUEUE_BYTES = 256 << 20
-# Failures of the store or the link (refused, reset, timed out, auth, a reply redis-py cannot parse): each one
-# opens the breaker. A full store refusing a write (OutOfMemoryError) is not one: it still serves reads.
-FAILURES = (redis.RedisError, OSError)
 
 
 def check_url(url) -> str:
-    """`url` if it names a Redis/Valkey store redis-py can open; ValueError saying why otherwise."""
+    """`url` if it is a redis://, rediss:// or unix:// URL; ValueError saying why otherwise (engine.resp.parse_url
+    reads the rest)."""
     if not isinstance(url, str) or urlsplit(url).scheme not in SCHEMES:
         raise ValueError(f"remote_cache must be a redis://, rediss:// or unix:// URL or None, got {shown_url(url)!r}")
     return url
@@ -104,14 +114,15 @@ class RemoteCounters:
     lookups: int = 0  # keys asked for
     hits: int = 0
     misses: int = 0  # keys absent (never written, or evicted by the store)
-    bad: int = 0  # values that failed a check: served as MISS and deleted
+    bad: int = 0  # values that failed a check, or replies that are no value: served as MISS and deleted
+    unread: int = 0  # keys not read: the read's time was up, or a reply before them could not be read to its end
     read_bytes: int = 0
     read_ms: float = 0.0
     writes: int = 0
     written_bytes: int = 0
-    dropped: int = 0  # writes dropped because the queue was full (the store too slow)
+    dropped: int = 0  # writes dropped because the queue was full, or not done within max_wait_s (a slow store)
     skipped: int = 0  # reads and writes not tried while the breaker was open
-    refused: int = 0  # writes the store refused because it is full (maxmemory under noeviction)
+    refused: int = 0  # writes the store answered with an error (full under noeviction, read-only, no permission)
     errors: int = 0  # failed calls (each one opened or kept open the breaker)
 
 
@@ -163,29 +174,33 @@ class Breaker:
 
 
 class RemoteTier:
-    """Chunk payloads in a Redis/Valkey store shared by machines, within `namespace`."""
+    """Chunk payloads in a Redis/Valkey store shared by machines, within `namespace`. `layout`: the running model's
+    KV (None: each value is checked against what its own first part says)."""
 
     name = "remote"
 
-    def __init__(self, url: str, namespace: str, quant: str = "none", *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retry_s: float = DEFAULT_RETRY_S, queue_items: int = QUEUE_ITEMS, queue_bytes: int = QUEUE_BYTES,
-                 describe: dict | None = None):
+    def __init__(self, url: str, namespace: str, quant: str = "none", *, layout: KVLayout | None = None,
+                 max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 max_wait_s: float = DEFAULT_MAX_WAIT_S, retry_s: float = DEFAULT_RETRY_S,
+                 queue_items: int = QUEUE_ITEMS, queue_bytes: int = QUEUE_BYTES, describe: dict | None = None):
         if quant not in QUANT_MODES:
             raise ValueError(f"kv_quant for the remote tier must be one of {QUANT_MODES}, got {quant!r}")
         self.url = shown_url(check_url(url))
+        try:
+            # Passwords, ACL users (redis://user:pass@host), TLS (rediss://) and the database come with the URL.
+            self._pool = Pool(parse_url(url), timeout_s)
+        except ValueError as exc:
+            raise ValueError(f"remote_cache {self.url}: {exc}") from None
         self.namespace = namespace
         self.quant = quant
+        self.layout = layout
+        self.max_value_bytes = max_value_bytes
+        self.timeout_s = timeout_s
+        self.max_wait_s = max(max_wait_s, timeout_s)
+        self.prefill_tokens_per_s: float | None = None
         self.counters = RemoteCounters()
         self.breaker = Breaker(retry_s, self.url)
         self._describe = describe
-        try:
-            # Passwords, ACL users (redis://user:pass@host) and TLS (rediss://) come with the URL; its query
-            # string may override the timeouts, never the retries.
-            self.client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                               retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                                               health_check_interval=0)
-        except ValueError as exc:
-            raise ValueError(f"remote_cache {self.url}: {exc}") from None
         self._queue: deque = deque()
         self._queued_bytes = 0
         self._queue_items = queue_items
@@ -199,60 +214,91 @@ class RemoteTier:
     def key(self, chunk_key: bytes) -> str:
         return f"{KEY_PREFIX}:{self.namespace}:{chunk_key.hex()}"
 
+    # -- timing ----------------------------------------------------------------------------------------------
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """This engine computed `num_tokens` prompt tokens in `seconds` (engine.reuse measures each prefill)."""
+        if num_tokens <= 0 or not seconds > 0:
+            return
+        rate = num_tokens / seconds
+        old = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = rate if old is None else (1 - RATE_WEIGHT) * old + RATE_WEIGHT * rate
+
+    def read_budget(self, num_tokens: int) -> float:
+        """Seconds a read restoring `num_tokens` tokens may take: what computing them would, within
+        [timeout_s, max_wait_s]."""
+        saved = num_tokens / (self.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
+        return min(self.max_wait_s, max(self.timeout_s, saved))
+
     # -- reading (the request's thread) -------------------------------------------------------------------
     def get_many(self, entries: list[RemoteEntry]) -> dict[bytes, StoredKV]:
-        """The payloads of `entries` the store holds and that pass every check, by key (one round trip)."""
+        """The payloads of `entries` the store holds and that pass every check, by key (one round trip, within
+        read_budget). Never raises: whatever goes wrong is counted, and what was not read is not there."""
         if not entries:
             return {}
         if not self.breaker.allow():
             self.counters.skipped += 1
             return {}
         t0 = time.perf_counter()
+        deadline = time.monotonic() + self.read_budget(sum(len(e.tokens) for e in entries))
+        self.counters.lookups += len(entries)
+        found: dict[bytes, StoredKV] = {}
+        read, conn = 0, None
         try:
             # One round trip, one GET per chunk: the store starts sending the first value at once instead of
             # building one reply of every value first (tens of MB for a long prompt).
-            pipe = self.client.pipeline(transaction=False)
+            conn = start(self._pool, [("GET", self.key(e.key)) for e in entries], deadline)
             for entry in entries:
-                pipe.get(self.key(entry.key))
-            values = pipe.execute()
-        except FAILURES as exc:
+                reply = conn.read_reply(deadline, self.max_value_bytes)
+                read += 1
+                self._take(entry, reply, found)
+                if not conn.in_step:
+                    break
+            self._pool.give(conn)
+        except DeadlinePassed:  # slow, not failing: what was read is used, the rest is unread
+            if conn is not None:
+                conn.close()
+        except Exception as exc:  # StoreError, or anything else out of the client: counted, never raised
+            if conn is not None:
+                conn.close()
             self._failed(exc)
-            return {}
+            self.counters.read_ms += (time.perf_counter() - t0) * 1000
+            return found
+        self.counters.unread += len(entries) - read
         self.breaker.succeeded()
-        self.counters.lookups += len(entries)
-        found: dict[bytes, StoredKV] = {}
-        for entry, value in zip(entries, values):
-            if value is None:
-                self.counters.misses += 1
-                continue
-            stored = self._checked(entry, value)
-            if stored is None:
-                self.counters.bad += 1
-                self._enqueue(("delete", entry.key, None, None), 0)
-                continue
-            self.counters.hits += 1
-            self.counters.read_bytes += len(value)
-            found[entry.key] = stored
         self.counters.read_ms += (time.perf_counter() - t0) * 1000
         return found
 
-    def _checked(self, entry: RemoteEntry, value: bytes) -> StoredKV | None:
-        """The value as a payload when it is exactly the KV of `entry` in this namespace, else None."""
+    def _take(self, entry: RemoteEntry, reply: Reply, found: dict) -> None:
+        """Counts one GET's reply and keeps its payload in `found` when it is a value this engine can use."""
+        if reply.kind == "nil":
+            self.counters.misses += 1
+            return
+        if reply.kind == "error" and not bytes(reply.value).startswith(b"WRONGTYPE"):
+            raise StoreError(f"GET answered {reply.shown()}")
+        if reply.kind == "bulk":
+            stored, why = self._checked(entry, reply.value)
+            if stored is not None:
+                self.counters.hits += 1
+                self.counters.read_bytes += len(reply.value)
+                found[entry.key] = stored
+                return
+        else:  # WRONGTYPE, an integer, an array, a bulk string longer than any value: not a value of this tier
+            why = f"{reply.shown()} where a value belongs"
+        log.warning("shared KV entry %s is a miss: %s", entry.key.hex()[:12], why)
+        self.counters.bad += 1
+        self._enqueue(("delete", entry.key, None, None), 0)
+
+    def _checked(self, entry: RemoteEntry, value: bytearray) -> tuple[StoredKV | None, str | None]:
+        """(the value as a payload, None) when it is exactly the KV of `entry` for this model in this namespace,
+        else (None, why)."""
         try:
-            stored = decode_bytes(torch.frombuffer(bytearray(value), dtype=torch.uint8), self.namespace, entry.key,
+            stored = decode_bytes(torch.frombuffer(value, dtype=torch.uint8), self.namespace, entry.key,
                                   expect=entry.fields())
-        except (PayloadError, ValueError, RuntimeError) as exc:
-            log.warning("shared KV entry %s is a miss: %s", entry.key.hex()[:12], exc)
-            return None
-        num_tokens = len(entry.tokens)
-        if stored.quant != self.quant or stored.num_tokens != num_tokens:
-            return None
-        # Every layer's k and v: [1, H_kv, T, D] with T the chunk's tokens (the header is under the checksum, this
-        # is the last check that it describes a chunk this engine can use).
-        shapes = {tuple(part.shape) for layer in stored.layers for part in layer}
-        if any(len(s) != 4 or s[0] != 1 or s[2] != num_tokens for s in shapes):
-            return None
-        return stored
+            layout = self.layout or KVLayout.of_stored(stored)
+            why = "no layout" if layout is None else layout.mismatch(stored, self.quant, len(entry.tokens))
+        except Exception as exc:  # PayloadError says what; anything else is a value no check foresaw
+            return None, f"{type(exc).__name__}: {exc}"
+        return (None, why) if why is not None else (stored, None)
 
     # -- writing (a background thread) --------------------------------------------------------------------
     def put(self, record, stored: StoredKV) -> bool:
@@ -301,27 +347,37 @@ class RemoteTier:
         if not self.breaker.allow():
             self.counters.skipped += 1
             return
+        commands, blob, describe = [("DEL", self.key(key))], b"", self._describe
         try:
-            if op == "delete":
-                self.client.delete(self.key(key))
-            else:
+            if op == "set":
                 blob = encode_file(stored, self.namespace, key, entry.fields())
-                if self._describe is not None:
-                    self.client.hsetnx(NAMESPACES_KEY, self.namespace, json.dumps(self._describe, sort_keys=True))
-                    self._describe = None
-                self.client.set(self.key(key), blob)
-                self.counters.writes += 1
-                self.counters.written_bytes += len(blob)
-        except redis.OutOfMemoryError as exc:
-            # Full under a policy that refuses writes (noeviction): the store answers, and what it holds is still
-            # worth reading, so this is no outage for the breaker. Logged once, counted each time.
-            if not self.counters.refused:
-                log.warning("shared KV tier %s is full and refuses writes (%s); set maxmemory-policy allkeys-lru",
-                            self.url, exc)
-            self.counters.refused += 1
-        except FAILURES as exc:
+                commands = [("SET", self.key(key), blob)]
+                if describe is not None:
+                    commands.insert(0, ("HSETNX", NAMESPACES_KEY, self.namespace, json.dumps(describe,
+                                                                                          sort_keys=True)))
+            replies = exchange(self._pool, commands, time.monotonic() + self.max_wait_s)
+            refusals = [r for r in replies if r.kind == "error"]
+            if op == "set" and not refusals and (replies[-1].kind, bytes(replies[-1].value or b"")) != \
+                    ("simple", b"OK"):
+                raise StoreError(f"SET answered {replies[-1].shown()}, not +OK")
+        except DeadlinePassed:  # a slow store: this write may or may not have happened
+            self.counters.dropped += 1
+            return
+        except Exception as exc:
             self._failed(exc)
             return
+        if refusals:
+            # Full under a policy that refuses writes (noeviction), a read-only replica, an ACL: the store answers,
+            # and what it holds is still worth reading, so this is no outage for the breaker. Logged once.
+            if not self.counters.refused:
+                hint = "; set maxmemory-policy allkeys-lru" if bytes(refusals[0].value).startswith(b"OOM") else ""
+                log.warning("shared KV tier %s refuses writes (%s)%s", self.url, refusals[0].shown(), hint)
+            self.counters.refused += 1
+        elif op == "set":
+            self.counters.writes += 1
+            self.counters.written_bytes += len(blob)
+        if describe is not None and not refusals:
+            self._describe = None
         self.breaker.succeeded()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
@@ -345,18 +401,20 @@ class RemoteTier:
             self._cond.notify_all()
         if self._writer is not None:
             self._writer.join(timeout_s)
-        self.client.close()
+        self._pool.clear()
         _LIVE.discard(self)
 
     def _failed(self, exc: BaseException) -> None:
         self.counters.errors += 1
+        self._pool.clear()  # the store failed: connections kept from before are suspect too
         self.breaker.failed(exc)
 
     # -- reporting (counters only: a UI thread calls this every second) -----------------------------------
     def stats(self) -> dict:
         return {"url": self.url, "namespace": self.namespace, "kv_quant": self.quant, "state": self.breaker.state,
                 "breaker_trips": self.breaker.trips, "last_error": self.breaker.last_error,
-                "queued": len(self._queue), **vars(self.counters)}
+                "queued": len(self._queue), "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "max_value_bytes": self.max_value_bytes, **vars(self.counters)}
 
 
 _LIVE: "weakref.WeakSet[RemoteTier]" = weakref.WeakSet()

@@ -6,11 +6,16 @@ which the caller runs however the request ends. Stored KV is copied out of the l
 spilled pages included): a view would pin the whole cache tensor in memory and defeat the store's byte budget.
 
 With a remote tier (engine.remote_tier), the prompt's complete chunks that no local tier holds are asked of it
-before planning (one pipelined round trip); what it holds comes into the memory tiers, is reported as served from "remote"
-and gets its disk copy with the request's new chunks, after the first token.
+before planning (one pipelined round trip); what it holds comes into the memory tiers, is reported as served from
+"remote" and gets its disk copy with the request's new chunks, after the first token (never a copy back to the
+store it came from). How long that read may take follows what it saves: each request's prefill is timed, from the
+end of its fetch to the storing of its chunks after the first token, and its rate (computed tokens per second)
+given to the remote tier (RemoteTier.observe_prefill).
 """
 
 from __future__ import annotations
+
+import time
 
 from .approx import apply_selective, fill_approximate, merge_misses
 from .chunking import TokenBreaks, chunk_spans
@@ -37,6 +42,7 @@ class KVReuse:
         self.breaks = breaks
         self.rope = rope  # RoPE parameters for re-rotation (reuse="approx"), else None
         self.repair = repair
+        self._fetched_at: dict[int, tuple[float, int]] = {}  # id(plan) -> (when its fetch ended, tokens to compute)
 
     def plan(self, ids: list[int], mode: str) -> Plan:
         """Which token ranges of `ids` are reused from which entry (mode "off" | "prefix" | "chunk" | "approx")."""
@@ -105,6 +111,9 @@ class KVReuse:
             store.touch(record, seg.kind, tier)
             reused_by_tier[tier] = reused_by_tier.get(tier, 0) + seg.num_tokens
         store.touch_disk(records)
+        computed = len(ids) - plan.reused_tokens
+        if store.remote is not None and computed >= self.chunking.size:  # shorter ones time overheads, not prefill
+            self._fetched_at[id(plan)] = (time.perf_counter(), computed)
         return plan, reused_by_tier
 
     def restore_remote(self, ids: list[int]) -> set[bytes]:
@@ -131,6 +140,7 @@ class KVReuse:
 
     def release(self, plan: Plan) -> None:
         """Undoes the acquisitions of `plan_and_fetch` (one per reuse segment)."""
+        self._fetched_at.pop(id(plan), None)
         for _, record in _reused(plan):
             self.store.release(record)
 
@@ -142,6 +152,9 @@ class KVReuse:
         served wholly from another entry would just duplicate it). A chunk ending after the first QUANTIZED
         token is stored as lossy (its hits are QUANTIZED). Returns the number stored."""
         store = self.store
+        fetched = self._fetched_at.pop(id(plan), None)
+        if fetched is not None:  # the prefill (and the first token) ran since the fetch
+            store.remote.observe_prefill(fetched[1], time.perf_counter() - fetched[0])
         stored = 0
         first_approx = plan.first_approximate
         first_lossy = plan.first_lossy

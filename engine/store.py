@@ -15,7 +15,8 @@ across restarts). A tier over its budget demotes its policy's first victims one 
 disk -> gone); a hit promotes the entry back to the device (engine.reuse fetches before computing). With a
 disk tier every new entry is also written through to disk, so what was computed survives a restart. Entries
 in use (ref_count > 0) never move or leave. Below disk, a remote tier (engine.remote_tier) shared by machines
-gets a copy of every exact chunk with its computed values; engine.reuse reads it back into these tiers.
+gets a copy of every exact chunk with its computed values; engine.reuse reads it back into these tiers. What
+comes back from disk or the remote tier is used only when it is the model's KV (engine.tiers.KVLayout).
 
 Over 400 lines on purpose: records, their indexes (chained key, content key, anchors, children) and their
 moves between tiers change together under one rule (an entry in use never moves); split, every move would
@@ -31,7 +32,7 @@ from typing import Sequence
 import torch
 
 from .eviction import LRU, EvictionPolicy, rank
-from .tiers import KV, MemoryTier, decode_kv, encode_kv
+from .tiers import KV, KVLayout, MemoryTier, decode_kv, encode_kv
 
 # Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
 # contains a whole anchor of it.
@@ -90,9 +91,12 @@ def kv_importance(kv: KV) -> float:
     return float(torch.stack(norms).mean()) if norms else 0.0
 
 
-def _checked(stored, record: ChunkRecord, device: torch.device) -> KV | None:
-    """A disk payload as KV on the device, or None when it does not have the entry's shape (defence in depth:
-    the file's checksum already covers its header)."""
+def _checked(stored, record: ChunkRecord, device: torch.device, layout: KVLayout | None, quant: str) -> KV | None:
+    """A disk payload as KV on the device, or None when it is not this model's KV of the entry's tokens (the
+    file's checksum covers its header, not who wrote it). The remote tier checks its values the same way."""
+    layout = layout or KVLayout.of_stored(stored)
+    if layout is None or layout.mismatch(stored, quant, record.num_tokens) is not None:
+        return None
     try:
         kv = decode_kv(stored, device)
     except (RuntimeError, ValueError, AssertionError, IndexError):
@@ -105,10 +109,12 @@ def _checked(stored, record: ChunkRecord, device: torch.device) -> KV | None:
 class ChunkStore:
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, *,
                  device: torch.device | str = "cpu", device_quant: str = "none", host: MemoryTier | None = None,
-                 disk=None, remote=None):
+                 disk=None, remote=None, layout: KVLayout | None = None):
         """`budget_bytes`: the device tier's budget. Optional lower tiers: `host` (MemoryTier), `disk`
-        (engine.disk.DiskTier), `remote` (engine.remote_tier.RemoteTier: shared by machines, read by engine.reuse)."""
+        (engine.disk.DiskTier), `remote` (engine.remote_tier.RemoteTier: shared by machines, read by engine.reuse).
+        `layout`: the model's KV, which payloads read back must have (corrected by the first KV stored)."""
         self.device = torch.device(device)
+        self.layout = layout
         self.policy = policy or LRU()
         self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant)
         self.host_tier = host
@@ -209,7 +215,7 @@ class ChunkStore:
             loaded = None
         else:
             loaded = self.disk.load(record.key, record)
-            kv = _checked(loaded, record, self.device) if loaded is not None else None
+            kv = _checked(loaded, record, self.device, self.layout, self.disk.quant) if loaded is not None else None
             if kv is None:  # missing, corrupt or not this entry's: the caller drops the record
                 if loaded is not None:
                     self.disk.remove([record.key])
@@ -297,6 +303,11 @@ class ChunkStore:
         return True
 
     def _insert(self, record: ChunkRecord, kv: KV, share: bool = False, disk: bool = True) -> bool:
+        seen = KVLayout.of_kv(kv)
+        if seen != self.layout:  # the config described the model's KV wrongly: what it computes is the truth
+            self.layout = seen
+            if self.remote is not None:
+                self.remote.layout = seen
         record.importance = kv_importance(kv)
         record.last_access = next(self._clock)
         computed_lossy = record.lossy
@@ -479,22 +490,11 @@ class ChunkStore:
                              **{k: v for k, v in vars(self.disk.counters).items()}}
         if self.remote is not None:
             tiers["remote"] = self.remote.stats()
-        return {
-            "entries": len(self.records),
-            "chunks": num_chunks,
-            "tails": len(self.records) - num_chunks,
-            "bytes": self.num_bytes,
-            "budget_bytes": self.budget_bytes,
-            "tokens": sum(r.num_tokens for r in self.records.values()),
-            "hits": dict(self.counters.hits),
-            "tier_hits": dict(self.counters.tier_hits),
-            "misses": self.counters.misses,
-            "stored": self.counters.stored,
-            "evicted": self.counters.evicted,
-            "demoted": self.counters.demoted,
-            "promoted": self.counters.promoted,
-            "disk_misses": self.counters.disk_misses,
-            "rejected": self.counters.rejected,
-            "policy": self.policy.name,
-            "tiers": tiers,
-        }
+        counters = self.counters
+        return {"entries": len(self.records), "chunks": num_chunks, "tails": len(self.records) - num_chunks,
+                "bytes": self.num_bytes, "budget_bytes": self.budget_bytes,
+                "tokens": sum(r.num_tokens for r in self.records.values()), "hits": dict(counters.hits),
+                "tier_hits": dict(counters.tier_hits), "misses": counters.misses, "stored": counters.stored,
+                "evicted": counters.evicted, "demoted": counters.demoted, "promoted": counters.promoted,
+                "disk_misses": counters.disk_misses, "rejected": counters.rejected, "policy": self.policy.name,
+                "tiers": tiers}

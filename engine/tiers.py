@@ -7,6 +7,11 @@ float16 (that is what makes int8 about 1.9x and int4 about 3.6x smaller than flo
 
 The disk tier (engine.disk) writes the same StoredKV to files. Which entry lives in which tier, and when it
 moves, is the store's business (engine.store); a tier only holds, measures and hands back payloads.
+
+A payload read back from a file or from the shared store is checked against the running model's KVLayout before
+use (KVLayout.mismatch): layer count, KV heads, head dim, dtype, and for a quantized tier every part's bits,
+grouping, codes and stats shapes, exactly as encode_kv makes them. A checksum proves that bytes were not changed
+on the way, not that whoever wrote them ran this model.
 """
 
 from __future__ import annotations
@@ -41,6 +46,104 @@ class StoredKV:
             for part in (k, v):
                 total += part.nbytes if isinstance(part, QuantizedTensor) else part.numel() * part.element_size()
         return total
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV of one model: per layer k and v, each [1, num_kv_heads, T, head_dim] in `dtype`."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of_model(cls, model) -> "KVLayout":
+        """From the model's config (what its attention layers allocate), before any KV was computed."""
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = config.num_attention_heads
+        return cls(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, model.dtype)
+
+    @classmethod
+    def of_stored(cls, stored: StoredKV) -> "KVLayout | None":
+        """The layout a payload's first part claims (to check its other parts against, where no model says)."""
+        part = stored.layers[0][0] if stored.layers else None
+        shape = tuple(getattr(part, "shape", ()))
+        if len(shape) != 4 or not isinstance(getattr(part, "dtype", None), torch.dtype):
+            return None
+        return cls(len(stored.layers), shape[1], shape[3], part.dtype)
+
+    @classmethod
+    def of_kv(cls, kv: KV) -> "KVLayout | None":
+        """The layout `kv` has, or None when its layers differ from each other (no one layout describes it)."""
+        k = kv[0][0]
+        layout = cls(len(kv), k.shape[1], k.shape[3], k.dtype)
+        shape = (1, layout.num_kv_heads, k.shape[2], layout.head_dim)
+        same = all(tuple(t.shape) == shape and t.dtype == k.dtype for layer in kv for t in layer)
+        return layout if same and k.dim() == 4 else None
+
+    def payload_bytes(self, quant: str, num_tokens: int) -> int:
+        """The most bytes a payload of `num_tokens` tokens takes in `quant` (float32 stats, the larger kind)."""
+        heads, dim = self.num_kv_heads, self.head_dim
+        if quant == "none":
+            return self.num_layers * 2 * heads * num_tokens * dim * self.dtype.itemsize
+        total = 0
+        for x, length, group in ((dim, num_tokens, KEY_GROUP), (num_tokens, dim, dim)):
+            groups = -(-length // group)
+            codes = heads * x * groups * group
+            total += (codes + 1) // 2 if quant == "int4" else codes
+            total += 2 * heads * x * groups * 4  # scale and zero
+        return self.num_layers * total
+
+    def mismatch(self, stored: StoredKV, quant: str, num_tokens: int) -> str | None:
+        """Why `stored` is not KV of this layout for `num_tokens` tokens as a `quant` tier holds it; None if it is."""
+        if stored.quant != quant:
+            return f"kv_quant {stored.quant!r}, this tier holds {quant!r}"
+        if stored.num_tokens != num_tokens:
+            return f"{stored.num_tokens} tokens, the entry has {num_tokens}"
+        if len(stored.layers) != self.num_layers:
+            return f"{len(stored.layers)} layers, the model has {self.num_layers}"
+        shape = (1, self.num_kv_heads, num_tokens, self.head_dim)
+        for i, (k, v) in enumerate(stored.layers):
+            for name, part, axis, group in (("k", k, "channel", KEY_GROUP), ("v", v, "token", self.head_dim)):
+                why = self._part_mismatch(part, shape, quant, axis, group)
+                if why is not None:
+                    return f"layer {i} {name}: {why}"
+        return None
+
+    def _part_mismatch(self, part, shape: tuple, quant: str, axis: str, group: int) -> str | None:
+        if quant == "none":
+            if not isinstance(part, torch.Tensor):
+                return f"a {type(part).__name__} in a lossless payload"
+            if tuple(part.shape) != shape or part.dtype != self.dtype:
+                return f"{tuple(part.shape)} {part.dtype}, the model's is {shape} {self.dtype}"
+            return None
+        if not isinstance(part, QuantizedTensor):
+            return f"a {type(part).__name__} in a {quant} payload"
+        if (part.bits, part.axis, part.group_size) != (BITS[quant], axis, group):
+            return f"{part.bits} bits per {part.axis} in groups of {part.group_size}, this tier ({quant}) " \
+                   f"writes {BITS[quant]} bits per {axis} in groups of {group}"
+        if tuple(part.shape) != shape or part.dtype != self.dtype:
+            return f"quantized {tuple(part.shape)} {part.dtype}, the model's is {shape} {self.dtype}"
+        # codes in the grouped layout [1, H, X, P] (X the axis not grouped, P the grouped one padded to the group)
+        x, length = (shape[3], shape[2]) if axis == "channel" else (shape[2], shape[3])
+        groups = -(-length // group)
+        codes = shape[1] * x * groups * group
+        codes = (codes + 1) // 2 if part.bits == 4 else codes
+        data = part.data
+        if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or tuple(data.shape) != (codes,):
+            return f"codes {_described(data)}, expected ({codes},) torch.uint8"
+        stats = (1, shape[1], x, groups)
+        for name, t in (("scale", part.scale), ("zero", part.zero)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != stats or t.dtype != part.scale.dtype \
+                    or t.dtype not in (torch.float16, torch.float32):
+                return f"{name} {_described(t)}, expected {stats} float16 or float32 like the scale"
+        return None
+
+
+def _described(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def encode_kv(kv: KV, quant: str, device: torch.device, pin: bool = False) -> StoredKV:
