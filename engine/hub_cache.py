@@ -80,12 +80,12 @@ def make_folder(cache_dir: Path, folder: Path) -> None:
 
 
 def write_failed(exc: OSError, what: str) -> DownloadFailed:
-    """A write error of the disk as this module's: DiskFull for a full disk or quota, else DownloadFailed."""
+    """An error of the disk as this module's: DiskFull for a full disk or quota, else DownloadFailed."""
     where = f" ({exc.filename})" if exc.filename else ""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return DiskFull(f"{what}: the disk is full{where}; what was written is kept, and the same download resumes "
                         "from it once there is room")
-    return DownloadFailed(f"{what}: cannot write{where}: {exc.strerror or exc}")
+    return DownloadFailed(f"{what}: {exc.strerror or exc}{where}; what was written is kept")
 
 
 def repo_from_folder(folder: Path) -> str | None:
@@ -121,7 +121,8 @@ def fetch_blob(url: str, blob: Path, *, size: int, digest: Digest | None, header
                timeout_s: float = 30.0, retry_wait_s: float = 0.5) -> None:
     """Downloads `url` into `blob` through `blob`.incomplete, resuming from that file's size; `on_bytes(n)` is
     called with the bytes held so far (first with what a resume starts from). Raises DownloadCancelled (partial
-    kept), HashMismatch (partial deleted), DownloadFailed for a short or oversized body, httpx2.TransportError when
+    kept), HashMismatch (partial deleted), DiskFull or DownloadFailed for a write error (partial kept), OutsideCache
+    before writing through a link out of the cache, DownloadFailed for an oversized body, httpx2.TransportError when
     the server stays unreachable and huggingface_hub's HfHubHTTPError for an HTTP error."""
     cache_dir = blob.parents[2]  # <cache>/models--org--name/blobs/<etag>
     partial = check_inside(cache_dir, blob.with_name(blob.name + INCOMPLETE))
