@@ -208,10 +208,8 @@ class RequestStream:
                 raise StopIteration
             self._alone = _run_alone(self.engine, self._steps)
             self._steps = None
-        from .generate import Result  # (generate imports this module)
-
         event = next(self._alone)
-        if isinstance(event, Result):  # the last event: the engine is free before the consumer asks again
+        if getattr(event, "ends_request", False):  # the Result: the engine is free before the consumer asks again
             self.close()
         return event
 

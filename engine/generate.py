@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Generator, Sequence
+from typing import ClassVar, Generator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -66,6 +66,7 @@ class Stats:
 
 @dataclass
 class Result:
+    ends_request: ClassVar[bool] = True  # the last event of a request: a RequestStream frees the engine on it
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or stop string) | "length" | "cancelled"
