@@ -1,14 +1,22 @@
-"""GGUF Q4_0 / Q4_1 blocks as int4 layers as they are: no dequantize-then-requantize round trip.
+"""GGUF Q4_0 / Q4_1 / Q4_K blocks as int4 layers as they are: no dequantize-then-requantize round trip.
 
-A block covers 32 consecutive weights of one row (GGML_BLOCK_BYTES below); its 16 bytes of nibbles hold element i
-in the low nibble of byte i for i < 16 and element i in the high nibble of byte i - 16 for i >= 16 (gguf's
-`quants.Q4_1.dequantize_blocks`):
+A Q4_0 / Q4_1 block covers 32 consecutive weights of one row (GGML_BLOCK_BYTES below); its 16 bytes of nibbles
+hold element i in the low nibble of byte i for i < 16 and element i in the high nibble of byte i - 16 for i >= 16
+(gguf's `quants.Q4_1.dequantize_blocks`):
 
     Q4_1: fp16 d, fp16 m, 16 bytes   w = q * d + m       -> canonical zero 0, scale d, offset m
     Q4_0: fp16 d, 16 bytes           w = (q - 8) * d     -> canonical zero 8, scale d, no offset
 
-Both evaluate, in float32, the expression gguf's dequantize evaluates, so the reference path reproduces the float
-weight transformers loads from the same file bit for bit (group size 32).
+A Q4_K superblock covers 256 weights as 8 sub-blocks of 32: fp16 d, fp16 dmin, 12 bytes holding a 6-bit scale sc
+and a 6-bit min m per sub-block, 128 bytes of nibbles (32-byte chunk j: sub-block 2j in the low nibbles, 2j + 1
+in the high ones):
+
+    Q4_K: w = (d * sc) * q - dmin * m                    -> canonical zero 0, scale d * sc, offset -(dmin * m)
+
+All evaluate, in float32, the expression gguf's dequantize evaluates (the products d * sc and dmin * m in float32
+first, as gguf does), so the reference path reproduces gguf's dequantized weight bit for bit (group size 32).
+The int4pack kernels hold each group's scale and offset in bfloat16 (engine.int4), so on those d * sc and the
+kernel offset 8 * d * sc - dmin * m are rounded to bfloat16 once, at load.
 
 Names and transforms are transformers' own (its legacy GGUF loader, `modeling_gguf_pytorch_utils`): the GGUF ->
 HF name map, and the architecture's TensorProcessor, which for llama reverses llama.cpp's row permutation of
@@ -32,8 +40,10 @@ from .int4 import Int4Linear, dequantize_codes, shape_problem
 
 log = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per Q4_0 / Q4_1 block
+BLOCK = 32  # weights per Q4_0 / Q4_1 block, and per Q4_K sub-block
 GGML_BLOCK_BYTES = {"Q4_0": 2 + 16, "Q4_1": 2 + 2 + 16}
+Q4_K_BYTES = 2 + 2 + 12 + 128  # per superblock of 256 weights
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # the GGUF types whose codes an Int4Linear holds as they are
 
 
 @contextlib.contextmanager
@@ -133,8 +143,10 @@ class GGUFBlocks:
 
 
 def decode_blocks(blocks: np.ndarray, kind: str):
-    """uint8 [out, in/32 * block bytes] -> (codes uint8 [out, in], scales float32 [out, in/32], zeros uint8,
-    offsets float32 or None), canonical: w = (q - zero) * scale + offset."""
+    """uint8 [out, in/32 * block bytes] (Q4_K: in/256 * 144) -> (codes uint8 [out, in], scales float32
+    [out, in/32], zeros uint8, offsets float32 or None), canonical: w = (q - zero) * scale + offset."""
+    if kind == "Q4_K":
+        return decode_q4_k(blocks)
     out_features = blocks.shape[0]
     raw = torch.from_numpy(np.array(blocks))  # a copy: the file is mapped read-only
     raw = raw.view(out_features, -1, GGML_BLOCK_BYTES[kind])
@@ -149,9 +161,29 @@ def decode_blocks(blocks: np.ndarray, kind: str):
     return codes, scales, zeros, offsets
 
 
+def decode_q4_k(blocks: np.ndarray):
+    """Q4_K uint8 [out, in/256 * 144] -> canonical (codes [out, in], scales d * sc [out, in/32], zeros 0,
+    offsets -(dmin * m)), each product in float32 as gguf's `quants.Q4_K.dequantize_blocks` forms it."""
+    out_features = blocks.shape[0]
+    raw = torch.from_numpy(np.array(blocks)).view(out_features, -1, Q4_K_BYTES)  # [out, superblocks, 144]
+    d = raw[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)  # [out, S]
+    dmin = raw[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+    packed = raw[..., 4:16].to(torch.int32)  # 12 bytes: sub-blocks 0-3 in bytes 0-7, 4-7 split over all 12
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([low & 63, (extra & 15) | ((low >> 2) & 48)], dim=-1)  # [out, S, 8], 6 bits each
+    m = torch.cat([high & 63, (extra >> 4) | ((high >> 2) & 48)], dim=-1)
+    scales = (d[..., None] * sc.to(torch.float32)).reshape(out_features, -1)  # [out, in/32]
+    offsets = -(dmin[..., None] * m.to(torch.float32)).reshape(out_features, -1)
+    nibbles = raw[..., 16:].reshape(out_features, -1, 4, 32)  # [out, S, chunk j, 32 bytes]
+    codes = torch.stack([nibbles & 0xF, nibbles >> 4], dim=3).reshape(out_features, -1)  # sub-block 2j + h
+    return codes, scales, torch.zeros(scales.shape, dtype=torch.uint8), offsets
+
+
 def row_order(processor, gguf_name: str, out_features: int, in_features: int) -> tuple[np.ndarray | None, str | None]:
     """(the row order transformers' processor gives tensor `gguf_name`, None for identity; why it is not a row
-    permutation, or None). Found by running the processor on probe[r, c] = r * in + c, exact in float64."""
+    permutation, or None). Found by running the processor on probe[r, c] = r * in + c, exact in float64.
+    Callers probing a large tensor may pass a smaller `in_features` (the processors transform whole rows: a
+    reshape of dim 0 or an elementwise change, which a narrow probe shows as well)."""
     probe = np.arange(out_features * in_features, dtype=np.float64).reshape(out_features, in_features)
     try:
         result = processor.process(weights=probe.copy(), name=gguf_name, tensor_key_mapping={},
@@ -180,8 +212,12 @@ def unmappable_architecture(architecture: str) -> str | None:
 
 
 def _processor_config(model) -> dict:
+    return processor_config(model.config)
+
+
+def processor_config(config) -> dict:
     """What the legacy loader's processors read from its parsed config (llama: head counts)."""
-    config = model.config.get_text_config()
+    config = config.get_text_config()
     return {key: getattr(config, key) for key in ("num_attention_heads", "num_key_value_heads", "hidden_size",
                                                   "num_hidden_layers", "model_type") if hasattr(config, key)}
 

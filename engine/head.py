@@ -128,11 +128,11 @@ class Int8Embedding(nn.Module):
 
 
 class Int4Embedding(nn.Module):
-    """An embedding table held as canonical int4 rows (packed nibbles, scales, zeros): a lookup unpacks and
-    dequantizes only the rows it gathers, in float32, then casts to `dtype`."""
+    """An embedding table held as canonical int4 rows (packed nibbles, scales, zeros, and offsets for GGUF Q4_1 /
+    Q4_K rows): a lookup unpacks and dequantizes only the rows it gathers, in float32, then casts to `dtype`."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, embedding_dim: int,
-                 dtype: torch.dtype, origin: str = "rtn"):
+                 dtype: torch.dtype, origin: str = "rtn", offsets: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, padded = codes.shape
         self.embedding_dim = embedding_dim
@@ -142,11 +142,13 @@ class Int4Embedding(nn.Module):
         self.register_buffer("packed", pack_nibbles(codes).contiguous())
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
+        self.register_buffer("offsets", None if offsets is None else offsets.to(torch.float32).contiguous())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)  # [T] -> rows [T, embedding_dim]
+        offsets = None if self.offsets is None else self.offsets[flat]
         rows = dequantize_codes(unpack_nibbles(self.packed[flat]), self.scales[flat], self.zeros[flat],
-                                self.embedding_dim, self.dtype)
+                                self.embedding_dim, self.dtype, offsets)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -160,10 +162,15 @@ def auto_head(model) -> str:
     bytes and ~15% faster decode), else "float" (float models stay as they are; on devices without an int8
     kernel the reference path would dequantize the whole head at every token)."""
     int4 = any(isinstance(m, Int4Linear) for m in model.modules())
-    if not int4 or not isinstance(model.get_output_embeddings(), nn.Linear):
+    if not isinstance(model.get_output_embeddings(), nn.Linear):
         return "float"
-    device = model.get_output_embeddings().weight.device
-    return "int8+embedding" if pick_int8_kernel(device)[1] is None else "float"
+    return auto_head_for(int4, model.get_output_embeddings().weight.device)
+
+
+def auto_head_for(quantized_layers: bool, device: torch.device) -> str:
+    """auto_head's rule before the head exists (a loader building it from a file): "int8+embedding" under
+    quantized decoder layers where the int8 kernel runs on `device`, else "float"."""
+    return "int8+embedding" if quantized_layers and pick_int8_kernel(device)[1] is None else "float"
 
 
 def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str = "auto") -> dict:

@@ -15,9 +15,13 @@ import torch
 from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
+from .gguf_config import gguf_config
+from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import GGUFBlocks, memoized_name_maps
+from .gguf_loader import load_gguf_model, unsupported
+from .gguf_tokenizer import load_gguf_tokenizer
 from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
-from .int4 import Int4Linear, decoder_linears, quantize_model, weights_format
+from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, quantize_model, weights_format
 from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
 
 log = logging.getLogger(__name__)
@@ -209,6 +213,10 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
+    if source.kind == "gguf":
+        loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head)
+        if loaded is not None:
+            return loaded
     folder = local_folder(source)
     config = checked_config(source, folder) if source.kind != "hub" or folder is not None else None
     if folder is not None and is_awq_folder(folder):
@@ -252,6 +260,42 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     return model, tokenizer
 
 
+def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str, group_size: int,
+               kernel: str, head: str):
+    """(model, tokenizer) of a GGUF source through engine.gguf_loader (straight from the file, never the float
+    model), or None for an architecture only transformers' own GGUF loader reads. The header is checked
+    (engine.gguf_file) before transformers reads anything of the file."""
+    path = Path(source.location) / source.gguf_file
+    try:
+        file = read_gguf(path)
+    except GGUFFormatError as exc:
+        raise ModelLoadError(f"{source.describe()} is not a readable GGUF file: {exc}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"could not read {source.describe()}: {type(exc).__name__}: {exc}") from None
+    why = unsupported(file)
+    if why is not None:
+        log.info("GGUF %s: loaded by transformers (%s)", source.describe(), why)
+        return None
+    config = gguf_config(file)
+    if config is None:
+        config = checked_config(source, None)
+    else:
+        try:
+            check_config(config.get_text_config(), file.size)
+        except ConfigError as exc:
+            raise ModelLoadError(f"{source.describe()}: {exc}") from None
+    try:
+        tokenizer = load_gguf_tokenizer(file)
+        model = load_gguf_model(file, config, device, dtype, weights="int4" if weights == "int4" else "float",
+                                group_size=group_size, kernel=kernel, head=head)
+    except GGUFFormatError as exc:
+        raise ModelLoadError(f"could not load {source.describe()}: {exc}") from None
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"could not load model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+    log.info("GGUF tensors: %s", model.gguf_tensors)
+    return model, tokenizer
+
+
 def _load_awq(source: ModelSource, folder: Path, config, device: torch.device, dtype: torch.dtype, weights: str,
               kernel: str, head: str):
     from transformers import AutoTokenizer
@@ -282,20 +326,25 @@ def weights_report(model) -> dict:
     head's matmul path: "dense", "cpu_int8pack", "reference", ...), `resident_bytes` (every
     parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder layers'
     linears as held), `linear_float32_bytes` (the same linears in float32) and `head_bytes` (the head as held,
-    0 when it shares its float weight with the embedding table)."""
+    0 when it shares its float weight with the embedding table). Decoder linears in int8 rows (a GGUF's 5/6/8-bit
+    tensors with weights="int4") count as "int8" in `format` and by their kernel in `kernel`. `gguf` (a model
+    loaded by engine.gguf_loader, else None): per "<GGUF type>-><form>" ("Q4_K->int4", "Q6_K->int8",
+    "F32->float32") the number of tensors, their bytes in the file and as held."""
     params = list(model.parameters())  # tied weights once
     resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear) and m is not output]
-    linears = decoder_linears(model) + [(n, m) for n, m in model.named_modules()
-                                        if isinstance(m, Int4Linear) and m is not output]
+    int8 = [(n, m) for n, m in model.named_modules()
+            if isinstance(m, Int8Linear) and m is not output and DECODER_LINEAR.search(n)]
+    linears = decoder_linears(model) + int8 + [(n, m) for n, m in model.named_modules()
+                                               if isinstance(m, Int4Linear) and m is not output]
     linear_bytes = sum(_tensor_bytes([*m.parameters(), *m.buffers()]) for _, m in linears)
     float32_bytes = sum(4 * m.out_features * (m.in_features + (m.bias is not None)) for _, m in linears)
     floating = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     reason = None
-    if int4:
-        fmt = weights_format(model)
-        kernel = "+".join(sorted({m.kernel for m in int4}))
+    if int4 or int8:
+        fmt = "+".join(([weights_format(model)] if int4 else []) + (["int8"] if int8 else []))
+        kernel = "+".join(sorted({m.kernel for m in int4} | {m.kernel for _, m in int8}))
         reason = "; ".join(sorted({m.fallback_reason for m in int4 if m.fallback_reason})) or None
     else:
         fmt = str(floating).replace("torch.", "")
@@ -305,7 +354,8 @@ def weights_report(model) -> dict:
     return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "head": head_format(output),
             "head_kernel": getattr(output, "kernel", "dense"),
             "embedding": head_format(inputs), "resident_bytes": resident, "linear_bytes": linear_bytes,
-            "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4)}
+            "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4),
+            "gguf": getattr(model, "gguf_tensors", None)}
 
 
 def fingerprint(model) -> str:

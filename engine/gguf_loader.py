@@ -1,0 +1,315 @@
+"""A GGUF file loaded straight into its final form, one tensor at a time: the float model is never built.
+
+The architecture is built from its config with its parameters on the meta device (no memory; buffers that the
+file does not hold, such as RoPE's inv_freq, are computed by the modules themselves on the host from the
+config, as transformers' own loader computes them, and moved with the model). Each parameter is then filled
+from the memory-mapped file (engine.gguf_file) in the form it will be held in, and a decoder layer's linear is
+replaced by its int4 or int8 layer as it is read. Names and per-architecture transforms are transformers' own
+(`get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`); llama's q/k row permutation is applied to codes as a row
+order (engine.gguf_int4.row_order).
+
+Per GGUF type of a decoder linear, with weights="int4" (TENSOR_FORMS):
+- Q4_0, Q4_1, Q4_K: the file's 4-bit codes as they are, Int4Linear group 32 (engine.gguf_int4). The reference
+  path reproduces gguf's dequantization bit for bit; the int4pack kernels hold each group's scale and offset in
+  bfloat16, so d (Q4_0 / Q4_1), d * sc (Q4_K) and the offsets are rounded to bfloat16 there.
+- Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 (more bits than an int4 code holds): int8 rows (engine.head.Int8Linear, a scale per
+  row from the dequantized weight: a second rounding, to half a step, and the kernel's bfloat16 scale) where the
+  int8 kernel runs (the CPU), else the dequantized weight in the compute dtype.
+- F32, F16, BF16: round-to-nearest int4 at `group_size` (engine.int4.quantize_rtn), tensor by tensor.
+With weights="float" every tensor is gguf's dequantized value in the compute dtype. Norms and biases are always
+float. The output head and the input table follow engine.head's rules (head="auto": int8 rows for both under
+quantized decoder layers where the int8 kernel runs, else float), built from the file's tensor a slice of rows
+at a time; int4 ones take the file's codes when the tensor is Q4_0 / Q4_1 / Q4_K, else RTN at `group_size`.
+
+What was loaded in which form is `model.gguf_tensors` ({"Q4_K->int4": {"tensors", "file_bytes", "bytes"}}),
+which engine.loader.weights_report shows. A file that disagrees with its config (a missing tensor, a shape,
+a type no path reads) is a GGUFFormatError naming the tensor, raised before anything is allocated for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord
+from .gguf_int4 import INT4_TYPES, memoized_name_maps, processor_config, row_order, unmappable_architecture
+from .gguf_tensors import float_weight, int4_codes, int8_rows, rtn_rows
+from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head_for, pick_int8_kernel, \
+    quantize_rows_int8
+from .int4 import Int4Linear, decoder_linears, pick_kernel, quantize_rtn, replace_module, shape_problem
+
+log = logging.getLogger(__name__)
+
+ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weight: int8 rows or float
+FLOAT_TYPES = ("F32", "F16", "BF16")
+SUPPORTED_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
+PROBE_COLUMNS = 2  # columns of the row-order probe (engine.gguf_int4.row_order): the transforms act on rows
+
+
+def unsupported(file: GGUFFile) -> str | None:
+    """Why this loader cannot read the file (transformers then loads it its own way), or None."""
+    reason = unmappable_architecture(file.architecture)
+    if reason is not None:
+        return reason
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if file.architecture not in GGUF_SUPPORTED_ARCHITECTURES:
+        return f"transformers has no GGUF mapping for architecture {file.architecture!r}"
+    return None
+
+
+def auto_weights(file: GGUFFile) -> str:
+    """What weights="auto" becomes for this file: "int4" when most of its decoder layers' weights (by count)
+    are 4-bit codes (Q4_0 / Q4_1 / Q4_K: a 4-bit file loads 4-bit), else "float"."""
+    counts: dict[bool, int] = defaultdict(int)
+    for record in file.tensors.values():
+        if record.name.startswith("blk.") and len(record.shape) == 2:
+            counts[record.type_name in INT4_TYPES] += record.num_elements
+    return "int4" if counts[True] > counts[False] else "float"
+
+
+def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.dtype, *, weights: str = "int4",
+                    group_size: int = 128, kernel: str = "auto", head: str = "auto"):
+    """The model of `file` (whose checked transformers config is `config`) in eval mode on `device`, each tensor
+    in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
+    at load; `kernel` the int4 matmul path (engine.int4); `head` one of engine.head.HEAD_CHOICES."""
+    assert weights in ("int4", "float") and head in HEAD_CHOICES, (weights, head)
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=processor_config(config))
+    model = meta_model(config, dtype)
+    records = _records_by_parameter(file, model, processor)
+    loader = _Loader(file, processor, device, dtype, group_size, kernel)
+    for name, linear in decoder_linears(model):
+        weight, bias = records.pop(f"{name}.weight"), records.pop(f"{name}.bias", None)
+        replace_module(model, name, loader.linear(linear, weight, bias, quantize=weights == "int4"))
+    quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
+    head = auto_head_for(quantized, device) if head == "auto" else head
+    _place_head_and_table(model, loader, records, head)
+    for hf_name, record in records.items():  # norms, biases outside the linears, anything else: float
+        loader.set_float(model, hf_name, record)
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    assert not left, f"parameters without a tensor after the checks: {left[:5]}"
+    model.to(device)  # the buffers computed on the host (inv_freq); everything else is there already
+    model.eval()
+    model.gguf_tensors = {label: dict(entry) for label, entry in sorted(loader.mix.items())}
+    return model
+
+
+def meta_model(config, dtype: torch.dtype):
+    """The architecture of `config` with every parameter on the meta device (nothing allocated, not even for a
+    moment) and its buffers computed on the host (materialize_buffers); a tied head shares the table's."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    model.tie_weights()  # from_config leaves a tied head its own Parameter; from_pretrained ties it
+    materialize_buffers(model)
+    return model.requires_grad_(False)
+
+
+def materialize_buffers(model) -> None:
+    """The buffers a checkpoint does not hold (RoPE's inv_freq, a scaled embedding's scale), computed on the
+    host by the model's own initialisation, as transformers' from_pretrained computes them for the model it
+    builds on meta (its `_init_weights` per module). Run while the parameters are still on meta, where
+    initialising them does nothing."""
+    for module in model.modules():
+        meta = [name for name, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for name in meta:
+            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        if meta:
+            model._init_weights(module)
+
+
+def _records_by_parameter(file: GGUFFile, model, processor) -> dict[str, TensorRecord]:
+    """hf parameter name -> the file's tensor for it, each checked (present, a type this loader reads, the
+    parameter's shape); a tied head is left out (it shares the table's tensor)."""
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with memoized_name_maps():
+        gguf_names = get_gguf_hf_weights_map(model, processor)  # gguf name -> hf name
+    hf_to_gguf = {hf: gg for gg, hf in gguf_names.items()}
+    records: dict[str, TensorRecord] = {}
+    missing = []
+    for hf_name, param in model.named_parameters():  # tied parameters once, under the table's name
+        gguf_name = hf_to_gguf.get(hf_name)
+        record = file.tensors.get(gguf_name) if gguf_name is not None else None
+        if record is None:
+            missing.append(f"{gguf_name or '?'} ({hf_name})")
+            continue
+        if record.type_name not in SUPPORTED_TYPES:
+            raise GGUFFormatError(f"tensor {record.name!r} is {record.type_name}, which this loader does not read "
+                                  f"(it reads {', '.join(SUPPORTED_TYPES)})")
+        if tuple(record.shape) != tuple(param.shape):
+            raise GGUFFormatError(f"tensor {record.name!r} has shape {list(record.shape)}, but the config makes "
+                                  f"{hf_name} {list(param.shape)}")
+        records[hf_name] = record
+    if missing:
+        raise GGUFFormatError(f"the file lacks {len(missing)} tensor(s) the config needs: {', '.join(missing[:6])}"
+                              f"{' ...' if len(missing) > 6 else ''}")
+    unused = sorted(set(file.tensors) - {r.name for r in records.values()})
+    if unused:
+        log.info("GGUF tensors no parameter reads: %s", ", ".join(unused[:10]))
+    return records
+
+
+class _Loader:
+    """What one load decided (device, dtype, kernels), and the tally of what each tensor became."""
+
+    def __init__(self, file: GGUFFile, processor, device: torch.device, dtype: torch.dtype, group_size: int,
+                 kernel: str):
+        self.file, self.processor, self.device, self.dtype, self.group_size = file, processor, device, dtype, group_size
+        self.kernel = kernel  # the int4 kernel asked for; picked at the first int4 layer
+        self._int4: tuple[str, str | None] | None = None
+        # 5/6/8-bit tensors become int8 rows only where the int8 kernel runs; elsewhere the reference int8 path
+        # would dequantize the whole weight at every step, so they stay float.
+        self.int8 = pick_int8_kernel(device)[0] == "cpu_int8pack"
+        self.mix: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "file_bytes": 0, "bytes": 0})
+
+    def count(self, record: TensorRecord, form: str, tensors) -> None:
+        entry = self.mix[f"{record.type_name}->{form}"]
+        entry["tensors"] += 1
+        entry["file_bytes"] += record.nbytes
+        entry["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
+
+    def int4_kernel(self) -> tuple[str, str | None]:
+        if self._int4 is None:
+            self._int4 = pick_kernel(self.kernel, self.device)
+        return self._int4
+
+    def row_order(self, record: TensorRecord):
+        """The processor's row order for a 2-D tensor (None: identity), or False when it is not one."""
+        order, why = row_order(self.processor, record.name, record.shape[0], min(record.shape[1], PROBE_COLUMNS))
+        if why is not None:
+            log.info("GGUF %s: through its float value (%s)", record.name, why)
+            return False
+        return order
+
+    def float32(self, record: TensorRecord) -> torch.Tensor:
+        return float_weight(self.file, record, self.processor)
+
+    def float_tensor(self, record: TensorRecord) -> torch.Tensor:
+        return self.float32(record).to(self.dtype).to(self.device)
+
+    def set_float(self, model, hf_name: str, record: TensorRecord) -> nn.Parameter:
+        value = nn.Parameter(self.float_tensor(record), requires_grad=False)
+        parent, _, leaf = hf_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, value)
+        self.count(record, _dtype_name(self.dtype), [value])
+        return value
+
+    def int8_rows(self, record: TensorRecord, order) -> tuple[torch.Tensor, torch.Tensor]:
+        if order is False:
+            return quantize_rows_int8(self.float32(record))
+        return int8_rows(self.file, record, order)
+
+    def rtn_rows(self, record: TensorRecord, order):
+        if order is False:
+            return quantize_rtn(self.float32(record), self.group_size)
+        return rtn_rows(self.file, record, order, self.group_size)
+
+    def linear(self, meta: nn.Linear, weight: TensorRecord, bias: TensorRecord | None, quantize: bool) -> nn.Module:
+        """The decoder linear of `weight` (and `bias`) in its final form."""
+        bias_value = self.float_tensor(bias) if bias is not None else None
+        if bias is not None:
+            self.count(bias, _dtype_name(self.dtype), [bias_value])
+        if quantize and (weight.type_name not in ROW_TYPES or self.int8):
+            order = self.row_order(weight)
+            if weight.type_name in ROW_TYPES:
+                codes, scales = self.int8_rows(weight, order)
+                layer = Int8Linear(codes.to(self.device), scales.to(self.device), bias_value, "cpu_int8pack")
+                self.count(weight, "int8", layer.buffers())
+                return layer
+            if weight.type_name in INT4_TYPES and order is not False:
+                codes, scales, zeros, offsets = int4_codes(self.file, weight, order)
+                return self.int4(weight, (codes, scales, zeros, offsets), bias_value, f"gguf-{weight.type_name.lower()}")
+            return self.int4(weight, (*self.rtn_rows(weight, order), None), bias_value, "rtn")
+        dense = nn.Linear(meta.in_features, meta.out_features, bias=bias is not None, device="meta")
+        dense.weight = nn.Parameter(self.float_tensor(weight), requires_grad=False)
+        if bias_value is not None:
+            dense.bias = nn.Parameter(bias_value, requires_grad=False)
+        self.count(weight, _dtype_name(self.dtype), [dense.weight])
+        return dense
+
+    def int4(self, record: TensorRecord, canonical, bias, origin: str) -> Int4Linear:
+        """An Int4Linear of canonical (codes, scales, zeros, offsets) on the load's int4 kernel (the reference
+        path where the kernel cannot take its shape)."""
+        codes, scales, zeros, offsets = canonical
+        kernel, reason = self.int4_kernel()
+        problem = shape_problem(kernel, codes.shape[0], codes.shape[1])
+        if problem is not None:
+            log.info("GGUF %s: int4 reference path (%s)", record.name, problem)
+            kernel, reason = "reference", problem
+        to = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        layer = Int4Linear.from_codes(to(codes), to(scales), to(zeros), record.shape[1], bias, kernel, origin=origin,
+                                      offsets=to(offsets))
+        layer.fallback_reason = reason
+        self.count(record, "int4", layer.buffers())
+        return layer
+
+    def int4_canonical(self, record: TensorRecord, order):
+        """((codes, scales, zeros, offsets), origin) of a head or table: the file's own codes when it is
+        Q4_0 / Q4_1 / Q4_K, else RTN at the load's group size."""
+        if record.type_name in INT4_TYPES and order is not False:
+            return int4_codes(self.file, record, order), f"gguf-{record.type_name.lower()}"
+        return (*self.rtn_rows(record, order), None), "rtn"
+
+
+def _place_head_and_table(model, loader: _Loader, records: dict[str, TensorRecord], head: str) -> None:
+    """Fill the input table and the output head in `head` format (engine.head.HEAD_FORMATS) from their tensors,
+    as engine.head.quantize_head would make them from the float model; a tied head shares the table's float
+    Parameter, or with "+embedding" the table holds the head's own codes."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    table_name, head_name = f"{names[id(inputs)]}.weight", f"{names[id(output)]}.weight"
+    tied = output.weight is inputs.weight
+    table, own = records.pop(table_name), records.pop(head_name, None)
+    if head != "float" and not isinstance(output, nn.Linear):
+        raise ValueError(f"the output head of {type(model).__name__} is a {type(output).__name__}, not an nn.Linear")
+    if head == "float":
+        table_value = loader.set_float(model, table_name, table)
+        if tied:
+            output.weight = table_value
+        else:
+            loader.set_float(model, head_name, own)
+        return
+    source = table if tied else own
+    order = loader.row_order(source)
+    if head.startswith("int8"):
+        path, reason = pick_int8_kernel(loader.device)
+        codes, scales = loader.int8_rows(source, order)
+        new_head = Int8Linear(codes.to(loader.device), scales.to(loader.device), None, path)
+        loader.count(source, "int8", new_head.buffers())
+    else:
+        canonical, origin = loader.int4_canonical(source, order)
+        new_head = loader.int4(source, canonical, None, origin)
+        reason = new_head.fallback_reason
+    new_head.fallback_reason = reason
+    replace_module(model, names[id(output)], new_head)
+    model.config.tie_word_embeddings = False  # the head no longer shares a Parameter with the table
+    if not head.endswith("+embedding"):
+        loader.set_float(model, table_name, table)
+        return
+    device = loader.device
+    if isinstance(new_head, Int8Linear):
+        if tied:  # the head's codes, held once
+            new_table = Int8Embedding(new_head.codes, new_head.scales, loader.dtype)
+        else:
+            codes, scales = loader.int8_rows(table, loader.row_order(table))
+            new_table = Int8Embedding(codes.to(device), scales.to(device), loader.dtype)
+            loader.count(table, "int8", new_table.buffers())
+    else:
+        if not tied:
+            canonical, origin = loader.int4_canonical(table, loader.row_order(table))
+        codes, scales, zeros, offsets = (t if t is None else t.to(device) for t in canonical)
+        new_table = Int4Embedding(codes, scales, zeros, table.shape[1], loader.dtype, origin=origin, offsets=offsets)
+        if not tied:
+            loader.count(table, "int4", new_table.buffers())
+    model.set_input_embeddings(new_table)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")

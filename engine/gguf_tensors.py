@@ -1,0 +1,91 @@
+"""One GGUF tensor, read from the memory-mapped file, in the form a layer holds: float, int8 rows or int4 groups.
+
+Values are gguf-py's own dequantization (`gguf.quants.dequantize`, float32), the one transformers' GGUF loader
+uses, so a float tensor here equals the one transformers would load, bit for bit, after the same architecture
+transform (its TensorProcessor: llama's q/k row permutation, Gemma's norm offset). Where the transform is a
+permutation of whole rows (`row_order`), the rows are taken from the file in that order instead, which lets a
+large tensor be converted a slice of rows at a time: int8 rows and int4 groups are per row, so a slice gives
+the same codes as the whole, and only ROW_CHUNK rows are ever held in float.
+
+Roundings, per form:
+- float: none beyond the cast of gguf's float32 value to the compute dtype.
+- int8 rows (`int8_rows`): a second rounding of the dequantized weight, one float32 scale per row
+  (|w - q * scale| <= scale / 2, scale = max |w| / 127 of the row); the cpu_int8pack kernel then holds the scale
+  in bfloat16 (engine.head.Int8Linear), a factor within 2^-8 of 1 on the whole row.
+- int4 codes (`int4_codes`, Q4_0 / Q4_1 / Q4_K): none; the codes are the file's (engine.gguf_int4).
+- int4 RTN (`rtn_rows`): a second rounding, round-to-nearest per group (engine.int4.quantize_rtn).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .gguf_file import GGUFFile, TensorRecord, tensor_data
+from .gguf_int4 import decode_blocks
+from .head import quantize_rows_int8
+from .int4 import padded_features, quantize_rtn
+
+ROW_CHUNK = 4096  # rows dequantized at a time when a tensor is converted to int8 rows or int4 groups
+
+
+def dequantized(file: GGUFFile, record: TensorRecord, rows=None) -> np.ndarray:
+    """float32 values of `record` ([rows, columns]; a 1-D tensor as [1, n]), gguf-py's dequantization;
+    `rows` (a slice or an index array) reads only those rows of the file."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    data = tensor_data(file, record)
+    if rows is not None:
+        data = data[rows]
+    values = dequantize(data, GGMLQuantizationType(record.ggml_type))
+    return values if values.flags.writeable else np.array(values)  # F32: a view of the read-only map
+
+
+def float_weight(file: GGUFFile, record: TensorRecord, processor) -> torch.Tensor:
+    """The tensor as transformers' GGUF loader hands it to the model: dequantized, transformed by the
+    architecture's processor, float32 (the caller casts it)."""
+    values = dequantized(file, record).reshape(record.shape)
+    result = processor.process(weights=values, name=record.name, tensor_key_mapping={},
+                               parsed_parameters={"tensors": {}})
+    assert result.name == record.name, (record.name, result.name)  # renaming processors are refused earlier
+    return torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a copy, as transformers takes
+
+
+def _row_slices(num_rows: int, order: np.ndarray | None):
+    """(start, stop, rows of the file to read) for each ROW_CHUNK of the output rows."""
+    for start in range(0, num_rows, ROW_CHUNK):
+        stop = min(start + ROW_CHUNK, num_rows)
+        yield start, stop, slice(start, stop) if order is None else order[start:stop]
+
+
+def int8_rows(file: GGUFFile, record: TensorRecord, order: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes int8 [out, in], scales float32 [out]) of the dequantized rows, output row r from file row
+    order[r] (or r), ROW_CHUNK rows of float at a time."""
+    out_features, in_features = record.shape
+    codes = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features, dtype=torch.float32)
+    for start, stop, rows in _row_slices(out_features, order):
+        codes[start:stop], scales[start:stop] = quantize_rows_int8(torch.from_numpy(dequantized(file, record, rows)))
+    return codes, scales
+
+
+def rtn_rows(file: GGUFFile, record: TensorRecord, order: np.ndarray | None, group_size: int):
+    """(codes uint8 [out, in_padded], scales float32 [out, groups], zeros uint8) of the dequantized rows,
+    round-to-nearest per group of `group_size` (engine.int4.quantize_rtn), ROW_CHUNK rows at a time."""
+    out_features, in_features = record.shape
+    padded = padded_features(in_features, group_size)
+    codes = torch.empty(out_features, padded, dtype=torch.uint8)
+    scales = torch.empty(out_features, padded // group_size, dtype=torch.float32)
+    zeros = torch.empty(out_features, padded // group_size, dtype=torch.uint8)
+    for start, stop, rows in _row_slices(out_features, order):
+        weight = torch.from_numpy(dequantized(file, record, rows))
+        codes[start:stop], scales[start:stop], zeros[start:stop] = quantize_rtn(weight, group_size)
+    return codes, scales, zeros
+
+
+def int4_codes(file: GGUFFile, record: TensorRecord, order: np.ndarray | None):
+    """The canonical int4 codes of a Q4_0 / Q4_1 / Q4_K tensor as they are (engine.gguf_int4.decode_blocks):
+    (codes [out, in], scales [out, in/32], zeros, offsets or None), output row r from file row order[r]."""
+    data = tensor_data(file, record)
+    return decode_blocks(data if order is None else data[order], record.type_name)

@@ -1,0 +1,317 @@
+"""GGUF files loaded straight into their final form (engine.gguf_loader): each tensor type against the float model
+transformers' own GGUF loader builds from the same file (bit for bit for float and int4 codes on the reference
+path, within the stated roundings elsewhere), without a float decoder weight ever existing, the config read from
+the metadata, the tokenizer cache, and the real embedded model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf_files import EOS, tiny_gguf, write_gguf
+from tiny_models import ARCHS
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine.gguf_config import FAST_ARCHITECTURES, gguf_config
+from engine.gguf_file import read_gguf
+from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
+from engine.gguf_tokenizer import load_gguf_tokenizer
+from engine.head import Int4Embedding, Int8Embedding, Int8Linear
+from engine.int4 import Int4Linear, decoder_linears, kernel_unavailable
+from engine.loader import default_model_path, fingerprint, load_model, quiet_transformers, resolve_source, \
+    weights_report
+
+CPU = torch.device("cpu")
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+ALL_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
+CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
+needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
+IDS = torch.tensor([[5, 70, 300, 12, 400, 9, 33, 200, 201, 202, 17, 18]])
+# The int4pack and int8pack kernels compute in bfloat16 (activations, and the kernel's scale/offset): their
+# logits on these files are 1.2-2.8% of the largest logit from the float model's (measured), bounded at 5%.
+BF16_LOGIT_BOUND = 0.05
+
+quiet_transformers()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(GGUF type, arch) -> a tiny file whose decoder linears are all of that type, made on first use."""
+    folder = tmp_path_factory.mktemp("gguf")
+    made: dict = {}
+
+    def get(kind: str, arch: str = "llama", **options):
+        key = (kind, arch, tuple(sorted(options.items())))
+        if key not in made:
+            made[key] = tiny_gguf(folder / f"{arch}-{kind}-{len(made)}.gguf", kind, arch=arch, **options)
+        return made[key]
+
+    return get
+
+
+def transformers_model(path):
+    """The float reference: transformers' own GGUF loader (gguf-py's dequantize, float32)."""
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+def ours(path, **options):
+    return load_model(resolve_source(str(path)), CPU, torch.float32, **options)[0]
+
+
+def int8_bound(layer: Int8Linear) -> torch.Tensor:
+    """How far an int8 row may be from the weight it was made from: half its step (max |w| / 127), and the
+    cpu_int8pack kernel holds the step in bfloat16 (2^-8 of it, times |q| <= 127: a scale of the whole row)."""
+    step = layer.scales.float()[:, None]
+    return step * (0.5 + 127 * 2**-8) * (1 + 2**-7)
+
+
+def logits(model) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS).logits
+
+
+# -- every type against transformers' loader ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,arch", [(k, "llama") for k in ALL_TYPES] + [(k, "qwen2") for k in ("Q4_K", "Q6_K")])
+def test_a_float_load_equals_transformers_gguf_loader_bit_for_bit(files, kind, arch, one_thread):
+    path = files(kind, arch)
+    reference, model = transformers_model(path), ours(path, weights="float")
+    want, got = dict(reference.named_parameters()), dict(model.named_parameters())
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    assert {n: b for n, b in model.named_buffers()}.keys() == {n: b for n, b in reference.named_buffers()}.keys()
+    assert all(torch.equal(b, dict(reference.named_buffers())[n]) for n, b in model.named_buffers())  # inv_freq
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one Parameter
+    assert fingerprint(model) == fingerprint(reference)  # KV written under either load is the same KV
+    mix = weights_report(model)["gguf"]
+    assert mix[f"{kind}->float32"]["tensors"] == sum(r.type_name == kind for r in read_gguf(path).tensors.values())
+
+
+@pytest.mark.parametrize("kind", INT4_TYPES)
+def test_4_bit_tensors_become_int4_layers_holding_the_files_codes(files, kind, one_thread):
+    path = files(kind)
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="reference", head="float")
+    for name, layer in decoder_linears(reference):
+        held = model.get_submodule(name)
+        assert isinstance(held, Int4Linear) and held.origin == f"gguf-{kind.lower()}" and held.group_size == 32
+        assert torch.equal(held.dequantize(torch.float32), layer.weight), name  # llama's q/k rows included
+    assert torch.allclose(logits(model), logits(reference), atol=1e-5, rtol=0)
+    report = weights_report(model)
+    assert report["format"] == f"gguf-{kind.lower()}-g32" and report["kernel"] == "reference"
+    assert report["gguf"][f"{kind}->int4"]["tensors"] == 14
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("kind", INT4_TYPES)
+def test_on_the_cpu_int4_kernel_scales_and_offsets_are_rounded_to_bf16_only(files, kind, one_thread):
+    path = files(kind)
+    reference, model = transformers_model(path), ours(path, weights="int4", head="float")
+    exact = ours(path, weights="int4", kernel="reference", head="float")
+    for name, layer in decoder_linears(reference):
+        held, codes = model.get_submodule(name), exact.get_submodule(name)
+        assert held.kernel == "cpu_int4pack", name
+        # The kernel holds the scale s and its offset o = (8 - zero) * s + offset in bfloat16 (2^-8 of each,
+        # |q - 8| <= 8) and hands the weight back in bfloat16 (2^-8 |w|).
+        s = codes.scales.abs().repeat_interleave(32, dim=1)  # a Q4_0 d may be negative
+        o = (8 - codes.zeros.float()) * codes.scales + (0 if codes.offsets is None else codes.offsets)
+        bound = 2**-8 * (layer.weight.abs() + 8 * s + o.repeat_interleave(32, dim=1).abs()) * (1 + 2**-7)
+        assert torch.all((held.dequantize(torch.float32) - layer.weight).abs() <= bound), name
+    ref = logits(reference)
+    assert (logits(model) - ref).abs().max() <= BF16_LOGIT_BOUND * ref.abs().max()
+
+
+@pytest.mark.parametrize("kind", ROW_TYPES)
+def test_5_6_and_8_bit_tensors_become_int8_rows_of_their_dequantized_values(files, kind, one_thread):
+    path = files(kind)
+    reference, model = transformers_model(path), ours(path, weights="int4", head="float")
+    for name, layer in decoder_linears(reference):
+        held = model.get_submodule(name)
+        assert isinstance(held, Int8Linear) and held.kernel == "cpu_int8pack", name
+        assert torch.all((held.dequantize(torch.float32) - layer.weight).abs() <= int8_bound(held)), name
+    ref = logits(reference)
+    assert (logits(model) - ref).abs().max() <= BF16_LOGIT_BOUND * ref.abs().max()
+    report = weights_report(model)
+    assert report["format"] == "int8" and report["kernel"] == "cpu_int8pack" and report["num_int4_linears"] == 0
+    assert report["gguf"][f"{kind}->int8"]["tensors"] == 14
+
+
+@pytest.mark.parametrize("kind", FLOAT_TYPES)
+def test_float_tensors_are_quantized_to_int4_one_at_a_time(files, kind, one_thread):
+    path = files(kind)
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="reference", group_size=32)
+    for name, layer in decoder_linears(reference):
+        held = model.get_submodule(name)
+        assert isinstance(held, Int4Linear) and held.origin == "rtn" and held.group_size == 32, name
+        step = held.scales.repeat_interleave(32, dim=1)  # round-to-nearest: within half a step
+        assert torch.all((held.dequantize(torch.float32) - layer.weight).abs() <= step * (0.5 + 1e-4)), name
+    assert weights_report(model)["gguf"][f"{kind}->int4"]["tensors"] == 14
+
+
+def test_qwen2_biases_stay_float_beside_int4_codes(files, one_thread):
+    path = files("Q4_0", "qwen2")
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="reference", head="float")
+    q_proj = model.get_submodule("model.layers.1.self_attn.q_proj")
+    assert torch.equal(q_proj.bias, reference.get_submodule("model.layers.1.self_attn.q_proj").bias)
+    assert torch.allclose(logits(model), logits(reference), atol=1e-5, rtol=0)
+
+
+# -- memory: the float model is never built ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", [a for a, (_, attn) in ARCHS.items() if attn == "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_meta_model_computes_the_buffers_a_file_does_not_hold_as_transformers_does(arch, dtype):
+    config = ARCHS[arch][0]()
+    real = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(config, dtype)
+    assert all(p.is_meta for p in model.parameters())
+    want = dict(real.named_buffers())
+    assert sorted(dict(model.named_buffers())) == sorted(want)  # inv_freq per rotary, Gemma's embed_scale
+    for name, buffer in model.named_buffers():
+        assert buffer.dtype == want[name].dtype and torch.equal(buffer, want[name]), name
+
+
+def registered_float_weights(load) -> list[str]:
+    """Names and shapes of the floating-point parameters and buffers of at least 64 x 256 elements (the smallest
+    decoder weight here) that are registered on a real device while `load` runs."""
+    seen = []
+
+    def hook(module, name, tensor):
+        if tensor is not None and not tensor.is_meta and tensor.is_floating_point() and tensor.numel() >= 64 * 256:
+            seen.append(f"{type(module).__name__}.{name} {list(tensor.shape)}")
+
+    handles = [nn.modules.module.register_module_parameter_registration_hook(hook),
+               nn.modules.module.register_module_buffer_registration_hook(hook)]
+    try:
+        load()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def test_an_int4_load_never_holds_a_float_decoder_weight(files, one_thread):
+    path = files("Q4_K")
+    assert registered_float_weights(lambda: ours(path, weights="int4")) == []
+    floats = registered_float_weights(lambda: ours(path, weights="float"))  # the same hook sees a float load's
+    assert len(floats) == 2 * 7 + 2  # the decoder linears, the table and the tied head registering it again
+
+
+def test_int8_head_and_table_share_codes_made_from_the_files_table(files, one_thread):
+    path = files("Q4_K", table_type="Q8_0")
+    reference, model = transformers_model(path), ours(path, weights="int4")
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, Int8Linear) and isinstance(table, Int8Embedding)
+    assert table.codes.data_ptr() == head.codes.data_ptr()  # held once
+    assert torch.all((head.dequantize() - reference.lm_head.weight).abs() <= int8_bound(head))
+    assert weights_report(model)["gguf"]["Q8_0->int8"]["tensors"] == 1
+
+
+def test_an_int4_head_and_table_take_a_q4_k_tables_codes_as_they_are(files, one_thread):
+    path = files("Q4_K", table_type="Q4_K")
+    reference = transformers_model(path)
+    model = ours(path, weights="int4", kernel="reference", head="int4+embedding")
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, Int4Linear) and head.origin == "gguf-q4_k" and isinstance(table, Int4Embedding)
+    assert torch.equal(head.dequantize(torch.float32), reference.lm_head.weight)
+    ids = torch.arange(512)
+    assert torch.equal(table(ids), reference.model.embed_tokens(ids))  # offsets included
+
+
+def test_an_untied_head_is_read_from_its_own_tensor(files, one_thread):
+    path = files("Q4_0", tied=False, table_type="Q6_K")
+    reference, model = transformers_model(path), ours(path, weights="float")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
+    assert torch.equal(logits(model), logits(reference))
+    quantized = ours(path, weights="int4")
+    assert weights_report(quantized)["gguf"]["Q6_K->int8"]["tensors"] == 2  # head and table, each its own rows
+
+
+def test_the_report_counts_tensors_and_bytes_per_type_and_form(files, one_thread):
+    path = files("Q4_K", table_type="Q8_0")
+    file = read_gguf(path)
+    mix = weights_report(ours(path, weights="int4", kernel="reference"))["gguf"]
+    assert {k: v["tensors"] for k, v in mix.items()} == {"F32->float32": 5, "Q4_K->int4": 14, "Q8_0->int8": 1}
+    q4 = [r for r in file.tensors.values() if r.type_name == "Q4_K"]
+    assert mix["Q4_K->int4"]["file_bytes"] == sum(r.nbytes for r in q4)
+    # reference layout: half a byte a weight, a float32 scale, a byte zero and a float32 offset per 32
+    assert mix["Q4_K->int4"]["bytes"] == sum(r.num_elements // 2 + r.num_elements // 32 * 9 for r in q4)
+
+
+def test_auto_weights_say_int4_for_a_4_bit_file_and_float_otherwise(files):
+    assert auto_weights(read_gguf(files("Q4_K"))) == "int4"
+    assert auto_weights(read_gguf(files("Q8_0"))) == "float"
+    assert auto_weights(read_gguf(default_model_path())) == "int4"
+
+
+# -- config and tokenizer ----------------------------------------------------------------------------------------
+
+ARCH_KEYS = {"gemma2": {"gemma2.attention.key_length": 64, "gemma2.attention.sliding_window": 32},
+             "gemma3": {"gemma3.attention.key_length": 64, "gemma3.attention.sliding_window": 32}}
+
+
+@pytest.mark.parametrize("arch,name", [(a, "tiny") for a in FAST_ARCHITECTURES if a != "mistral"] +
+                         [("llama", "mistral")])
+def test_the_config_read_from_the_metadata_equals_transformers(tmp_path, arch, name):
+    path = write_gguf(tmp_path / "m.gguf", {}, arch=arch, name=name, metadata=ARCH_KEYS.get(arch))
+    ours_config = gguf_config(read_gguf(path))
+    theirs = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert type(ours_config) is type(theirs)
+    assert ours_config.to_dict() == theirs.to_dict()
+    assert (ours_config.model_type == "mistral") == (name == "mistral")
+
+
+def test_the_tokenizer_is_converted_once_and_then_read_from_the_cache(files, tmp_path):
+    from transformers import AutoTokenizer
+
+    path = files("Q4_K")
+    file = read_gguf(path)
+    converted = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    first = load_gguf_tokenizer(file, tmp_path)
+    folder = tmp_path / file.metadata_digest
+    assert (folder / "tokenizer.json").is_file()
+    chat = [{"role": "user", "content": "hello there"}]
+    for tokenizer in (first, load_gguf_tokenizer(file, tmp_path)):
+        assert tokenizer("the cat sat on a mat")["input_ids"] == converted("the cat sat on a mat")["input_ids"]
+        assert tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+            converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert (tokenizer.eos_token_id, tokenizer.bos_token_id, tokenizer.pad_token_id) == (EOS, 1, 0)
+    template = next(folder.glob("chat_template.jinja"))
+    template.write_text("cached {{ messages[0]['content'] }}")
+    assert load_gguf_tokenizer(file, tmp_path).apply_chat_template(chat, tokenize=False) == "cached hello there"
+    (folder / "tokenizer.json").write_text("{ not json")  # damaged: converted again, and replaced
+    again = load_gguf_tokenizer(file, tmp_path)
+    assert again("the cat")["input_ids"] == converted("the cat")["input_ids"]
+    assert [p.name for p in tmp_path.iterdir()] == [file.metadata_digest]  # no temporary folder left
+    other = read_gguf(write_gguf(tmp_path.parent / "other.gguf", {}, name="other"))  # other metadata: another key
+    assert other.metadata_digest != file.metadata_digest
+
+
+# -- the real model ----------------------------------------------------------------------------------------------
+
+def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm):
+    path = default_model_path()
+    reference = transformers_model(path)
+    model = smollm.model  # the session's engine loads the default model through engine.gguf_loader
+    assert set(weights_report(model)["gguf"]) == {"F32->float32", "Q4_1->float32", "Q8_0->float32"}
+    want = dict(reference.named_parameters())
+    assert sorted(dict(model.named_parameters())) == sorted(want)
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    assert fingerprint(model) == fingerprint(reference)
+
+
+def test_the_real_model_loads_its_q4_1_blocks_as_int4_and_answers(smollm, one_thread):
+    model, tokenizer = load_model(resolve_source(None), CPU, torch.float32, weights="int4", kernel="reference")
+    mix = weights_report(model)["gguf"]
+    assert {k: v["tensors"] for k, v in mix.items()} == {"F32->float32": 61, "Q4_1->int4": 210, "Q8_0->int8": 1}
+    for name, layer in decoder_linears(smollm.model)[:14]:  # two decoder layers: every projection, q/k permuted
+        assert torch.equal(model.get_submodule(name).dequantize(torch.float32), layer.weight), name
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.inference_mode():
+        out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
+    assert np.isfinite(logits(model).numpy()).all()
