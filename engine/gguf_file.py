@@ -1,8 +1,8 @@
 """Reading a GGUF file's header into plain records, every count, length and offset checked against the file.
 
 A GGUF file is outside input: its header says how many metadata values and tensors follow, how long each string
-and array is, and where each tensor's bytes lie. gguf-py's reader trusts those numbers (an array length of 2**60
-keeps it looping past the end of the file for good), so a file is walked here first, with nothing allocated
+and array is, and where each tensor's bytes lie. gguf-py's reader trusts those numbers (an array of 2**60 one-byte
+items keeps it looping past the end of the file for good), so a file is walked here first, with nothing allocated
 from a number before that number is checked against the bytes that are actually there:
 
     magic "GGUF", version (2 or 3), tensor count (u64), metadata count (u64)

@@ -1,4 +1,4 @@
-"""GGUF Q4_0 / Q4_1 blocks read as int4 layers as they are: against gguf's own dequantize, against the float
+"""GGUF Q4_0 / Q4_1 / Q4_K blocks read as int4 layers as they are: against gguf's own dequantize, against the float
 weights transformers loads from the real model's GGUF (llama's q/k row permutation included), the int4pack kernel
 within its bfloat16 rounding."""
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from gguf_files import encode
 from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
@@ -31,13 +32,13 @@ def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: tor
 
 # -- blocks against gguf's dequantize ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_decoded_blocks_dequantize_exactly_as_gguf_does(kind):
     qtype = GGMLQuantizationType[kind]
     rng = np.random.default_rng(7)
     weight = (rng.standard_normal((48, 256)) * 0.05).astype(np.float32)
     weight[3] += 0.2  # a row of mostly positive weights: m far from 0
-    blocks = quants.quantize(weight, qtype)  # uint8 [48, 8 blocks * bytes]
+    blocks = encode(weight, kind)  # uint8 [48, bytes]: gguf-py's quantizer, the tests' own for Q4_K
     expected = torch.from_numpy(quants.dequantize(blocks, qtype))
     codes, scales, zeros, offsets = decode_blocks(blocks, kind)
     assert codes.shape == (48, 256) and scales.shape == zeros.shape == (48, 8)
