@@ -3,7 +3,7 @@ each as its script says, so a test can be a store that is not Redis, or a broken
 
 The script is a function of the command (a list of bytes, the name upper-cased) returning what to send: bytes (sent
 as they are), Drip (a few bytes at a time), Endless (a head, then bytes until the client hangs up), Silence (never a
-reply) or CLOSE (hang up), or None for the default: a small store that keeps SET values in a dict and answers
+reply), CLOSE (hang up) or a list of these in turn, or None for the default: a small store that keeps SET values in a dict and answers
 AUTH/SELECT/CLIENT/PING/HELLO/GET/SET/DEL/HSETNX as Redis 7 does.
 """
 
@@ -64,13 +64,14 @@ class FakeResp:
         return [c[0] for c in self.commands]
 
     def stop(self) -> None:
+        """Stops serving; shutdown(), unlike close(), wakes the threads blocked in accept() and recv()."""
         self._stopped.set()
-        self._listener.close()
-        for client in list(self._clients):
+        for sock in [self._listener, *self._clients]:
             try:
-                client.close()
+                sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            sock.close()
         self._thread.join(5)
 
     def _accept(self) -> None:
@@ -79,6 +80,7 @@ class FakeResp:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as Redis does: no Nagle delays
             self._clients.append(client)
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
@@ -111,6 +113,8 @@ class FakeResp:
         if isinstance(reply, bytes):
             client.sendall(reply)
             return True
+        if isinstance(reply, list):  # one reply after another (e.g. bytes, then CLOSE)
+            return all(self._send(client, part) for part in reply)
         start = time.monotonic()
         if isinstance(reply, Drip):
             for i in range(0, len(reply.data), reply.piece):
