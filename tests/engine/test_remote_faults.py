@@ -1,6 +1,6 @@
 """The shared KV tier when its store fails: a redis-server killed (SIGKILL) or hung (SIGSTOP) in the middle of a
-request changes no answer and slows no request by more than about one read timeout; the breaker logs once per
-outage; a restarted store is used again after the breaker's wait."""
+request changes no answer and slows no request by more than about its silence limit (remote_timeout_s: a hung
+store sends nothing); the breaker logs once per outage; a restarted store is used again after the breaker's wait."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def redis_server(tmp_path):
 
 TIMEOUT_S = 0.05
 RETRY_S = 0.5
-# What a failing store may add to one request: the issue asks for ~100 ms; one read timeout is 50 ms. The bound
-# leaves room for a loaded CI machine; the measured numbers are printed (pytest -s).
+# What a failing store may add to one request: the issue asks for ~100 ms; the silence limit here is 50 ms (a read
+# of these tiny chunks saves less than that, so it gets no longer). The bound leaves room for a loaded CI machine;
+# the measured numbers are printed (pytest -s).
 SLOWER_BOUND_S = 0.3
 
 

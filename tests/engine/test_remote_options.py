@@ -30,12 +30,18 @@ def test_from_pretrained_and_with_options_carry_the_remote_cache(tmp_path):
     tokenizer.save_pretrained(folder)
     # nothing listens on port 1: the engine loads all the same, the tier is just unavailable
     engine = KVBoost.from_pretrained(folder, device="cpu", chunk_size=16, disk_cache_bytes=0,
-                                     remote_cache="redis://127.0.0.1:1/3",
-                                     remote_timeout_s=0.02, remote_retry_s=7.0)
+                                     remote_cache="redis://127.0.0.1:1/3", remote_timeout_s=0.02,
+                                     remote_max_wait_s=3.0, remote_retry_s=7.0, remote_max_value_bytes=1 << 20)
     assert engine.config.remote_cache == "redis://127.0.0.1:1/3"
     other = engine.with_options(reuse="prefix")
-    assert (other.config.remote_cache, other.config.remote_timeout_s, other.config.remote_retry_s) == \
-        ("redis://127.0.0.1:1/3", 0.02, 7.0)
+    assert (other.config.remote_cache, other.config.remote_timeout_s, other.config.remote_max_wait_s,
+            other.config.remote_retry_s, other.config.remote_max_value_bytes) == \
+        ("redis://127.0.0.1:1/3", 0.02, 3.0, 7.0, 1 << 20)
+    tier = other.store.remote
+    assert (tier.timeout_s, tier.max_wait_s, tier.max_value_bytes) == (0.02, 3.0, 1 << 20)
+    # by default the limit on a value is one chunk's payload of this model (2 layers of 2 x 16 x 16 float32)
+    default = engine.with_options(remote_max_value_bytes=None).store.remote.max_value_bytes
+    assert 2 * 2 * 2 * 16 * 16 * 4 < default < 2 * 2 * 2 * 16 * 16 * 4 + (8 << 10)
     assert engine.with_options(remote_cache=None).store.remote is None
     result = engine.generate("w5 w6 w7 " * 40, max_new_tokens=3)
     assert result.stats.reused_by_tier == {}
@@ -48,8 +54,18 @@ def test_from_pretrained_and_with_options_carry_the_remote_cache(tmp_path):
 def test_a_remote_cache_that_is_not_a_redis_url_is_refused(bad):
     with pytest.raises(ValueError, match="remote_cache"):
         EngineConfig(remote_cache=bad).validate()
-    with pytest.raises(ValueError, match="remote_timeout_s"):
-        EngineConfig(remote_cache="redis://h/0", remote_timeout_s=0).validate()
+
+
+@pytest.mark.parametrize("options,named", [
+    ({"remote_timeout_s": 0}, "remote_timeout_s"),
+    ({"remote_max_wait_s": float("inf")}, "remote_max_wait_s"),
+    ({"remote_timeout_s": 2.0, "remote_max_wait_s": 1.0}, r"remote_max_wait_s \(1.0\) must be at least"),
+    ({"remote_max_value_bytes": 0}, "remote_max_value_bytes"),
+    ({"remote_max_value_bytes": True}, "remote_max_value_bytes"),
+])
+def test_remote_timing_and_size_options_are_checked(options, named):
+    with pytest.raises(ValueError, match=named):
+        EngineConfig(remote_cache="redis://h/0", **options).validate()
 
 
 def test_the_password_is_never_shown():
@@ -68,3 +84,8 @@ def test_both_command_lines_take_remote_cache():
     assert build_server_parser().parse_args(["--remote-cache", "rediss://h/0"]).remote_cache == "rediss://h/0"
     stats = build_parser().parse_args(["cache", "stats", "--remote-cache", "redis://h/0"])
     assert stats.remote_cache == "redis://h/0"
+    timing = build_server_parser().parse_args(["--remote-timeout", "0.5", "--remote-max-wait", "30"])
+    assert (timing.remote_timeout_s, timing.remote_max_wait_s) == (0.5, 30.0)
+    defaults = build_parser().parse_args(["run", "hi"])
+    assert (defaults.remote_timeout_s, defaults.remote_max_wait_s) == \
+        (EngineConfig().remote_timeout_s, EngineConfig().remote_max_wait_s)

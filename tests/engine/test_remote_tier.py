@@ -77,6 +77,7 @@ def test_a_second_process_answers_from_what_the_first_shared(redis_server, tmp_p
         assert second["answers"][seed] == cold_answers(int(seed))
     remote = second["stats"]["tiers"]["remote"]
     assert remote["hits"] == 2 * DOC_CHUNKS and remote["bad"] == 0 and remote["errors"] == 0
+    assert remote["writes"] == 0  # what came from the store is not written back to it
     assert remote["read_bytes"] == first["stats"]["tiers"]["remote"]["written_bytes"]
     assert second["stats"]["tier_hits"]["remote"] == 2 * DOC_CHUNKS
     # what came from the store is now on the second process's disk too: a third read needs no store at all
