@@ -75,7 +75,7 @@ def test_a_read_slower_than_what_it_saves_is_unread_not_an_outage():
 
 def test_the_read_budget_has_a_default_a_floor_and_a_cap():
     tier = RemoteTier("redis://127.0.0.1:1/0", "ns-test", timeout_s=0.1, max_wait_s=3.0)
-    assert tier.read_budget(1000) == pytest.approx(1000 / DEFAULT_PREFILL_TOKENS_PER_S)
+    assert tier.read_budget(300) == pytest.approx(300 / DEFAULT_PREFILL_TOKENS_PER_S)
     tier.observe_prefill(10_000, 1.0)
     assert tier.read_budget(10) == 0.1  # the floor
     tier.observe_prefill(10, 100.0)
@@ -120,13 +120,14 @@ def test_a_second_process_on_a_loaded_machine_reuses_what_the_first_shared(redis
     try:
         time.sleep(1.0)
         second = run_worker(redis_server.url, tmp_path / "b", "ask", 7)
-        print(f"\nload average while the second process ran: {load_average():.1f}")
+        remote = second["stats"]["tiers"]["remote"]
+        print(f"\nload average while the second process ran: {load_average():.1f}; it read "
+              f"{remote['read_bytes'] / 1e6:.0f} MB from the store in {remote['read_ms']:.0f} ms")
     finally:
         for burner in burners:
             burner.kill()
         for burner in burners:
             burner.wait()
-    remote = second["stats"]["tiers"]["remote"]
     assert second["reused_by_tier"]["7"] == {"remote": WIDE_DOC_TOKENS}, remote
     assert second["answers"]["7"] == first["answers"]["7"]
     assert (remote["hits"], remote["errors"], remote["unread"], remote["state"]) == \
