@@ -7,8 +7,9 @@ handshake takes the answer to HELLO on trust. Here:
 - RESP2 only: HELLO is never sent, whatever `protocol=` the URL carries. The handshake is AUTH and SELECT, each
   answered +OK or the connection fails.
 - Every exchange has one deadline for the whole of it (connect, TLS handshake, AUTH/SELECT, sending, every
-  reply). A store silent for `silence_s` while a byte is awaited is StoreSilent (failing); a deadline that passes
-  while bytes flow is DeadlinePassed (slow: this call took too long, the store is not failing).
+  reply). A store that has not answered by then, or that stops for `silence_s`, is StoreSilent (failing); a
+  deadline that passes while bytes flow is DeadlinePassed (slow: this call took too long, the store is not
+  failing).
 - A bulk string is allocated only after its announced length was checked against the caller's limit (a longer one
   is a "too large" reply, never kept); a line is at most MAX_LINE bytes; an aggregate (array, map, set, ...) is
   never read into: it is reported as what it is, and the connection, now out of step with its replies, is closed.
@@ -151,6 +152,7 @@ class Connection:
         self._buf = bytearray()
         self._pos = 0
         self._progress = 0.0  # when a byte last went either way (or the exchange began)
+        self._answered = False  # a byte came from the store since the exchange began
 
     # -- the exchange's clock -------------------------------------------------------------------------------
     def _wait(self, deadline: float) -> float:
@@ -159,13 +161,15 @@ class Connection:
         now = time.monotonic()
         left = min(deadline, self._progress + self.silence_s) - now
         if left <= 0:
-            if now - self._progress >= self.silence_s * 0.99:
-                raise StoreSilent(f"the store sent nothing for {self.silence_s * 1000:.0f} ms")
+            if not self._answered or now - self._progress >= self.silence_s:
+                raise StoreSilent(f"the store sent nothing for {(now - self._progress) * 1000:.0f} ms")
             raise DeadlinePassed("the deadline passed while the store was answering")
         return left
 
     def begin(self) -> None:
+        """Starts an exchange's clock: nothing was answered yet."""
         self._progress = time.monotonic()
+        self._answered = False
 
     # -- connecting ----------------------------------------------------------------------------------------
     def open(self, deadline: float) -> None:
@@ -183,7 +187,6 @@ class Connection:
                 self.sock = sock
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except socket.timeout:
-            self._wait(deadline)  # raises StoreSilent or DeadlinePassed (the connect took all the time there was)
             raise StoreSilent("connecting timed out") from None
         except OSError as exc:
             raise StoreError(f"cannot connect: {exc.strerror or exc}") from None
@@ -256,6 +259,7 @@ class Connection:
             if got == 0:
                 raise StoreError("the store closed the connection")
             self._progress = time.monotonic()
+            self._answered = True
             return got
 
     def wait_for_answer(self, deadline: float) -> None:
@@ -369,7 +373,6 @@ class Pool:
             except IndexError:
                 break
             if conn.idle_and_open():
-                conn.begin()
                 return conn, True
             conn.close()
         conn = Connection(self.address, self.silence_s)
@@ -401,6 +404,7 @@ def start(pool: Pool, commands: list[tuple], deadline: float) -> Connection:
     while True:
         conn, pooled = pool.take(deadline)
         try:
+            conn.begin()
             conn.send(data, deadline)
             conn.wait_for_answer(deadline)
             return conn
