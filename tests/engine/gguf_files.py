@@ -76,6 +76,12 @@ def _superblocks(weight: np.ndarray) -> np.ndarray:
     return weight.astype(np.float32).reshape(-1, QK_K)
 
 
+def _fp16_step(step: np.ndarray) -> np.ndarray:
+    """`step` as the fp16 value a block stores, float32; 1 where it is 0 in fp16 (an all-zero range)."""
+    stored = step.astype(np.float16).astype(np.float32)
+    return np.where(stored > 0, stored, np.float32(1))
+
+
 def quantize_q4_k(weight: np.ndarray, levels: int = 15, pack=pack_q4_k) -> np.ndarray:
     """Round-to-nearest Q4_K (Q5_K with levels=31, pack=pack_q5_k): per sub-block of 32 a range [lo <= 0, hi],
     its step and -lo in 6 bits of the superblock's d and dmin. [rows, cols] -> uint8 [rows, cols/256 * bytes]."""
@@ -83,15 +89,13 @@ def quantize_q4_k(weight: np.ndarray, levels: int = 15, pack=pack_q4_k) -> np.nd
     sub = blocks.reshape(-1, 8, 32)
     lo, hi = np.minimum(sub.min(-1), 0), np.maximum(sub.max(-1), 0)
     step = (hi - lo) / levels
-    d = np.maximum(step.max(-1), 1e-8) / 63
-    dmin = np.maximum((-lo).max(-1), 1e-8) / 63
-    d16, dmin16 = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
+    d16, dmin16 = _fp16_step(step.max(-1) / 63), _fp16_step((-lo).max(-1) / 63)
     sc = np.clip(np.round(step / d16[:, None]), 1, 63).astype(np.uint8)
     m = np.clip(np.round(-lo / dmin16[:, None]), 0, 63).astype(np.uint8)
     scale = d16[:, None] * sc.astype(np.float32)
     offset = dmin16[:, None] * m.astype(np.float32)
     q = np.clip(np.round((sub + offset[..., None]) / scale[..., None]), 0, levels).astype(np.uint8)
-    packed = pack(d, dmin, sc, m, q.reshape(-1, QK_K))
+    packed = pack(d16, dmin16, sc, m, q.reshape(-1, QK_K))
     return packed.reshape(weight.shape[0], -1)
 
 
@@ -100,12 +104,11 @@ def quantize_q6_k(weight: np.ndarray) -> np.ndarray:
     blocks = _superblocks(weight)
     groups = blocks.reshape(-1, 16, 16)
     step = np.abs(groups).max(-1) / 31
-    d = np.maximum(step.max(-1), 1e-8) / 127
-    d16 = d.astype(np.float16).astype(np.float32)
+    d16 = _fp16_step(step.max(-1) / 127)
     scales = np.clip(np.round(step / d16[:, None]), 1, 127).astype(np.int8)
     scale = d16[:, None] * scales.astype(np.float32)
     q = np.clip(np.round(groups / scale[..., None]), -32, 31).astype(np.int16) + 32
-    return pack_q6_k(d, scales, q.reshape(-1, QK_K).astype(np.uint8)).reshape(weight.shape[0], -1)
+    return pack_q6_k(d16, scales, q.reshape(-1, QK_K).astype(np.uint8)).reshape(weight.shape[0], -1)
 
 
 def encode(weight: np.ndarray, type_name: str) -> np.ndarray:
@@ -136,7 +139,8 @@ def tensor_shapes(arch: str = "llama", sizes: dict | None = None, tied: bool = T
         b = f"blk.{i}."
         shapes |= {b + "attn_norm.weight": (h,), b + "attn_q.weight": (q, h), b + "attn_k.weight": (kv, h),
                    b + "attn_v.weight": (kv, h), b + "attn_output.weight": (h, q), b + "ffn_norm.weight": (h,),
-                   b + "ffn_gate.weight": (inter, h), b + "ffn_up.weight": (inter, h), b + "ffn_down.weight": (h, inter)}
+                   b + "ffn_gate.weight": (inter, h), b + "ffn_up.weight": (inter, h),
+                   b + "ffn_down.weight": (h, inter)}
         if arch == "qwen2":
             shapes |= {b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,), b + "attn_v.bias": (kv,)}
     return shapes
@@ -258,3 +262,76 @@ def tensor_info_fields(path: Path, name: str, num_dims: int) -> tuple[int, int]:
     """(offset of the ggml type, offset of the data offset) in tensor `name`'s info record."""
     dims_end = string_end(path, name) + 4 + 8 * num_dims
     return dims_end, dims_end + 4
+
+
+# -- a file at a real size, for measuring loads (not used by the tests) -----------------------------------------
+
+QWEN2_1_5B = dict(hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2, head_dim=128, vocab=151936)
+
+
+def random_blocks(type_name: str, rows: int, cols: int, rng) -> np.ndarray:
+    """Valid stored bytes of a [rows, cols] tensor of `type_name` (Q4_K or Q6_K) with random codes and small
+    positive fp16 scales: the layout of real weights, none of their values."""
+    superblocks = rows * cols // QK_K
+    width = {"Q4_K": 144, "Q6_K": 210}[type_name]
+    data = rng.integers(0, 256, (superblocks, width), dtype=np.uint8)
+    scale = _fp16_bytes(rng.uniform(1e-4, 1e-3, superblocks))
+    if type_name == "Q4_K":
+        data[:, 0:2], data[:, 2:4] = scale, _fp16_bytes(rng.uniform(1e-4, 1e-3, superblocks))
+    else:
+        data[:, 208:210] = scale
+    return data.reshape(rows, -1)
+
+
+def write_q4_k_m_like(path: Path, sizes: dict = QWEN2_1_5B, seed: int = 0) -> Path:
+    """A qwen2 GGUF of `sizes` laid out as llama.cpp's Q4_K_M writes one: decoder linears Q4_K, attn_v and ffn_down
+    Q6_K in the first and last eighth of the layers and every third layer between, the tied table Q6_K, norms
+    and q/k/v biases F32; random values (a Qwen2.5-1.5B shape by default, ~0.9 GB)."""
+    rng = np.random.default_rng(seed)
+    s = sizes
+    h, inter, layers = s["hidden"], s["intermediate"], s["layers"]
+    q, kv = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    writer = GGUFWriter(str(path), "qwen2", use_temp_file=True)
+    writer.add_name("q4_k_m-like")
+    writer.add_context_length(32768)
+    writer.add_embedding_length(h)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_vocab_size(s["vocab"])
+    tokens, types, merges = byte_level_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_eos_token_id(EOS)
+
+    def add(name: str, type_name: str, rows: int, cols: int) -> None:
+        writer.add_tensor(name, random_blocks(type_name, rows, cols, rng), raw_dtype=GGMLQuantizationType[type_name])
+
+    def add_vector(name: str, width: int, mean: float) -> None:
+        writer.add_tensor(name, (mean + 0.02 * rng.standard_normal(width)).astype(np.float32))
+
+    add("token_embd.weight", "Q6_K", s["vocab"], h)
+    add_vector("output_norm.weight", h, 1.0)
+    for i in range(layers):
+        more_bits = i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2
+        b = f"blk.{i}."
+        for name, rows, cols, kind in (("attn_q", q, h, "Q4_K"), ("attn_k", kv, h, "Q4_K"),
+                                       ("attn_v", kv, h, "Q6_K" if more_bits else "Q4_K"),
+                                       ("attn_output", h, q, "Q4_K"), ("ffn_gate", inter, h, "Q4_K"),
+                                       ("ffn_up", inter, h, "Q4_K"),
+                                       ("ffn_down", h, inter, "Q6_K" if more_bits else "Q4_K")):
+            add(f"{b}{name}.weight", kind, rows, cols)
+        for name, width in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            add_vector(f"{b}{name}.bias", width, 0.0)
+        add_vector(f"{b}attn_norm.weight", h, 1.0)
+        add_vector(f"{b}ffn_norm.weight", h, 1.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
