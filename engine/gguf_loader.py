@@ -120,7 +120,7 @@ def meta_model(config, dtype: torch.dtype):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model.tie_weights()  # from_config leaves a tied head its own Parameter; from_pretrained ties it
+    model.tie_weights()  # from_config has tied a tied head already; the loader relies on it, so it is made sure
     materialize_buffers(model)
     return model.requires_grad_(False)
 

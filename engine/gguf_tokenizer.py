@@ -3,9 +3,10 @@
 transformers builds a GGUF's tokenizer from its metadata (vocabulary, merges, special ids, chat template) at every
 load, which takes seconds (measured on the embedded SmolLM2-135M Q4_1 file: ~6 s on 2 busy cores, a third of a
 default start; the cached copy loads in ~0.2 s). The converted tokenizer is saved with save_pretrained under
-<cache>/gguf-tokenizers/<key>, where <key> is engine.gguf_file's digest of the file's metadata bytes and size:
-any change to the vocabulary, merges, template or special ids is another key. Written to a temporary folder
-and renamed into place, so a reader never sees half a folder; a folder that does not load is converted again.
+<cache>/gguf-tokenizers/<key>-<transformers version>, where <key> is engine.gguf_file's digest of the file's
+metadata bytes and size: any change to the vocabulary, merges, template or special ids is another key, and so is
+another transformers (whose conversion may change). Written to a temporary folder and renamed into place, so a
+reader never sees half a folder; a folder that does not load is converted again.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def load_gguf_tokenizer(file: GGUFFile, cache_dir: Path | None = None):
     saved there. `cache_dir` None: tokenizer_cache_dir()."""
     from transformers import AutoTokenizer
 
-    folder = (cache_dir or tokenizer_cache_dir()) / file.metadata_digest
+    folder = tokenizer_folder(file, cache_dir or tokenizer_cache_dir())
     if folder.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
@@ -51,6 +52,13 @@ def load_gguf_tokenizer(file: GGUFFile, cache_dir: Path | None = None):
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, trust_remote_code=False)
     save_atomically(tokenizer, folder)
     return tokenizer
+
+
+def tokenizer_folder(file: GGUFFile, cache_dir: Path) -> Path:
+    """Where the tokenizer of `file` converted by this transformers is cached."""
+    import transformers
+
+    return cache_dir / f"{file.metadata_digest}-{transformers.__version__}"
 
 
 def save_atomically(tokenizer, folder: Path) -> bool:

@@ -16,7 +16,7 @@ from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
 from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, kernel_unavailable, quantize_model
-from engine.loader import default_model_path, load_model, resolve_source, weights_report
+from engine.loader import default_model_path, fingerprint, load_model, resolve_source, weights_report
 
 CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
 needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
@@ -129,3 +129,16 @@ def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm, one_thre
                                          decoder_linears(smollm.model))
     float_head = smollm.model.get_output_embeddings().weight
     assert 0 < report["head_bytes"] < float_head.numel() * 4 / 6
+
+
+def test_the_gguf_loader_builds_the_int4_model_the_blocks_made_over_transformers_float_model(smollm, real_blocks,
+                                                                                            one_thread):
+    # before engine.gguf_loader, weights="int4" was transformers' float model with each linear replaced by its blocks
+    before = copy.deepcopy(smollm.model)
+    quantize_model(before, group_size=128, kernel="reference", layers_from=real_blocks.layer)
+    now, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", kernel="reference",
+                        head="float")
+    ids = torch.tensor([random_ids(24, seed=3)])
+    with torch.inference_mode():
+        assert torch.equal(now(ids).logits, before(ids).logits)
+    assert fingerprint(now) == fingerprint(before)  # KV stored under either load is found by the other

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.gguf_config import FAST_ARCHITECTURES, gguf_config
 from engine.gguf_file import read_gguf
 from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
-from engine.gguf_tokenizer import load_gguf_tokenizer
+from engine.gguf_tokenizer import load_gguf_tokenizer, tokenizer_folder
 from engine.head import Int4Embedding, Int8Embedding, Int8Linear
 from engine.int4 import Int4Linear, decoder_linears, kernel_unavailable
 from engine.loader import default_model_path, fingerprint, load_model, quiet_transformers, resolve_source, \
@@ -271,7 +271,8 @@ def test_the_tokenizer_is_converted_once_and_then_read_from_the_cache(files, tmp
     file = read_gguf(path)
     converted = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     first = load_gguf_tokenizer(file, tmp_path)
-    folder = tmp_path / file.metadata_digest
+    folder = tokenizer_folder(file, tmp_path)
+    assert folder.name.startswith(file.metadata_digest)
     assert (folder / "tokenizer.json").is_file()
     chat = [{"role": "user", "content": "hello there"}]
     for tokenizer in (first, load_gguf_tokenizer(file, tmp_path)):
@@ -285,7 +286,7 @@ def test_the_tokenizer_is_converted_once_and_then_read_from_the_cache(files, tmp
     (folder / "tokenizer.json").write_text("{ not json")  # damaged: converted again, and replaced
     again = load_gguf_tokenizer(file, tmp_path)
     assert again("the cat")["input_ids"] == converted("the cat")["input_ids"]
-    assert [p.name for p in tmp_path.iterdir()] == [file.metadata_digest]  # no temporary folder left
+    assert list(tmp_path.iterdir()) == [folder]  # no temporary folder left
     other = read_gguf(write_gguf(tmp_path.parent / "other.gguf", {}, name="other"))  # other metadata: another key
     assert other.metadata_digest != file.metadata_digest
 
