@@ -307,19 +307,20 @@ def _place_head_and_table(model, loader: _Loader, records: dict[str, TensorRecor
     if not head.endswith("+embedding"):
         loader.set_float(model, table_name, table)
         return
-    device = loader.device
+    device, embed_scale = loader.device, getattr(inputs, "embed_scale", None)  # Gemma's scaled table
     if isinstance(new_head, Int8Linear):
         if tied:  # the head's codes, held once
-            new_table = Int8Embedding(new_head.codes, new_head.scales, loader.dtype)
+            new_table = Int8Embedding(new_head.codes, new_head.scales, loader.dtype, embed_scale)
         else:
             codes, scales = loader.int8_rows(table, loader.row_order(table))
-            new_table = Int8Embedding(codes.to(device), scales.to(device), loader.dtype)
+            new_table = Int8Embedding(codes.to(device), scales.to(device), loader.dtype, embed_scale)
             loader.count(table, "int8", new_table.buffers())
     else:
         if not tied:
             canonical, origin = loader.int4_canonical(table, loader.row_order(table))
         codes, scales, zeros, offsets = (t if t is None else t.to(device) for t in canonical)
-        new_table = Int4Embedding(codes, scales, zeros, table.shape[1], loader.dtype, origin=origin, offsets=offsets)
+        new_table = Int4Embedding(codes, scales, zeros, table.shape[1], loader.dtype, origin=origin, offsets=offsets,
+                                  embed_scale=embed_scale)
         if not tied:
             loader.count(table, "int4", new_table.buffers())
     model.set_input_embeddings(new_table)

@@ -109,19 +109,22 @@ class Int8Linear(nn.Module):
 
 
 class Int8Embedding(nn.Module):
-    """An embedding table over int8 rows (the head's codes): a lookup dequantizes only the rows it gathers."""
+    """An embedding table over int8 rows (the head's codes): a lookup dequantizes only the rows it gathers.
+    `embed_scale`: the factor a scaled table (Gemma's) multiplies its rows by, in `dtype`, as it does."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = codes.shape
         self.dtype = dtype
         self.register_buffer("codes", codes)  # shared with the head: held once
         self.register_buffer("scales", scales)
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)  # [T] -> rows [T, embedding_dim]
         rows = self.codes[flat].to(torch.float32) * self.scales[flat].to(torch.float32)[:, None]
-        return rows.to(self.dtype).reshape(*input_ids.shape, self.embedding_dim)
+        return _scaled(rows.to(self.dtype), self.embed_scale).reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 rows"
@@ -132,7 +135,8 @@ class Int4Embedding(nn.Module):
     Q4_K rows): a lookup unpacks and dequantizes only the rows it gathers, in float32, then casts to `dtype`."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, embedding_dim: int,
-                 dtype: torch.dtype, origin: str = "rtn", offsets: torch.Tensor | None = None):
+                 dtype: torch.dtype, origin: str = "rtn", offsets: torch.Tensor | None = None,
+                 embed_scale: torch.Tensor | None = None):
         super().__init__()
         self.num_embeddings, padded = codes.shape
         self.embedding_dim = embedding_dim
@@ -143,16 +147,22 @@ class Int4Embedding(nn.Module):
         self.register_buffer("scales", scales.to(torch.float32).contiguous())
         self.register_buffer("zeros", zeros.to(torch.uint8).contiguous())
         self.register_buffer("offsets", None if offsets is None else offsets.to(torch.float32).contiguous())
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)  # [T] -> rows [T, embedding_dim]
         offsets = None if self.offsets is None else self.offsets[flat]
         rows = dequantize_codes(unpack_nibbles(self.packed[flat]), self.scales[flat], self.zeros[flat],
                                 self.embedding_dim, self.dtype, offsets)
-        return rows.reshape(*input_ids.shape, self.embedding_dim)
+        return _scaled(rows, self.embed_scale).reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}"
+
+
+def _scaled(rows: torch.Tensor, embed_scale: torch.Tensor | None) -> torch.Tensor:
+    # as Gemma's scaled table: rows in the table's dtype times the scale cast to that dtype
+    return rows if embed_scale is None else rows * embed_scale.to(rows.dtype)
 
 
 def auto_head(model) -> str:
@@ -211,11 +221,12 @@ def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str =
         rows = weight if tied else inputs.weight.detach()
         if isinstance(new_head, Int8Linear):
             table_codes, table_scales = (new_head.codes, new_head.scales) if tied else quantize_rows_int8(rows)
-            table = Int8Embedding(table_codes, table_scales, rows.dtype)
+            table = Int8Embedding(table_codes, table_scales, rows.dtype, getattr(inputs, "embed_scale", None))
         else:
             if not tied:
                 codes, scales, zeros = quantize_rtn(rows, group_size)
-            table = Int4Embedding(codes, scales, zeros, rows.shape[1], rows.dtype)
+            table = Int4Embedding(codes, scales, zeros, rows.shape[1], rows.dtype,
+                                  embed_scale=getattr(inputs, "embed_scale", None))
         model.set_input_embeddings(table)
         del rows
     del output, weight, inputs

@@ -335,3 +335,24 @@ def write_q4_k_m_like(path: Path, sizes: dict = QWEN2_1_5B, seed: int = 0) -> Pa
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def arch_gguf(path: Path, arch: str, linear_type: str = "Q8_0", metadata: dict | None = None, seed: int = 0) -> Path:
+    """A tiny GGUF of any architecture transformers maps: the tensors (names and shapes) are those its name map
+    gives the model of the file's own config (q/k norms, fused qkv, post-norms as the architecture has them),
+    linears `linear_type`, everything 1-D F32, the table F32."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    write_gguf(path, {}, arch=arch, metadata=metadata)  # the metadata alone, to read its config
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    params = dict(model.named_parameters())
+    shapes = {gguf: tuple(params[hf].shape) for gguf, hf in get_gguf_hf_weights_map(model, processor).items()
+              if hf in params}
+    values = random_tensors(shapes, seed)
+    typed = {n: (v, "F32" if v.ndim == 1 or n == "token_embd.weight" else linear_type) for n, v in values.items()}
+    return write_gguf(path, typed, arch=arch, metadata=metadata)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf_files import EOS, tiny_gguf, write_gguf
+from gguf_files import EOS, arch_gguf, tiny_gguf, write_gguf
 from tiny_models import ARCHS
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -156,6 +156,19 @@ def test_qwen2_biases_stay_float_beside_int4_codes(files, one_thread):
     q_proj = model.get_submodule("model.layers.1.self_attn.q_proj")
     assert torch.equal(q_proj.bias, reference.get_submodule("model.layers.1.self_attn.q_proj").bias)
     assert torch.allclose(logits(model), logits(reference), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma3"])
+def test_other_architectures_load_through_the_same_names_and_transforms(tmp_path, arch, one_thread):
+    # qwen3: q/k norms; phi3: fused qkv and gate/up; gemma3: norms stored as w + 1, post-norms, a scaled table
+    path = arch_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", metadata=ARCH_KEYS.get(arch))
+    reference, model = transformers_model(path), ours(path, weights="float")
+    want = dict(reference.named_parameters())
+    assert sorted(dict(model.named_parameters())) == sorted(want)
+    assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
+    assert torch.equal(logits(model), logits(reference))
+    ref, quantized = logits(reference), logits(ours(path, weights="int4"))
+    assert (quantized - ref).abs().max() <= BF16_LOGIT_BOUND * ref.abs().max()
 
 
 # -- memory: the float model is never built ----------------------------------------------------------------------

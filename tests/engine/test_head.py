@@ -86,6 +86,22 @@ def test_an_int8_head_keeps_a_tied_tables_float_rows_and_an_int8_table_looks_up_
         assert model(torch.tensor([random_ids(16, seed=5)])).logits.isfinite().all()
 
 
+@pytest.mark.parametrize("head", ["int8+embedding", "int4+embedding"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_scaled_table_keeps_its_scale_in_int8_and_int4(arch, head, one_thread):
+    model = build_model(arch)  # Gemma's table multiplies its rows by sqrt(hidden size)
+    table = model.get_input_embeddings()
+    assert float(table.embed_scale) == 8.0
+    ids = torch.tensor([[5, 0, 17], [3, 3, 9]])
+    want, largest = table(ids).detach(), float(table.weight.detach().abs().max())
+    quantize_head(model, head, group_size=32, kernel="reference")
+    held = model.get_input_embeddings()
+    assert isinstance(held, Int8Embedding if head.startswith("int8") else Int4Embedding)
+    # the rows' own rounding (int8: half a step of max |w| / 127; int4: of its group), times the scale
+    assert torch.allclose(held(ids), want, atol=8.0 * largest / (254 if "8" in head else 15))
+    assert not torch.allclose(held(ids), want / 8.0, atol=1e-3)
+
+
 def test_an_int8_table_changes_the_fingerprint_and_so_does_an_int8_head(one_thread):
     base = tied()
     with_head, with_table = copy.deepcopy(base), copy.deepcopy(base)
