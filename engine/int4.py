@@ -5,7 +5,8 @@ Canonical layout, per output row and per group of G consecutive input columns:
     w = (q - zero) * scale + offset      q, zero: integers in 0..15;  scale, offset: float32
 
 Weights quantized here (RTN) and AWQ checkpoints have no offset (offset = 0: the AWQ convention); GGUF Q4_1 blocks
-have zero = 0 and offset = m (w = q * d + m), Q4_0 blocks zero = 8 and no offset (engine.gguf_int4). The reference
+have zero = 0 and offset = m (w = q * d + m), Q4_0 blocks zero = 8 and no offset, Q4_K sub-blocks zero = 0, scale
+d * sc and offset -(dmin * m) (engine.gguf_int4). The reference
 path evaluates exactly this expression in float32, in this order, so it reproduces the source's own dequantization
 bit for bit. `in_features` that G does not divide are padded to a multiple of G with columns whose code equals the
 group's zero (they dequantize to exactly 0 and never change a result); a layer with offsets is never padded.
@@ -188,7 +189,8 @@ class Int4Linear(nn.Module):
         self.group_size = group_size
         self.padded_in = padded_features(in_features, group_size)
         self.kernel = kernel
-        # "rtn" (quantized at load) | "awq" (an AWQ checkpoint) | "gguf-q4_0" / "gguf-q4_1" (GGUF blocks as they are)
+        # "rtn" (quantized at load) | "awq" (an AWQ checkpoint) | "gguf-q4_0" / "gguf-q4_1" / "gguf-q4_k" (GGUF blocks
+        # as they are)
         self.origin = origin
         self.fallback_reason: str | None = None  # why the reference path runs where a fast one was wanted
         self.bias: nn.Parameter | None = None
