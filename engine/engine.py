@@ -175,7 +175,9 @@ class KVBoost:
                 raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)
         load = load_for_streaming if awq_streaming and dev.type == "cuda" else loader.load_model
-        model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head)
+        # A GGUF's converted tokenizer is cached in the engine's cache folder (disk_cache_dir when given).
+        model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head,
+                                cache_dir=disk_cache_dir)
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
             raise UnsupportedModelError(
@@ -191,7 +193,8 @@ class KVBoost:
         draft = None
         if draft_model is not None and config.speculative == "draft-model":
             _check_cancel(cancel)
-            draft, draft_tokenizer = loader.load_model(loader.resolve_source(draft_model), dev, dt)
+            draft, draft_tokenizer = loader.load_model(loader.resolve_source(draft_model), dev, dt,
+                                                       cache_dir=disk_cache_dir)
             why = draft_model_mismatch(tokenizer, draft_tokenizer, model.get_input_embeddings().num_embeddings,
                                        draft.get_input_embeddings().num_embeddings)
             if why is not None:

@@ -25,9 +25,12 @@ CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"  # as engine.disk: the documented overri
 FOLDER = "gguf-tokenizers"
 
 
-def tokenizer_cache_dir() -> Path:
-    """<the engine's cache folder>/gguf-tokenizers ($KVBOOST_CACHE_DIR when set, else platformdirs' per-user cache
-    folder, as engine.disk.default_cache_dir; the disk tier only ever touches its own payloads/ and tmp/)."""
+def tokenizer_cache_dir(engine_cache_dir: Path | str | None = None) -> Path:
+    """<the engine's cache folder>/gguf-tokenizers: `engine_cache_dir` (from_pretrained's disk_cache_dir) when
+    given, else $KVBOOST_CACHE_DIR when set, else platformdirs' per-user cache folder, as
+    engine.disk.default_cache_dir; the disk tier only ever touches its own payloads/ and tmp/."""
+    if engine_cache_dir is not None:
+        return Path(engine_cache_dir).expanduser() / FOLDER
     override = os.environ.get(CACHE_DIR_ENV_VAR)
     if override:
         return Path(override).expanduser() / FOLDER

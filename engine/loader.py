@@ -19,7 +19,7 @@ from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import GGUFBlocks, memoized_name_maps
 from .gguf_loader import load_gguf_model, unsupported
-from .gguf_tokenizer import load_gguf_tokenizer
+from .gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
 from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, quantize_model, weights_format
 from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
@@ -200,7 +200,7 @@ def local_folder(source: ModelSource) -> Path | None:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *, weights: str = "float",
-               group_size: int = 128, kernel: str = "auto", head: str = "auto"):
+               group_size: int = 128, kernel: str = "auto", head: str = "auto", cache_dir: Path | None = None):
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
 
     `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
@@ -217,7 +217,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
     if source.kind == "gguf":
-        loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head)
+        loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head, cache_dir)
         if loaded is not None:
             return loaded
     folder = local_folder(source)
@@ -264,7 +264,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
 
 
 def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str, group_size: int,
-               kernel: str, head: str):
+               kernel: str, head: str, cache_dir: Path | None = None):
     """(model, tokenizer) of a GGUF source through engine.gguf_loader (straight from the file, never the float
     model), or None for an architecture only transformers' own GGUF loader reads. The header is checked
     (engine.gguf_file) before transformers reads anything of the file."""
@@ -288,7 +288,7 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, we
         except ConfigError as exc:
             raise ModelLoadError(f"{source.describe()}: {exc}") from None
     try:
-        tokenizer = load_gguf_tokenizer(file)
+        tokenizer = load_gguf_tokenizer(file, tokenizer_cache_dir(cache_dir))
         model = load_gguf_model(file, config, device, dtype, weights="int4" if weights == "int4" else "float",
                                 group_size=group_size, kernel=kernel, head=head)
     except GGUFFormatError as exc:

@@ -213,3 +213,13 @@ def test_any_config_values_load_or_are_a_model_load_error(tiny_folder, tmp_path,
         pass
     assert time.monotonic() - t0 < 60
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 1 << 20  # KiB: under 1 GB more
+
+
+def test_a_ggufs_tokenizer_is_cached_in_the_engines_cache_folder(tmp_path):
+    """disk_cache_dir is the engine's cache folder for everything it keeps: the converted tokenizer of a GGUF
+    goes there, never into the user's per-user cache folder (the app's self-test runs with a home of its own)."""
+    folder = tmp_path / "kv"
+    engine = KVBoost.from_pretrained(None, disk_cache_dir=str(folder), disk_cache_bytes=0)
+    assert engine.generate("Hello", max_new_tokens=2).token_ids
+    cached = list((folder / "gguf-tokenizers").iterdir())
+    assert len(cached) == 1 and (cached[0] / "tokenizer.json").is_file()
