@@ -15,11 +15,10 @@ from gguf_files import encode
 from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
-from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, kernel_unavailable, quantize_model
+from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
 from engine.loader import default_model_path, fingerprint, load_model, resolve_source, weights_report
 
-CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
-needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
+from cpu_kernels import needs_cpu_kernel  # noqa: E402
 
 
 def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: torch.Tensor) -> torch.Tensor:

@@ -18,15 +18,14 @@ from engine.gguf_file import read_gguf
 from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
 from engine.gguf_tokenizer import load_gguf_tokenizer, tokenizer_folder
 from engine.head import Int4Embedding, Int8Embedding, Int8Linear
-from engine.int4 import Int4Linear, decoder_linears, kernel_unavailable
+from engine.int4 import Int4Linear, decoder_linears
 from engine.loader import default_model_path, fingerprint, load_model, quiet_transformers, resolve_source, \
     weights_report
 
 CPU = torch.device("cpu")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 ALL_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
-CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
-needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
+from cpu_kernels import needs_cpu_kernel  # noqa: E402
 IDS = torch.tensor([[5, 70, 300, 12, 400, 9, 33, 200, 201, 202, 17, 18]])
 # The int4pack and int8pack kernels compute in bfloat16 (activations, and the kernel's scale/offset): their
 # logits on these files are 1.2-2.8% of the largest logit from the float model's (measured), bounded at 5%.

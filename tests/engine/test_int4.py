@@ -26,8 +26,7 @@ from engine.loader import fingerprint, load_model, resolve_source, weights_repor
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
-CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
-needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")
+from cpu_kernels import CPU_FAST, needs_cpu_kernel  # noqa: E402
 
 
 def bf16_bound(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_size: int, y: torch.Tensor):
