@@ -66,6 +66,15 @@ def _checked_settings(quant: dict) -> tuple[int, list[str]]:
     return group_size, list(quant.get("modules_to_not_convert") or [])
 
 
+def _layer_index(name: str) -> int | None:
+    """The decoder layer a module name is inside (".layers.<i>."), or None."""
+    parts = name.split(".")
+    for before, after in zip(parts, parts[1:]):
+        if before == "layers" and after.isdigit():
+            return int(after)
+    return None
+
+
 class _Tensors:
     """Every tensor of the folder's *.safetensors files by name, read lazily (safetensors never runs code)."""
 
@@ -123,9 +132,10 @@ def _awq_layer(tensors: _Tensors, name: str, linear: nn.Linear, group_size: int,
 
 
 def load_awq_model(folder: Path, config, device: torch.device, dtype: torch.dtype, *, dequantize: bool = False,
-                   kernel: str = "auto"):
+                   kernel: str = "auto", progress=None):
     """An AWQ checkpoint as a model in eval mode on `device`: quantized linears as Int4Linear (or, with
-    `dequantize`, as float nn.Linear), every other tensor (embeddings, norms, lm_head) as `dtype`."""
+    `dequantize`, as float nn.Linear), every other tensor (embeddings, norms, lm_head) as `dtype`.
+    `progress(done, total, what)` after each decoder layer's linears (engine.loader.load_model)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
@@ -144,7 +154,14 @@ def load_awq_model(folder: Path, config, device: torch.device, dtype: torch.dtyp
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     head = model.get_output_embeddings()
     quantized: set[str] = set()
+    num_layers = int(getattr(config.get_text_config(), "num_hidden_layers", 0) or 0)
+    reported = -1
     for name, module in list(model.named_modules()):
+        layer_index = _layer_index(name)
+        if progress is not None and layer_index is not None and layer_index > reported and num_layers:
+            if reported >= 0:
+                progress(reported + 1, num_layers + 1, f"layer {reported + 1} of {num_layers}")
+            reported = layer_index
         if not isinstance(module, nn.Linear) or module is head or any(skip in name for skip in not_converted):
             continue
         if f"{name}.qweight" not in tensors:
@@ -155,6 +172,8 @@ def load_awq_model(folder: Path, config, device: torch.device, dtype: torch.dtyp
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, layer)
         quantized.add(name)
+    if progress is not None and num_layers and reported >= 0:
+        progress(reported + 1, num_layers + 1, f"layer {reported + 1} of {num_layers}")
     if not quantized:
         raise AWQFormatError(f"{folder}: config.json says AWQ but no tensor ends in .qweight")
     owned = {f"{name}.{part}" for name in quantized for part in ("qweight", "qzeros", "scales", "bias")}

@@ -44,6 +44,16 @@ def awq_streaming_unavailable(model_config, device: torch.device, weights: str =
     return streaming_refusal(model_config, device, weights)
 
 
+def _load_steps(progress, cancel: threading.Event | None):
+    """The loader's progress callback: `progress`'s, with the cancel event checked at every step (so a load
+    stops within one decoder layer of being cancelled)."""
+    def step(done: int, total: int, what: str) -> None:
+        _check_cancel(cancel)
+        if progress is not None:
+            progress(done, total, what)
+    return step
+
+
 def _check_cancel(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise Cancelled("model load cancelled")
@@ -115,7 +125,8 @@ class KVBoost:
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
                         remote_timeout_s: float = 0.25, remote_max_wait_s: float = 10.0, remote_retry_s: float = 5.0,
-                        remote_max_value_bytes: int | None = None, draft_model: str | None = None) -> "KVBoost":
+                        remote_max_value_bytes: int | None = None, draft_model: str | None = None,
+                        progress=None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
         `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -138,7 +149,9 @@ class KVBoost:
         runs are forwarded in pieces ending at its multiples, so a request joining a batch holds the others up
         for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress bars),
         for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
-        loaded); once set, the load stops there with engine.Cancelled.
+        loaded); once set, the load stops there with engine.Cancelled. `progress(done, total, what)`: the
+        load's steps as they happen, from the loading thread (engine.loader.load_model: per decoder layer for
+        GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
         Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
         "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
         tensors taken as they are); `head` "auto" | "float" | "int8" | "int8+embedding" | "int4" |
@@ -177,7 +190,7 @@ class KVBoost:
         load = load_for_streaming if awq_streaming and dev.type == "cuda" else loader.load_model
         # A GGUF's converted tokenizer is cached in the engine's cache folder (disk_cache_dir when given).
         model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head,
-                                cache_dir=disk_cache_dir)
+                                cache_dir=disk_cache_dir, progress=_load_steps(progress, cancel))
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
             raise UnsupportedModelError(

@@ -29,7 +29,9 @@ a type no path reads) is a GGUFFormatError naming the tensor, raised before anyt
 from __future__ import annotations
 
 import logging
+import re
 from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch import nn
@@ -47,6 +49,9 @@ ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weigh
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
 PROBE_COLUMNS = 2  # columns of the row-order probe (engine.gguf_int4.row_order): the transforms act on rows
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+# progress(done, total, what): called after each decoder layer and after the head, table and norms
+Progress = Callable[[int, int, str], None]
 
 
 def unsupported(file: GGUFFile) -> str | None:
@@ -72,10 +77,12 @@ def auto_weights(file: GGUFFile) -> str:
 
 
 def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.dtype, *, weights: str = "int4",
-                    group_size: int = 128, kernel: str = "auto", head: str = "auto"):
+                    group_size: int = 128, kernel: str = "auto", head: str = "auto", progress: Progress | None = None):
     """The model of `file` (whose checked transformers config is `config`) in eval mode on `device`, each tensor
     in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
-    at load; `kernel` the int4 matmul path (engine.int4); `head` one of engine.head.HEAD_CHOICES."""
+    at load; `kernel` the int4 matmul path (engine.int4); `head` one of engine.head.HEAD_CHOICES. `progress`
+    (done, total, what) after each decoder layer and once more when the head and table are in place; each
+    converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time."""
     assert weights in ("int4", "float") and head in HEAD_CHOICES, (weights, head)
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -83,9 +90,18 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
     model = meta_model(config, dtype)
     records = _records_by_parameter(file, model, processor)
     loader = _Loader(file, processor, device, dtype, group_size, kernel)
-    for name, linear in decoder_linears(model):
+    report = progress or (lambda done, total, what: None)
+    linears = decoder_linears(model)
+    layers = sorted({int(m.group(1)) for name, _ in linears if (m := LAYER_INDEX.search(f".{name}"))})
+    total = len(layers) + 1
+    for index, (name, linear) in enumerate(linears):
         weight, bias = records.pop(f"{name}.weight"), records.pop(f"{name}.bias", None)
         replace_module(model, name, loader.linear(linear, weight, bias, quantize=weights == "int4"))
+        here = LAYER_INDEX.search(f".{name}")
+        after = LAYER_INDEX.search(f".{linears[index + 1][0]}") if index + 1 < len(linears) else None
+        if here is not None and (after is None or after.group(1) != here.group(1)):
+            done = layers.index(int(here.group(1))) + 1
+            report(done, total, f"layer {done} of {len(layers)}")
     quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
     head = auto_head_for(quantized, device) if head == "auto" else head
     _place_head_and_table(model, loader, records, head)
@@ -97,6 +113,7 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
     model.eval()
     model.gguf_tensors = {label: dict(entry) for label, entry in sorted(loader.mix.items())}
     release_freed_memory()
+    report(total, total, "output head and embeddings")
     return model
 
 

@@ -18,7 +18,7 @@ from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import GGUFBlocks, memoized_name_maps
-from .gguf_loader import load_gguf_model, unsupported
+from .gguf_loader import Progress, load_gguf_model, unsupported
 from .gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
 from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, quantize_model, weights_format
@@ -200,8 +200,13 @@ def local_folder(source: ModelSource) -> Path | None:
 
 
 def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *, weights: str = "float",
-               group_size: int = 128, kernel: str = "auto", head: str = "auto", cache_dir: Path | None = None):
+               group_size: int = 128, kernel: str = "auto", head: str = "auto", cache_dir: Path | None = None,
+               progress: Progress | None = None):
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
+
+    `progress(done, total, what)` is called from the loading thread as the load goes: `total` 0 for a step
+    whose length is not known ("tokenizer", "weights (transformers)"), else `done` of `total` steps (a GGUF
+    or AWQ model: one per decoder layer, then one for the head and table).
 
     `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
     as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
@@ -216,14 +221,16 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
+    report = progress or (lambda done, total, what: None)
     if source.kind == "gguf":
-        loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head, cache_dir)
+        loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head, cache_dir, report)
         if loaded is not None:
             return loaded
     folder = local_folder(source)
     config = checked_config(source, folder) if source.kind != "hub" or folder is not None else None
     if folder is not None and is_awq_folder(folder):
-        return _load_awq(source, folder, config, device, dtype, weights, kernel, head)
+        return _load_awq(source, folder, config, device, dtype, weights, kernel, head, report)
+    report(0, 0, "weights (transformers)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict = {"trust_remote_code": False}
@@ -253,6 +260,7 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         model.to(device)  # int4 layouts are device-specific: quantize where the model will run
         model.eval()
         if weights == "int4":
+            report(0, 0, "int4 quantization")
             blocks = GGUFBlocks(Path(source.location) / source.gguf_file, model) if source.kind == "gguf" else None
             report = quantize_model(model, group_size=group_size, kernel=kernel,
                                     layers_from=blocks.layer if blocks is not None else None)
@@ -260,11 +268,12 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     head = auto_head(model) if head == "auto" else head
     if head != "float":
         log.info("output head: %s", quantize_head(model, head, group_size=group_size, kernel=kernel))
+    report(1, 1, "weights loaded")
     return model, tokenizer
 
 
 def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str, group_size: int,
-               kernel: str, head: str, cache_dir: Path | None = None):
+               kernel: str, head: str, cache_dir: Path | None, report: Progress):
     """(model, tokenizer) of a GGUF source through engine.gguf_loader (straight from the file, never the float
     model), or None for an architecture only transformers' own GGUF loader reads. The header is checked
     (engine.gguf_file) before transformers reads anything of the file."""
@@ -288,9 +297,10 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, we
         except ConfigError as exc:
             raise ModelLoadError(f"{source.describe()}: {exc}") from None
     try:
+        report(0, 0, "tokenizer")
         tokenizer = load_gguf_tokenizer(file, tokenizer_cache_dir(cache_dir))
         model = load_gguf_model(file, config, device, dtype, weights="int4" if weights == "int4" else "float",
-                                group_size=group_size, kernel=kernel, head=head)
+                                group_size=group_size, kernel=kernel, head=head, progress=report)
     except GGUFFormatError as exc:
         raise ModelLoadError(f"could not load {source.describe()}: {exc}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
@@ -300,15 +310,17 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, we
 
 
 def _load_awq(source: ModelSource, folder: Path, config, device: torch.device, dtype: torch.dtype, weights: str,
-              kernel: str, head: str):
+              kernel: str, head: str, report: Progress):
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-        model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel)
+        model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel,
+                               progress=report)
         head = auto_head(model) if head == "auto" else head
         if head != "float":
             quantize_head(model, head, group_size=32, kernel=kernel)
+        report(1, 1, "weights loaded")
     except AWQFormatError as exc:
         raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {exc}") from exc
     except (OSError, KeyError, RuntimeError) as exc:

@@ -140,7 +140,7 @@ def stage_for_streaming(model, device: torch.device, kernel: str) -> None:
 
 
 def load_for_streaming(source, device: torch.device, dtype: torch.dtype, *, weights: str, group_size: int,
-                       kernel: str, head: str, cache_dir=None):
+                       kernel: str, head: str, cache_dir=None, progress=None):
     """(model, tokenizer) for streaming on a CUDA `device`: loaded on the host in the reference layout, then
     staged (stage_for_streaming) so a model larger than the card never has to fit on it whole. The output head
     stays as loaded under head="auto" (the int8 kernel is the CPU's)."""
@@ -148,7 +148,8 @@ def load_for_streaming(source, device: torch.device, dtype: torch.dtype, *, weig
     from .int4 import pick_kernel
 
     model, tokenizer = loader.load_model(source, torch.device("cpu"), dtype, weights=weights, group_size=group_size,
-                                         kernel="reference", head="float", cache_dir=cache_dir)
+                                         kernel="reference", head="float", cache_dir=cache_dir,
+                                         progress=progress)
     stage_for_streaming(model, device, pick_kernel(kernel, device)[0])
     if head not in ("auto", "float"):
         quantize_head(model, head, group_size=group_size, kernel=kernel)

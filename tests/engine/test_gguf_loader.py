@@ -328,3 +328,28 @@ def test_the_real_model_loads_its_q4_1_blocks_as_int4_and_answers(smollm, one_th
         out = model.generate(**ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tokenizer.decode(out[0, ids["input_ids"].shape[1]:])
     assert np.isfinite(logits(model).numpy()).all()
+
+
+def test_a_load_reports_each_decoder_layer_as_it_is_filled(files, one_thread):
+    """Progress for the app's load dialog: the tokenizer, then one step per decoder layer in order, then the
+    head and table; an exception from the callback (a cancel) stops the load there."""
+    path = files("Q4_K")
+    steps = []
+    model = load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4",
+                       progress=lambda done, total, what: steps.append((done, total, what)))[0]
+    layers = model.config.num_hidden_layers
+    assert steps[0] == (0, 0, "tokenizer")
+    counted = [s for s in steps if s[1]]
+    assert [s[0] for s in counted] == list(range(1, layers + 2))
+    assert all(s[1] == layers + 1 for s in counted)
+    assert counted[0][2] == f"layer 1 of {layers}"
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_first_layer(done, total, what):
+        if done == 1:
+            raise Stop
+
+    with pytest.raises(Stop):
+        load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4", progress=stop_after_first_layer)
