@@ -70,8 +70,10 @@ def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
     tokens = _field_value(donor, "tokenizer.ggml.tokens")
     types = _field_value(donor, "tokenizer.ggml.token_type")
     extra = shape["vocab"] - len(tokens)
-    tokens = tokens[: shape["vocab"]] + [f"<|extra_{i}|>" for i in range(max(extra, 0))]
-    types = types[: shape["vocab"]] + [4] * max(extra, 0)  # USER_DEFINED
+    # Padded with ordinary tokens (NORMAL, reachable by no merge), as a real model's large vocabulary is: added
+    # (USER_DEFINED) tokens by the hundred thousand would make the tokenizer's load the slowest part of a start.
+    tokens = tokens[: shape["vocab"]] + [f"extra{i}" for i in range(max(extra, 0))]
+    types = types[: shape["vocab"]] + [1] * max(extra, 0)  # NORMAL
     head_dim = shape["hidden"] // shape["heads"]
 
     writer = gguf.GGUFWriter(str(path) + ".part", "llama")
@@ -156,13 +158,10 @@ def model_file(shape_name: str, threads: int) -> Path:
         print(f"writing {q8.name} ...", file=sys.stderr)
         write_q8_gguf(SHAPES[shape_name], q8)
         print(f"  {q8.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise SystemExit("bench shapes needs llama-cpp-python (llama.cpp's quantizer writes Q4_K_M, and it is the "
-                         "anchor): pip install llama-cpp-python")
     t0 = time.perf_counter()
     print(f"quantizing to {q4.name} with llama.cpp ...", file=sys.stderr)
     part = q4.with_suffix(".part")
-    done = subprocess.run([sys.executable, "-c", LLAMA_QUANTIZE, str(q8), str(part), str(threads)],
+    done = subprocess.run([llama_python(), "-c", LLAMA_QUANTIZE, str(q8), str(part), str(threads)],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"llama.cpp's quantizer failed: {done.stderr[-2000:]}")
@@ -171,12 +170,34 @@ def model_file(shape_name: str, threads: int) -> Path:
     return q4
 
 
-OURS_CHILD = r"""
+def llama_python() -> str:
+    """The Python that has llama-cpp-python: KVBOOST_LLAMA_PYTHON (a virtualenv of its own, as llama.cpp and
+    torch in one process crash), else this one when it can import llama_cpp."""
+    chosen = os.environ.get("KVBOOST_LLAMA_PYTHON")
+    if chosen:
+        return chosen
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise SystemExit("bench shapes needs llama-cpp-python (llama.cpp's quantizer writes Q4_K_M, and it is the "
+                         "anchor): pip install llama-cpp-python, or set KVBOOST_LLAMA_PYTHON to a Python that has it")
+    return sys.executable
+
+
+RSS_NOW = r"""
+def rss_now():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+"""
+
+OURS_CHILD = RSS_NOW + r"""
 import json, resource, sys, time
 job = json.loads(sys.argv[1])
 import torch
 torch.set_num_threads(job["threads"])
 from engine import KVBoost
+before = rss_now()
 t0 = time.perf_counter()
 eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], disk_cache_bytes=0, cpu_cache_bytes=0,
                               reuse="off", speculative=None)
@@ -195,14 +216,16 @@ for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
     else:
         steps.append(now - last)
     last = now
-print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "resident_bytes": weights["resident_bytes"],
-                  "format": weights["format"], "ttft_s": first, "decode_tok_s": len(steps) / sum(steps)}))
+print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before,
+                  "resident_bytes": weights["resident_bytes"], "format": weights["format"], "ttft_s": first,
+                  "decode_tok_s": len(steps) / sum(steps)}))
 """
 
-LLAMA_CHILD = r"""
+LLAMA_CHILD = RSS_NOW + r"""
 import json, resource, sys, time
 job = json.loads(sys.argv[1])
 from llama_cpp import Llama
+before = rss_now()
 t0 = time.perf_counter()
 llm = Llama(model_path=job["gguf"], n_ctx=2048, n_batch=512, n_threads=job["threads"], verbose=False)
 load_s = time.perf_counter() - t0
@@ -212,7 +235,7 @@ t0 = time.perf_counter(); llm.eval(ids); ttft = time.perf_counter() - t0
 steps = []
 for _ in range(job["new"]):
     t = time.perf_counter(); llm.eval([ids[-1]]); steps.append(time.perf_counter() - t)
-print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "ttft_s": ttft,
+print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before, "ttft_s": ttft,
                   "decode_tok_s": len(steps) / sum(steps)}))
 """
 
@@ -226,8 +249,8 @@ def drop_page_cache() -> bool:
         return False
 
 
-def child(code: str, job: dict) -> dict:
-    done = subprocess.run([sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True,
+def child(code: str, job: dict, python: str | None = None) -> dict:
+    done = subprocess.run([python or sys.executable, "-c", code, json.dumps(job)], capture_output=True, text=True,
                           timeout=3600)
     if done.returncode != 0:
         return {"error": (done.stderr.strip().splitlines() or [f"rc {done.returncode}"])[-1]}
@@ -246,18 +269,20 @@ def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weigh
     cold = {"ours": [], "llama.cpp": []}
     for r in range(rounds):
         for name, code in (("ours", OURS_CHILD), ("llama.cpp", LLAMA_CHILD))[:: 1 if r % 2 == 0 else -1]:
+            python = llama_python() if name == "llama.cpp" else None
             if r == 0 and drop_page_cache():
-                row = child(code, job)
+                row = child(code, job, python)
                 cold[name].append(row)
                 print(f"  {name} cold: {row}", file=sys.stderr)
-            row = child(code, job)
+            row = child(code, job, python)
             results[name].append(row)
             print(f"  {name} round {r + 1}: {row}", file=sys.stderr)
     summary = {"shape": shape_name, "file_bytes": path.stat().st_size, "threads": threads, "prompt": prompt,
                "rounds": rounds}
     for name in results:
         summary[name] = {key: median(results[name], key)
-                         for key in ("load_s", "peak_load_rss", "resident_bytes", "ttft_s", "decode_tok_s")}
+                         for key in ("load_s", "peak_load_rss", "rss_before", "resident_bytes", "ttft_s",
+                                     "decode_tok_s")}
         summary[name]["cold_load_s"] = median(cold[name], "load_s")
         errors = [row["error"] for row in results[name] if "error" in row]
         if errors:
@@ -265,10 +290,18 @@ def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weigh
     return summary
 
 
+def grown(s: dict):
+    """Peak RSS while loading above the process's RSS just before the load (the interpreter and libraries)."""
+    if s.get("peak_load_rss") is None or s.get("rss_before") is None:
+        return None
+    return s["peak_load_rss"] - s["rss_before"]
+
+
 def table(summary: dict) -> str:
     size = summary["file_bytes"]
-    rows = ["| shape | engine | load (warm) | load (cold) | peak RSS loading | x file | weights kept | "
-            f"TTFT {summary['prompt']} tokens | decode tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| shape | engine | load (warm) | load (cold) | peak RSS loading | x file | peak RSS above the "
+            f"process before the load | x file | weights kept | TTFT {summary['prompt']} tokens | decode tok/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in ("llama.cpp", "ours"):
         s = summary[name]
 
@@ -277,6 +310,7 @@ def table(summary: dict) -> str:
         rows.append(f"| {summary['shape']} ({size / 2**20:.0f} MiB) | {name} | {num(s['load_s'], '{:.1f} s')} | "
                     f"{num(s['cold_load_s'], '{:.1f} s')} | {num(s['peak_load_rss'] and s['peak_load_rss'] / 2**30, '{:.2f} GiB')} | "
                     f"{num(s['peak_load_rss'] and s['peak_load_rss'] / size, '{:.2f}x')} | "
+                    f"{num(grown(s) and grown(s) / 2**30, '{:.2f} GiB')} | {num(grown(s) and grown(s) / size, '{:.2f}x')} | "
                     f"{num(s['resident_bytes'] and s['resident_bytes'] / 2**20, '{:.0f} MiB')} | "
                     f"{num(s['ttft_s'], '{:.2f} s')} | {num(s['decode_tok_s'], '{:.2f}')} |")
     ours, theirs = summary["ours"].get("decode_tok_s"), summary["llama.cpp"].get("decode_tok_s")

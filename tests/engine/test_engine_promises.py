@@ -132,10 +132,14 @@ def test_each_stage_of_a_load_checks_cancel(model_folder, tmp_path, checks_befor
     assert not (tmp_path / "kv").exists()  # the engine (and its disk tier) comes after the last check
 
 
-def test_a_load_never_cancelled_checks_three_times_and_loads(model_folder, tmp_path):
-    cancel = SetAfter(3)
-    engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", cancel=cancel)
-    assert cancel.calls == 3
+def test_a_load_never_cancelled_checks_at_every_stage_and_step_and_loads(model_folder, tmp_path):
+    """Three stages (source found, config read, weights loaded) and every progress step of the load between
+    them; a load that was never cancelled completes."""
+    cancel = SetAfter(10_000)
+    steps = []
+    engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", cancel=cancel,
+                                     progress=lambda *step: steps.append(step))
+    assert steps and cancel.calls == 3 + len(steps)
     assert (tmp_path / "kv").is_dir()
     assert engine.generate(random_ids(20, seed=2), max_new_tokens=2).token_ids
 
