@@ -93,7 +93,9 @@ def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
     writer.add_tokenizer_pre(_field_value(donor, "tokenizer.ggml.pre"))
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    writer.add_token_merges(_field_value(donor, "tokenizer.ggml.merges"))
+    kept = set(tokens)  # a vocabulary cut below the donor's drops the merges of tokens it no longer has
+    writer.add_token_merges([m for m in _field_value(donor, "tokenizer.ggml.merges")
+                             if m.replace(" ", "") in kept and all(part in kept for part in m.split(" ", 1))])
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unknown", writer.add_unk_token_id), ("padding", writer.add_pad_token_id)):
         add(_field_value(donor, f"tokenizer.ggml.{key}_token_id"))
@@ -205,7 +207,7 @@ load_s = time.perf_counter() - t0
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weights = eng.info()["weights"]
 vocab = eng.model.get_input_embeddings().num_embeddings
-ids = [(i * 7919) % 40000 + 100 for i in range(job["prompt"])]
+ids = [(i * 7919) % (vocab - 200) + 100 for i in range(job["prompt"])]
 t0 = time.perf_counter()
 steps = []
 first = None
@@ -230,7 +232,7 @@ t0 = time.perf_counter()
 llm = Llama(model_path=job["gguf"], n_ctx=2048, n_batch=512, n_threads=job["threads"], verbose=False)
 load_s = time.perf_counter() - t0
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-ids = [(i * 7919) % 40000 + 100 for i in range(job["prompt"])]
+ids = [(i * 7919) % (llm.n_vocab() - 200) + 100 for i in range(job["prompt"])]
 t0 = time.perf_counter(); llm.eval(ids); ttft = time.perf_counter() - t0
 steps = []
 for _ in range(job["new"]):
