@@ -50,21 +50,7 @@ def streaming_refusal(model_config, device: torch.device, weights: str) -> str |
     return None
 
 
-def available_memory(device: torch.device) -> int:
-    """Free device memory (CUDA) or the RAM the OS says is available (CPU), in bytes."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
+available_memory = loader.available_memory  # free VRAM (CUDA) or available RAM (CPU), in bytes
 
 
 def default_budget(device: torch.device) -> int:
