@@ -30,6 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .exact_attention import ATTENTION
 from .live_cache import GrowingCache
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each [1, H_kv, T, D] (as engine.tiers.KV)
@@ -43,7 +44,7 @@ _UNPAGEABLE_KWARGS = ("sliding_window", "softcap", "position_bias", "s_aux", "si
 # ----------------------------------------------------------------------------------------------------- the maths
 
 def attend_blocks(query: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor, torch.Tensor]], query_start: int,
-                  scaling: float) -> torch.Tensor:
+                  scaling: float, work: torch.dtype | None = None) -> torch.Tensor:
     """Causal softmax attention of `query` over key/value blocks, merged by log-sum-exp.
 
     query: [B, H, q, D], the queries of positions [query_start, query_start + q).
@@ -51,10 +52,11 @@ def attend_blocks(query: torch.Tensor, blocks: Iterable[tuple[int, torch.Tensor,
         [start, start + T); together they cover [0, query_start + q). They may live on another device (a host
         page): each is copied to the query's device while it is used.
     H is a multiple of H_kv: query head h reads kv head h // (H // H_kv), as transformers' repeat_kv.
-    Returns [B, H, q, Dv] in the query's dtype. Works in float32 (or float64 for float64 inputs).
+    Returns [B, H, q, Dv] in the query's dtype. Works in `work` (default float32, float64 for float64 inputs).
     """
     batch, num_heads, q_len, head_dim = query.shape
-    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    if work is None:
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
     device = query.device
     q_pos = torch.arange(query_start, query_start + q_len, device=device)
     m = acc = total = grouped = None
@@ -378,7 +380,12 @@ def _paged_attention(module, query: torch.Tensor, layer: SpillingLayer, kwargs: 
     scaling = module.scaling if scaling is None else scaling
     q_len = query.shape[2]
     assert query.shape[1] == layer.keys.shape[1] * module.num_key_value_groups, "GQA groups as the module says"
-    out = attend_blocks(query, layer.blocks(), layer.get_seq_length() - q_len, scaling)
+    # A model on exact attention (engine.exact_attention) gets it here too: its paged and unpaged forwards then
+    # differ by float64 roundings only, so spilling changes no answer of a bfloat16-kernel model.
+    config = getattr(module, "config", None)
+    exact = getattr(config, "_attn_implementation", None) == ATTENTION
+    out = attend_blocks(query, layer.blocks(), layer.get_seq_length() - q_len, scaling,
+                        work=torch.float64 if exact else None)
     return out.transpose(1, 2).contiguous(), None
 
 

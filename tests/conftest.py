@@ -19,13 +19,25 @@ def _own_disk_cache_dir(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """KVBoost over the real default model with reuse="chunk" and no disk tier (it lives for the whole session;
-    entries on disk would outlive the test that made them). Tests that need another setting call
+    """KVBoost over the real default model as the app loads it (weights="auto": its 4-bit GGUF as int4) with
+    reuse="chunk" and no disk tier (it lives for the whole session; entries on disk would outlive the test that
+    made them). Tests that need another setting call
     `smollm.with_options(...)` (e.g. disk_cache_dir=tmp_path, disk_cache_bytes=None), which shares the loaded
     weights and starts empty memory tiers."""
     from engine import KVBoost
 
     return KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0)
+
+
+@pytest.fixture(scope="session")
+def smollm_float():
+    """The same real model loaded with weights="float" (the default, "auto", loads its 4-bit GGUF as int4): for
+    tests that compare against transformers' float model or quantize a float copy themselves."""
+    from engine import KVBoost
+
+    engine = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights="float")
+    assert engine.model.dtype == torch.float32 and engine.info()["weights"]["num_int4_linears"] == 0
+    return engine
 
 
 def pytest_collection_modifyitems(config, items):

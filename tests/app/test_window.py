@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 from PySide6.QtCore import QTimer, Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QCheckBox, QLabel
@@ -225,21 +226,31 @@ def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
     qtbot.wait(2300)
     assert meter.num_updates - start >= 2
     report = meter.last_report
-    assert report["rss"] > report["engine"]["weights_bytes"] > 100e6  # 135M parameters
+    weights = window.client.model_info["weights"]
+    assert report["engine"]["weights_bytes"] == weights["resident_bytes"]
+    # 135M parameters, the default load's decoder in 4-bit codes, head and table in int8: over half a byte each
+    assert report["rss"] > report["engine"]["weights_bytes"] > 0.5 * 134e6
     assert set(report["engine"]["kv_bytes"]) == {"device", "host"}  # the test engine has no disk tier
     assert "KV cache: RAM " in meter.text() and "compressed RAM" in meter.text()
     assert "compressed RAM: " in meter.toolTip() and " of " in meter.toolTip()  # budgets in the tooltip
 
 
-def test_awq_toggle_is_disabled_with_the_reason_on_this_machine(qtbot, window):
+def test_awq_toggle_is_enabled_for_the_int4_default_and_disabled_with_the_reason_for_float(qtbot, window, smollm):
     from app.dialogs import ModelDialog
+    from engine.engine import awq_streaming_unavailable
 
     info = window.client.model_info
-    assert info["awq_unavailable"]
+    assert info["weights"]["num_int4_linears"] > 0 and info["awq_unavailable"] is None  # its 4-bit GGUF as int4
     dialog = ModelDialog(window, current=None, awq_unavailable=info["awq_unavailable"])
     qtbot.addWidget(dialog)
+    assert dialog.findChild(QCheckBox, "awqCheck").isEnabled()
+
+    reason = awq_streaming_unavailable(smollm.model.config, torch.device("cpu"), "float")
+    assert reason
+    dialog = ModelDialog(window, current=None, awq_unavailable=reason)
+    qtbot.addWidget(dialog)
     assert not dialog.findChild(QCheckBox, "awqCheck").isEnabled()
-    assert info["awq_unavailable"] in dialog.findChild(QLabel, "awqReason").text()
+    assert reason in dialog.findChild(QLabel, "awqReason").text()
 
 
 @pytest.mark.parametrize(("choice", "window_colour"), [("light", "#f3f3f5"), ("dark", "#232327")])

@@ -13,7 +13,7 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def smollm_int4_engine(smollm):
+def smollm_int4_engine(smollm_float):
     """An int4 copy of the session's real model (its head and table int8, as weights="int4" loads it), reuse and
     speculation off."""
     import copy
@@ -26,10 +26,10 @@ def smollm_int4_engine(smollm):
     if why is not None:  # torch builds without the CPU int4 kernel; this one has it, so the tests run here
         pytest.skip(f"no CPU int4 kernel: {why}")
 
-    model = copy.deepcopy(smollm.model)
+    model = copy.deepcopy(smollm_float.model)
     quantize_model(model, group_size=64, kernel="cpu_int4pack")
     quantize_head(model, "int8+embedding")
-    engine = KVBoost(model, smollm.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
+    engine = KVBoost(model, smollm_float.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
     # The first request of a process over these kernels on 2 threads has, now and then, given other logits
     # than every later one (seen once in three processes, never reproduced on demand): the tests that
     # compare two runs compare warmed ones.

@@ -66,12 +66,12 @@ def test_a_q4_1_layer_on_the_cpu_kernel_is_within_bf16_rounding_of_gguf():
 # -- the real model ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def real_blocks(smollm):
-    return GGUFBlocks(default_model_path(), smollm.model)
+def real_blocks(smollm_float):
+    return GGUFBlocks(default_model_path(), smollm_float.model)
 
 
-def test_every_q4_1_linear_of_the_real_model_maps_to_exactly_transformers_float_weight(smollm, real_blocks):
-    linears = decoder_linears(smollm.model)
+def test_every_q4_1_linear_of_the_real_model_maps_to_exactly_transformers_float_weight(smollm_float, real_blocks):
+    linears = decoder_linears(smollm_float.model)
     assert len(linears) == 30 * 7 and real_blocks.refused == {}
     permuted = 0
     for name, linear in linears:
@@ -83,19 +83,19 @@ def test_every_q4_1_linear_of_the_real_model_maps_to_exactly_transformers_float_
     assert permuted == 2 * 30  # attn_q and attn_k of every layer carry llama.cpp's row permutation
 
 
-def test_without_the_row_permutation_q_proj_would_differ(smollm, real_blocks):
+def test_without_the_row_permutation_q_proj_would_differ(smollm_float, real_blocks):
     tensor, kind, order = real_blocks.tensors["model.layers.0.self_attn.q_proj.weight"]
     assert order is not None
     codes, scales, zeros, offsets = decode_blocks(np.asarray(tensor.data), kind)
-    weight = smollm.model.get_submodule("model.layers.0.self_attn.q_proj").weight
+    weight = smollm_float.model.get_submodule("model.layers.0.self_attn.q_proj").weight
     unpermuted = dequantize_codes(codes, scales, zeros, 576, torch.float32, offsets)
     assert not torch.equal(unpermuted, weight)
     assert torch.equal(unpermuted[torch.from_numpy(order)], weight)
 
 
 @needs_cpu_kernel
-def test_the_real_models_q4_1_layers_on_the_cpu_kernel_are_within_bf16_rounding(smollm, real_blocks):
-    for name, linear in decoder_linears(smollm.model)[:14]:  # two decoder layers: every projection shape
+def test_the_real_models_q4_1_layers_on_the_cpu_kernel_are_within_bf16_rounding(smollm_float, real_blocks):
+    for name, linear in decoder_linears(smollm_float.model)[:14]:  # two decoder layers: every projection shape
         tensor, kind, order = real_blocks.tensors[f"{name}.weight"]
         layer = real_blocks.layer(name, linear, "cpu_int4pack")
         assert layer.kernel == "cpu_int4pack"
@@ -106,18 +106,18 @@ def test_the_real_models_q4_1_layers_on_the_cpu_kernel_are_within_bf16_rounding(
         assert torch.all((layer.dequantize(torch.float32) - w).abs() <= kernel_bound(w, scales, offsets + 8 * scales))
 
 
-def test_quantizing_the_real_model_takes_its_blocks_and_reports_them(smollm, real_blocks, one_thread):
-    model = copy.deepcopy(smollm.model)
+def test_quantizing_the_real_model_takes_its_blocks_and_reports_them(smollm_float, real_blocks, one_thread):
+    model = copy.deepcopy(smollm_float.model)
     report = quantize_model(model, group_size=128, kernel="reference", layers_from=real_blocks.layer)
     assert report["format"] == "gguf-q4_1-g32" == weights_report(model)["format"]
     assert report["kernels"] == {"reference": 210}
     ids = torch.tensor([random_ids(24, seed=2)])
     with torch.inference_mode():  # the same weights, bit for bit: the same logits up to matmul order
-        assert (model(ids).logits - smollm.model(ids).logits).abs().max() < 1e-3
+        assert (model(ids).logits - smollm_float.model(ids).logits).abs().max() < 1e-3
 
 
 @needs_cpu_kernel
-def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm, one_thread):
+def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm_float, one_thread):
     model, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", head="int4")
     report = weights_report(model)
     assert report["format"] == "gguf-q4_1-g32" and report["kernel"] == "cpu_int4pack"
@@ -125,15 +125,15 @@ def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm, one_thre
     # per 32 weights: 16 bytes of codes, a bfloat16 scale and offset (the size of the Q4_1 block itself: 20 / 128
     # bytes = 0.156 of float32)
     assert report["linear_bytes"] == sum(m.out_features * m.in_features * 20 // 32 for _, m in
-                                         decoder_linears(smollm.model))
-    float_head = smollm.model.get_output_embeddings().weight
+                                         decoder_linears(smollm_float.model))
+    float_head = smollm_float.model.get_output_embeddings().weight
     assert 0 < report["head_bytes"] < float_head.numel() * 4 / 6
 
 
-def test_the_gguf_loader_builds_the_int4_model_the_blocks_made_over_transformers_float_model(smollm, real_blocks,
+def test_the_gguf_loader_builds_the_int4_model_the_blocks_made_over_transformers_float_model(smollm_float, real_blocks,
                                                                                             one_thread):
     # before engine.gguf_loader, weights="int4" was transformers' float model with each linear replaced by its blocks
-    before = copy.deepcopy(smollm.model)
+    before = copy.deepcopy(smollm_float.model)
     quantize_model(before, group_size=128, kernel="reference", layers_from=real_blocks.layer)
     now, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", kernel="reference",
                         head="float")

@@ -305,10 +305,10 @@ def test_the_tokenizer_is_converted_once_and_then_read_from_the_cache(files, tmp
 
 # -- the real model ----------------------------------------------------------------------------------------------
 
-def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm):
+def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm_float):
     path = default_model_path()
     reference = transformers_model(path)
-    model = smollm.model  # the session's engine loads the default model through engine.gguf_loader
+    model = smollm_float.model  # loaded with weights="float" through engine.gguf_loader
     assert set(weights_report(model)["gguf"]) == {"F32->float32", "Q4_1->float32", "Q8_0->float32"}
     want = dict(reference.named_parameters())
     assert sorted(dict(model.named_parameters())) == sorted(want)
@@ -316,11 +316,11 @@ def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm):
     assert fingerprint(model) == fingerprint(reference)
 
 
-def test_the_real_model_loads_its_q4_1_blocks_as_int4_and_answers(smollm, one_thread):
+def test_the_real_model_loads_its_q4_1_blocks_as_int4_and_answers(smollm_float, one_thread):
     model, tokenizer = load_model(resolve_source(None), CPU, torch.float32, weights="int4", kernel="reference")
     mix = weights_report(model)["gguf"]
     assert {k: v["tensors"] for k, v in mix.items()} == {"F32->float32": 61, "Q4_1->int4": 210, "Q8_0->int8": 1}
-    for name, layer in decoder_linears(smollm.model)[:14]:  # two decoder layers: every projection, q/k permuted
+    for name, layer in decoder_linears(smollm_float.model)[:14]:  # two decoder layers: every projection, q/k permuted
         assert torch.equal(model.get_submodule(name).dequantize(torch.float32), layer.weight), name
     chat = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt", return_dict=True)

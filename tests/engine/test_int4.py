@@ -275,29 +275,29 @@ def test_load_model_quantizes_a_float_folder_at_load(tmp_path, one_thread):
 
 
 @pytest.fixture(scope="session")
-def smollm_int4(smollm):
+def smollm_int4(smollm_float):
     """Int4 copies of the session's real model (SmolLM2-135M: hidden 576 is 9 groups of 64), one per kernel, made
-    when first asked for: the GGUF is parsed once per session, by the shared `smollm` fixture."""
+    when first asked for: the GGUF is parsed once per session, by the shared `smollm_float` fixture."""
     copies = {}
 
     def get(kernel: str) -> KVBoost:
         if kernel not in copies:
-            model = copy.deepcopy(smollm.model)
+            model = copy.deepcopy(smollm_float.model)
             quantize_model(model, group_size=64, kernel=kernel)
-            copies[kernel] = KVBoost(model, smollm.tokenizer, EngineConfig(chunking=ChunkingConfig(size=64),
+            copies[kernel] = KVBoost(model, smollm_float.tokenizer, EngineConfig(chunking=ChunkingConfig(size=64),
                                                                             disk_cache_bytes=0))
         return copies[kernel]
     return get
 
 
 @needs_cpu_kernel
-def test_smollm_int4_holds_a_fifth_of_the_float_linears_and_answers(smollm, smollm_int4):
+def test_smollm_int4_holds_a_fifth_of_the_float_linears_and_answers(smollm_float, smollm_int4):
     engine = smollm_int4("cpu_int4pack")
     report = weights_report(engine.model)
     assert report["format"] == "int4-g64" and report["kernel"] == "cpu_int4pack"
     assert report["num_int4_linears"] == 30 * 7
     assert report["linear_bytes"] < report["linear_float32_bytes"] / 5
-    assert engine.fingerprint != smollm.fingerprint
+    assert engine.fingerprint != smollm_float.fingerprint
     result = engine.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
     assert "Paris" in result.text
 

@@ -92,21 +92,21 @@ def test_a_streamed_tiny_awq_model_gives_the_resident_logits_bit_for_bit(awq_fol
 
 
 @pytest.fixture(scope="session")
-def smollm_int4_model(smollm):
+def smollm_int4_model(smollm_float):
     """The session's real model (SmolLM2-135M, 30 layers) with int4 decoder linears (RTN, group 64): a copy of
-    the weights the `smollm` fixture loaded, so the model is read from disk once per session."""
-    model = copy.deepcopy(smollm.model)
+    the weights the `smollm_float` fixture loaded, so the model is read from disk once per session."""
+    model = copy.deepcopy(smollm_float.model)
     quantize_model(model, group_size=64)
     return model
 
 
-def test_the_real_int4_model_streamed_through_two_slots_gives_the_resident_logits(smollm, smollm_int4_model,
+def test_the_real_int4_model_streamed_through_two_slots_gives_the_resident_logits(smollm_float, smollm_int4_model,
                                                                                   tmp_path, one_thread):
     model = copy.deepcopy(smollm_int4_model)
     plan = plan_for(model, 2)
     assert len(plan.streamed_layers) == 30
     streamer = enable_streaming(model, plan, CpuCopyEngine(tmp_path, 2))
-    ids = smollm.tokenizer("The capital of France is a city on the Seine, and its name is")["input_ids"]
+    ids = smollm_float.tokenizer("The capital of France is a city on the Seine, and its name is")["input_ids"]
     want = greedy_logits(smollm_int4_model, ids, 4)
     got = greedy_logits(model, ids, 4)
     assert all(torch.equal(g, w) for g, w in zip(got, want))

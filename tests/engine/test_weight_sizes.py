@@ -43,9 +43,9 @@ def test_an_awq_checkpoint_is_estimated_at_its_own_group_size(tmp_path, one_thre
     assert close(sizes["float"], held_bytes(tmp_path, weights="float"))
 
 
-def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm):
+def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm_float):
     sizes = weight_sizes.estimate(None, device="cpu")
-    assert close(sizes["float"], weights_report(smollm.model)["resident_bytes"])
+    assert close(sizes["float"], weights_report(smollm_float.model)["resident_bytes"])
     # SmolLM2-135M: the 30 layers' linears shrink to 0.156x; the tied 49152 x 576 embedding (113 MB in float32)
     # becomes one int8 table shared with the head (28 MB) where the int8 kernel runs (head="auto"), else stays
     table = 49152 * 576
