@@ -40,7 +40,7 @@ REUSE_CHOICES = (
     ("off", "Off: compute every prompt in full"),
 )
 WEIGHT_CHOICES = (
-    ("auto", "Auto: AWQ checkpoints as int4, others as float"),
+    ("auto", "Auto: as the file is (4-bit files as int4), float models as float if they fit"),
     ("float", "Float: full precision, the most memory"),
     ("int4", "Int4: 4-bit, about a third of the memory, faster decode"),
 )
@@ -352,10 +352,11 @@ class ModelDialog(QDialog):
             self._weight_sizes_label.setText(f"Size unknown: {sizes['error']}")
             return
         float_mb, int4_mb = sizes["float"] / 2**20, sizes["int4"] / 2**20
-        auto = "int4" if sizes["awq"] else "float"
+        auto = sizes.get("auto") or {"loads": "int4" if sizes["awq"] else "float", "why": ""}
         self._weight_sizes_label.setText(
             f"Weights in memory: float ({sizes['dtype']}) {float_mb:,.0f} MB · int4 {int4_mb:,.0f} MB"
-            f" · auto loads {auto}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
+            f" · auto loads {auto['loads']}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
+        self._weight_sizes_label.setToolTip(f"Auto: {auto['why']}" if auto["why"] else "")
 
     def streaming_unavailable(self) -> str | None:
         """Why streaming cannot be chosen for the chosen model and weight format, or None."""

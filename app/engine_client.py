@@ -41,6 +41,7 @@ class _Job:
 class EngineClient(QObject):
     model_loading = Signal(str)  # what is being loaded
     load_stage_changed = Signal(str)
+    load_progressed = Signal(int, int, str)  # steps done, steps in all (0: unknown), what was just done
     model_loaded = Signal(dict)  # model_info
     model_load_failed = Signal(str)
     model_load_cancelled = Signal()  # the load was stopped (quitting): nothing to report, no model loaded
@@ -372,12 +373,15 @@ class EngineClient(QObject):
             from engine import KVBoost
 
             self.load_stage_changed.emit("Reading and preparing the weights…")
-            engine = KVBoost.from_pretrained(source, quiet=True, cancel=job.cancel, **job.payload["options"])
+            engine = KVBoost.from_pretrained(source, quiet=True, cancel=job.cancel, progress=self.load_progressed.emit,
+                                             **job.payload["options"])
         self._engine = engine
         self._ms_per_token = None
         info = engine.info()
-        self._info = dict(info, source=source, disk_cache=info["cache_folder"],
-                          load_s=time.perf_counter() - t0)
+        from engine.cli import describe_weights
+
+        self._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=time.perf_counter() - t0,
+                          weights_text=describe_weights(info["weights"]))
         self.model_loaded.emit(dict(self._info))
 
     def _require_engine(self):

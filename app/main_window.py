@@ -73,6 +73,7 @@ class MainWindow(QMainWindow):
         self._build_status_bar()
         client.model_loading.connect(self.on_client_model_loading)
         client.load_stage_changed.connect(self.on_client_load_stage_changed)
+        client.load_progressed.connect(self.on_client_load_progressed)
         client.model_loaded.connect(self.on_client_model_loaded)
         client.model_load_failed.connect(self.on_client_model_load_failed)
         client.server_started.connect(self.on_client_server_started)
@@ -177,7 +178,7 @@ class MainWindow(QMainWindow):
         self.model_label = QLabel("No model")
         self.model_label.setObjectName("modelLabel")
         self.load_bar = QProgressBar()
-        self.load_bar.setRange(0, 0)  # loading has no reliable fraction: a busy bar plus stage and time
+        self.load_bar.setRange(0, 0)  # busy until the loader reports steps (a GGUF's or AWQ's decoder layers)
         self.load_bar.setMaximumWidth(120)
         self.load_bar.hide()
         bar.addWidget(self.model_label)
@@ -410,6 +411,7 @@ class MainWindow(QMainWindow):
         self.client.stop_server()  # it serves the model being replaced; back on once the new one is loaded
         self._load_started = time.monotonic()
         self._loading = what
+        self.load_bar.setRange(0, 0)
         self.load_bar.show()
         self._load_timer.start()
         self._show_load_progress()
@@ -418,6 +420,14 @@ class MainWindow(QMainWindow):
 
     def on_client_load_stage_changed(self, stage: str) -> None:
         self._stage = stage
+        self._show_load_progress()
+
+    def on_client_load_progressed(self, done: int, total: int, what: str) -> None:
+        """A step of the load (engine.loader's progress): the bar fills by steps and the stage names it."""
+        if total > 0:
+            self.load_bar.setRange(0, total)
+            self.load_bar.setValue(min(done, total))
+        self._stage = f"Reading the weights: {what}"
         self._show_load_progress()
 
     def _show_load_progress(self) -> None:
@@ -432,6 +442,7 @@ class MainWindow(QMainWindow):
         self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {held} · "
                                  f"{info['max_context']} ctx · reuse {info['reuse']} · "
                                  f"loaded in {info['load_s']:.1f} s")
+        self.model_label.setToolTip(info.get("weights_text", ""))
         if info.get("disk_error"):
             self.show_error(f"Answers still work, but KV will not be kept across restarts: {info['disk_error']}")
         if self.serve_action.isChecked():

@@ -44,7 +44,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live-kv-bytes", type=int, default=None,
                    help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")
     p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
-                   help="auto: AWQ checkpoints as int4, others float; int4: quantize at load (GGUF Q4 as is)")
+                   help="auto: as the file is (a GGUF's 4-bit codes and AWQ/GPTQ as int4), float models as float if "
+                        "they fit; int4: quantize at load (GGUF Q4 codes as they are)")
     p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (RTN)")
     p.add_argument("--head", default="auto",
                    help="output head (and embedding table) format: auto (int8 under int4 weights where the int8 "
@@ -81,7 +82,7 @@ def load_engine(args):
 
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    return KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
+    engine = KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
                                    chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
                                    disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
@@ -90,7 +91,40 @@ def load_engine(args):
                                    speculative=None if args.speculative == "off" else args.speculative,
                                    draft_model=args.draft_model,
                                    remote_cache=args.remote_cache, remote_timeout_s=args.remote_timeout_s,
-                                   remote_max_wait_s=args.remote_max_wait_s)
+                                   remote_max_wait_s=args.remote_max_wait_s, progress=_LoadProgress(sys.stderr))
+    print(f"loaded {engine.name}: {describe_weights(engine.info()['weights'])}", file=sys.stderr, flush=True)
+    return engine
+
+
+class _LoadProgress:
+    """The load's steps on stderr: one line rewritten in place on a terminal, else a line per tenth."""
+
+    def __init__(self, out):
+        self.out, self.tty, self.shown = out, out.isatty(), -1
+
+    def __call__(self, done: int, total: int, what: str) -> None:
+        if total <= 0:
+            return
+        if self.tty:
+            end = "\n" if done >= total else ""
+            self.out.write(f"\r  {what} ({done}/{total})\x1b[K{end}")
+        elif done * 10 // total > self.shown:
+            self.shown = done * 10 // total
+            self.out.write(f"  {what} ({done}/{total})\n")
+        self.out.flush()
+
+
+def describe_weights(weights: dict) -> str:
+    """One line of what a load holds (engine.loader.weights_report): the format, why "auto" chose it, the bytes,
+    and a GGUF's mix of what each tensor type became."""
+    text = f"weights {weights['format']}, {weights['resident_bytes'] / 2**20:,.0f} MiB"
+    choice = weights.get("choice") or {}
+    if choice.get("asked") == "auto":
+        text += f" (auto: {choice['why']})"
+    mix = weights.get("gguf")
+    if mix:
+        text += "; " + ", ".join(f"{label} x{entry['tensors']}" for label, entry in mix.items())
+    return text
 
 
 def _badge(stats) -> str:

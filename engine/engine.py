@@ -156,8 +156,9 @@ class KVBoost:
         loaded); once set, the load stops there with engine.Cancelled. `progress(done, total, what)`: the
         load's steps as they happen, from the loading thread (engine.loader.load_model: per decoder layer for
         GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
-        Weights (engine.loader.load_model): `weights` "auto" (AWQ checkpoints as int4, everything else float),
-        "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
+        Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's 4-bit codes as int4, its
+        5-8-bit ones as int8 rows where that kernel runs, AWQ/GPTQ as int4, a float model as float unless it would
+        not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
         tensors taken as they are); `head` "auto" | "float" | "int8" | "int8+embedding" | "int4" |
         "int4+embedding" (the output head, and with "+embedding" the input table, in fewer bytes; "auto": int8
         head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
@@ -186,8 +187,10 @@ class KVBoost:
         dev = loader.pick_device(device)
         dt = loader.pick_dtype(dtype, dev)
         if awq_streaming:
-            # Checked before loading the weights, from the config alone, so a wrong choice fails in seconds.
-            reason = awq_streaming_unavailable(loader.read_config(src), dev, weights)
+            # Checked before loading the weights, from the config and headers alone, so a wrong choice fails in
+            # seconds; "auto" is checked as what it will load (a 4-bit GGUF: int4).
+            resolved = loader.resolve_weights(src, dev, dt, weights)[0]
+            reason = awq_streaming_unavailable(loader.read_config(src), dev, resolved)
             if reason is not None:
                 raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)

@@ -157,7 +157,10 @@ def streaming_estimate(source, sizes: dict, *, device: str = "auto", num_slots: 
     src = loader.resolve_source(source)
     dev = loader.pick_device(device)
     config = loader.read_config(src)
-    unavailable = {weights: streaming_refusal(config, dev, weights) for weights in ("auto", "float", "int4")}
+    # "auto" is what resolve_weights makes of this source (a 4-bit GGUF loads as int4, so it can stream)
+    resolved = {"auto": sizes["auto"]["loads"]} if "auto" in sizes else {}
+    unavailable = {weights: streaming_refusal(config, dev, resolved.get(weights, weights))
+                   for weights in ("auto", "float", "int4")}
     text = config.get_text_config()
     layers = int(text.num_hidden_layers)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads

@@ -10,6 +10,8 @@ them there.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from . import loader
@@ -58,15 +60,71 @@ def weight_bytes(config, dtype: torch.dtype, *, group_size: int = 128, fast_kern
             "outside_layers": outside - head_saving}
 
 
+def _int4_bytes(out_features: int, in_features: int, group_size: int, fast_kernel: bool, offsets: bool) -> int:
+    """Bytes of an Int4Linear (engine.int4): packed codes, and per group of a row a bfloat16 scale and offset
+    (fast kernels) or a float32 scale, a uint8 zero and, for codes with their own minimum, a float32 offset."""
+    padded = padded_features(in_features, group_size)
+    per_group = _GROUP_BYTES["fast"] if fast_kernel else _GROUP_BYTES["reference"] + 4 * offsets
+    return out_features * padded // 2 + out_features * (padded // group_size) * per_group
+
+
+def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, fast_kernel: bool = True,
+                      int8_kernel: bool = True) -> dict[str, int]:
+    """weight_bytes for a GGUF file, tensor by tensor as engine.gguf_loader keeps it: "float" every tensor in
+    `dtype`; "int4" the decoder matrices as weights="int4" loads them (4-bit codes as int4 at their own
+    32-weight groups, 5/6/8-bit ones as int8 rows where the int8 kernel runs and in `dtype` where it does not,
+    float ones RTN at `group_size`), the table and a tied head once in int8 rows where head="auto" puts them
+    there. Reads the header only."""
+    from .gguf_int4 import BLOCK, INT4_TYPES
+    from .gguf_loader import ROW_TYPES
+    from .int4 import shape_problem
+
+    element = torch.empty((), dtype=dtype).element_size()
+    records = list(file.tensors.values())
+    float_bytes = sum(r.num_elements for r in records) * element
+    int4 = outside = 0
+    quantized = False
+    for record in records:
+        matrix = record.name.startswith("blk.") and len(record.shape) == 2
+        if not matrix:
+            if record.name not in ("token_embd.weight", "output.weight"):
+                int4 += record.num_elements * element
+                outside += 0 if record.name.startswith("blk.") else record.num_elements * element
+            continue
+        out_features, in_features = record.shape
+        if record.type_name in ROW_TYPES:
+            held = out_features * in_features + 2 * out_features if int8_kernel else record.num_elements * element
+            quantized |= int8_kernel
+        else:
+            fast = fast_kernel and shape_problem("cpu_int4pack", out_features, in_features) is None
+            four_bit = record.type_name in INT4_TYPES
+            held = _int4_bytes(out_features, in_features, BLOCK if four_bit else group_size, fast,
+                               four_bit and record.type_name != "Q4_0")
+            quantized = True
+        int4 += held
+    int8_head = quantized and int8_kernel
+    for name in ("token_embd.weight", "output.weight"):
+        record = file.tensors.get(name)
+        if record is None:
+            continue
+        rows = record.shape[0]
+        held = record.num_elements + 2 * rows if int8_head else record.num_elements * element
+        int4 += held
+        outside += held
+    return {"float": float_bytes, "int4": int4, "outside_layers": outside}
+
+
 def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_size: int = 128) -> dict:
     """What loading `source` (a path, a hub id or None for the embedded model) would hold in weights, per
-    format, on `device`: {"float": bytes, "int4": bytes, "awq": whether it is an AWQ int4 checkpoint (its
-    "float" is what dequantizing it would take), "dtype": the float dtype}. Reads the config only; raises
-    ModelLoadError when it cannot be read."""
+    format, on `device`: {"float": bytes, "int4": bytes (for a GGUF, its own mix: gguf_weight_bytes), "awq":
+    whether it is an AWQ int4 checkpoint (its "float" is what dequantizing it would take), "dtype": the float
+    dtype, "auto": {"loads": the format weights="auto" picks, "why"} (engine.loader.resolve_weights)}. Reads the
+    config and headers only; raises ModelLoadError when they cannot be read."""
     src = loader.resolve_source(source)
     dev = loader.pick_device(device)
     dt = loader.pick_dtype(dtype, dev)
     config = loader.read_config(src)
+    loads, why = loader.resolve_weights(src, dev, dt, "auto")
     quant = getattr(config, "quantization_config", None) or {}
     method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
     awq = str(method).lower() == "awq"
@@ -77,6 +135,13 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     from .int4 import pick_kernel
 
     fast = pick_kernel("auto", dev)[1] is None
-    sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast,
-                         int8_head=pick_int8_kernel(dev)[1] is None)
-    return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size}
+    int8 = pick_int8_kernel(dev)[1] is None
+    if src.kind == "gguf":
+        from .gguf_file import read_gguf
+
+        sizes = gguf_weight_bytes(read_gguf(Path(src.location) / src.gguf_file), dt, group_size=group_size,
+                                  fast_kernel=fast, int8_kernel=int8)
+    else:
+        sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast, int8_head=int8)
+    return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size,
+            "auto": {"loads": loads, "why": why}}

@@ -348,9 +348,10 @@ def test_the_model_dialog_shows_each_formats_memory_for_the_chosen_model_only(qt
     dialog.show_weight_sizes("", {"float": 9 * 2**20, "int4": 3 * 2**20, "awq": False, "dtype": "float32"})
     assert "9 MB" not in label.text()  # an answer about another model is ignored
     dialog.show_weight_sizes(str(path), {"float": 513 * 2**20, "int4": 166 * 2**20, "awq": False,
-                                         "dtype": "float32"})
+                                         "dtype": "float32",
+                                         "auto": {"loads": "int4", "why": "the file's decoder weights are 4-bit"}})
     assert "float (float32) 513 MB" in label.text() and "int4 166 MB" in label.text()
-    assert "auto loads float" in label.text()
+    assert "auto loads int4" in label.text() and "4-bit" in label.toolTip()
     dialog.show_weight_sizes(str(path), {"error": "not a GGUF file"})
     assert label.text() == "Size unknown: not a GGUF file"
 
@@ -365,9 +366,11 @@ def test_the_engine_client_estimates_the_built_in_models_weights_off_the_ui_thre
         source, sizes = built_in.args
         # SmolLM2-135M: 134.5M parameters, float32 on the CPU; its decoder linears shrink ~6x in int4
         assert source == "" and 500 * 2**20 < sizes["float"] < 530 * 2**20 and sizes["int4"] < sizes["float"] / 2
-        # the built-in GGUF loads as float under auto, so streaming needs Weights: int4 (which the CPU can stream)
-        assert "needs int4 weights" in sizes["streaming"]["unavailable"]["auto"]
+        # the built-in GGUF's 4-bit codes load as int4 under auto, so it can stream under auto and int4, not float
+        assert sizes["auto"]["loads"] == "int4" and "4-bit" in sizes["auto"]["why"]
+        assert sizes["streaming"]["unavailable"]["auto"] is None
         assert sizes["streaming"]["unavailable"]["int4"] is None
+        assert "needs int4 weights" in sizes["streaming"]["unavailable"]["float"]
         with qtbot.waitSignal(client.weights_estimated, timeout=60_000) as missing:
             client.estimate_weights(str(tmp_path / "nothing.gguf"))
         assert "not found" in missing.args[1]["error"]

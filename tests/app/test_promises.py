@@ -319,3 +319,24 @@ def test_kvboost_warm_prefills_a_file_into_the_disk_cache(tmp_path):
     assert after["entries"] >= 1
     assert 0 < after["tokens"] <= tokens
     assert len(after["namespaces"]) == 1
+
+
+def test_a_gguf_load_fills_the_bar_layer_by_layer_and_says_what_auto_chose(qtbot, idle_window, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+    from gguf_files import tiny_gguf
+
+    window = idle_window
+    path = tiny_gguf(tmp_path / "tiny.gguf", "Q4_K")
+    seen = []
+    window.client.load_progressed.connect(
+        lambda done, total, what: seen.append((done, total, window.load_bar.value(), window.load_bar.maximum(),
+                                               window.model_label.text())))
+    with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):
+        window.load_model(str(path))
+    assert [(d, t) for d, t, *_ in seen] == [(0, 0), (1, 3), (2, 3), (3, 3)]  # tokenizer, two layers, head
+    for done, total, value, maximum, label in seen[1:]:
+        assert (value, maximum) == (done, total) and "Loading tiny.gguf: Reading the weights: " in label
+    assert "layer 2 of 2" in seen[2][4]
+    assert not window.load_bar.isVisible()
+    assert "auto: the file's decoder weights are 4-bit codes" in window.model_label.toolTip()
+    assert "Q4_K->int4 x14" in window.model_label.toolTip()

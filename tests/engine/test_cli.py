@@ -37,3 +37,16 @@ def test_bad_model_path_is_a_clear_error_with_exit_code_2(tmp_path):
     assert proc.returncode == 2
     assert "GGUF file not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
+    """A GGUF's load prints each decoder layer as it is filled, then the format auto chose, why, and the mix."""
+    from gguf_files import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", "Q4_K")
+    proc = run(["run", "--model", str(path), "--max-new-tokens", "2", "--disk-cache-bytes", "0", "hi"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "layer 1 of 2 (1/3)" in proc.stderr and "layer 2 of 2 (2/3)" in proc.stderr
+    loaded = next(line for line in proc.stderr.splitlines() if line.startswith("loaded "))
+    assert "auto: the file's decoder weights are 4-bit codes" in loaded
+    assert "Q4_K->int4 x14" in loaded and " MiB" in loaded

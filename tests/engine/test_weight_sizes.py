@@ -72,3 +72,31 @@ def test_from_pretrained_takes_the_weight_format_and_reports_what_it_holds(tmp_p
     assert int4.fingerprint != dense.fingerprint
     with pytest.raises(ValueError, match="weights must be one of"):
         KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0, weights="int3")
+
+
+def test_a_gguf_of_mixed_types_is_estimated_as_the_loader_holds_each_tensor(tmp_path, one_thread):
+    """Q4_K codes as int4 at their own groups, Q6_K / Q8_0 as int8 rows (where the int8 kernel runs), F16
+    quantized at the asked group size, the Q8_0 table in int8 rows under head="auto"."""
+    from gguf_files import random_tensors, tensor_shapes, write_gguf
+
+    values = random_tensors(tensor_shapes("llama", {"hidden": 256, "intermediate": 512}))
+    kinds = {"attn": "Q4_K", "ffn_down": "Q6_K", "ffn_gate": "Q8_0", "ffn_up": "F16", "token_embd": "Q8_0"}
+    typed = {name: (v, "F32" if v.ndim == 1 else next(t for k, t in kinds.items() if k in name))
+             for name, v in values.items()}
+    path = write_gguf(tmp_path / "mix.gguf", typed, sizes={"hidden": 256, "intermediate": 512})
+    sizes = weight_sizes.estimate(str(path), device="cpu", group_size=64)
+    int4_model, _ = load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4", group_size=64)
+    held = weights_report(int4_model)
+    assert {label.split("->")[1] for label in held["gguf"]} >= {"int4", "float32"}
+    assert close(sizes["int4"], held["resident_bytes"]), (sizes, held["gguf"])
+    assert close(sizes["float"], held_bytes(path, weights="float"))
+    auto_model, _ = load_model(resolve_source(str(path)), CPU, torch.float32, weights="auto")
+    assert sizes["auto"]["loads"] == auto_model.weights_choice["loaded"]
+    assert sizes["auto"]["why"] == auto_model.weights_choice["why"]
+
+
+def test_the_embedded_model_estimate_matches_what_the_default_load_holds(smollm):
+    sizes = weight_sizes.estimate(None, device="cpu")
+    assert sizes["auto"]["loads"] == smollm.model.weights_choice["loaded"] == "int4"
+    assert close(sizes["int4"], weights_report(smollm.model)["resident_bytes"])
+    assert sizes["int4"] < 0.3 * sizes["float"]
