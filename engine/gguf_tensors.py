@@ -5,7 +5,8 @@ uses, so a float tensor here equals the one transformers would load, bit for bit
 transform (its TensorProcessor: llama's q/k row permutation, Gemma's norm offset). Where the transform is a
 permutation of whole rows (`row_order`), the rows are taken from the file in that order instead, which lets a
 large tensor be converted a slice of rows at a time: int8 rows and int4 groups are per row, so a slice gives
-the same codes as the whole, and only ROW_CHUNK rows are ever held in float.
+the same codes as the whole, and only CHUNK_ELEMENTS values (a few rows of the widest matrix) are ever held in
+float, whatever the model's size.
 
 Roundings, per form:
 - float: none beyond the cast of gguf's float32 value to the compute dtype.
@@ -26,7 +27,10 @@ from .gguf_int4 import decode_blocks
 from .head import quantize_rows_int8
 from .int4 import padded_features, quantize_rtn
 
-ROW_CHUNK = 4096  # rows dequantized at a time when a tensor is converted to int8 rows or int4 groups
+# Values dequantized at a time when a tensor is converted to int8 rows or int4 groups: 16 MB of float32, so the
+# float slice and its conversion's temporaries stay well under a layer's own size at 7B (a 4096-row slice of a
+# 14336-wide matrix was 235 MB of float32 and ~1 GB with the dequantizer's temporaries).
+CHUNK_ELEMENTS = 1 << 22
 
 
 def dequantized(file: GGUFFile, record: TensorRecord, rows=None) -> np.ndarray:
@@ -52,33 +56,34 @@ def float_weight(file: GGUFFile, record: TensorRecord, processor) -> torch.Tenso
     return torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a copy, as transformers takes
 
 
-def _row_slices(num_rows: int, order: np.ndarray | None):
-    """(start, stop, rows of the file to read) for each ROW_CHUNK of the output rows."""
-    for start in range(0, num_rows, ROW_CHUNK):
-        stop = min(start + ROW_CHUNK, num_rows)
+def _row_slices(num_rows: int, num_columns: int, order: np.ndarray | None):
+    """(start, stop, rows of the file to read) for each slice of about CHUNK_ELEMENTS values of the output."""
+    step = max(1, CHUNK_ELEMENTS // max(num_columns, 1))
+    for start in range(0, num_rows, step):
+        stop = min(start + step, num_rows)
         yield start, stop, slice(start, stop) if order is None else order[start:stop]
 
 
 def int8_rows(file: GGUFFile, record: TensorRecord, order: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes int8 [out, in], scales float32 [out]) of the dequantized rows, output row r from file row
-    order[r] (or r), ROW_CHUNK rows of float at a time."""
+    order[r] (or r), a slice of rows at a time."""
     out_features, in_features = record.shape
     codes = torch.empty(out_features, in_features, dtype=torch.int8)
     scales = torch.empty(out_features, dtype=torch.float32)
-    for start, stop, rows in _row_slices(out_features, order):
+    for start, stop, rows in _row_slices(out_features, in_features, order):
         codes[start:stop], scales[start:stop] = quantize_rows_int8(torch.from_numpy(dequantized(file, record, rows)))
     return codes, scales
 
 
 def rtn_rows(file: GGUFFile, record: TensorRecord, order: np.ndarray | None, group_size: int):
     """(codes uint8 [out, in_padded], scales float32 [out, groups], zeros uint8) of the dequantized rows,
-    round-to-nearest per group of `group_size` (engine.int4.quantize_rtn), ROW_CHUNK rows at a time."""
+    round-to-nearest per group of `group_size` (engine.int4.quantize_rtn), a slice of rows at a time."""
     out_features, in_features = record.shape
     padded = padded_features(in_features, group_size)
     codes = torch.empty(out_features, padded, dtype=torch.uint8)
     scales = torch.empty(out_features, padded // group_size, dtype=torch.float32)
     zeros = torch.empty(out_features, padded // group_size, dtype=torch.uint8)
-    for start, stop, rows in _row_slices(out_features, order):
+    for start, stop, rows in _row_slices(out_features, in_features, order):
         weight = torch.from_numpy(dequantized(file, record, rows))
         codes[start:stop], scales[start:stop], zeros[start:stop] = quantize_rtn(weight, group_size)
     return codes, scales, zeros

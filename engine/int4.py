@@ -99,6 +99,9 @@ def _inner_k_tiles(padded_in: int) -> int:
     return next(t for t in (8, 4, 2) if padded_in % (t * 16) == 0)
 
 
+PACK_ROWS = 1024  # rows of int32 codes at a time for the CPU kernel's packing (a multiple of its 64-row tiles)
+
+
 def _to_kernel_layout(kernel: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                       offsets: torch.Tensor | None = None):
     """(packed weight, scales_and_zeros [groups, out, 2] bfloat16) for an int4pack kernel, on codes' device."""
@@ -108,7 +111,13 @@ def _to_kernel_layout(kernel: str, codes: torch.Tensor, scales: torch.Tensor, ze
         kernel_offsets = kernel_offsets + offsets.to(torch.float32)
     scales_and_zeros = torch.stack([scales, kernel_offsets], dim=-1).transpose(0, 1).contiguous().to(FAST_DTYPE)
     if kernel == "cpu_int4pack":
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+        # The kernel takes int32 codes (8 bytes a weight's worth of nibble): converted PACK_ROWS rows at a time
+        # into the packed weight, whose rows come out the same in slices of whole 64-row tiles as at once.
+        out_features, padded = codes.shape
+        packed = torch.empty(out_features, padded // 2, dtype=torch.uint8, device=codes.device)
+        for start in range(0, out_features, PACK_ROWS):
+            rows = codes[start:start + PACK_ROWS].to(torch.int32).contiguous()
+            packed[start:start + PACK_ROWS] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(rows, 2)
     else:  # tinygemm takes [out, K/2] uint8 with the even column in the high nibble
         pairs = (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
         packed = torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(codes.shape[1]))

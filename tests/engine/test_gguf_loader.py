@@ -353,3 +353,22 @@ def test_a_load_reports_each_decoder_layer_as_it_is_filled(files, one_thread):
 
     with pytest.raises(Stop):
         load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4", progress=stop_after_first_layer)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q4_K", "F16"])
+def test_a_tensor_converted_a_few_rows_at_a_time_holds_what_one_pass_makes(files, kind, monkeypatch, one_thread):
+    """Large tensors are dequantized CHUNK_ELEMENTS values at a time and packed for the CPU int4 kernel PACK_ROWS
+    rows at a time (bounded memory at 7B); slices of 3 rows / 64-row tiles must give every buffer of one pass."""
+    import engine.gguf_tensors as gguf_tensors
+    import engine.int4 as int4
+
+    path = files(kind)
+    whole = ours(path, weights="int4", head="int8+embedding", group_size=32)
+    monkeypatch.setattr(gguf_tensors, "CHUNK_ELEMENTS", 3 * 256)  # 3 rows of a 256-wide matrix
+    monkeypatch.setattr(int4, "PACK_ROWS", 64)
+    sliced = ours(path, weights="int4", head="int8+embedding", group_size=32)
+    want = dict(whole.named_buffers())
+    got = dict(sliced.named_buffers())
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+    assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in sliced.modules())
