@@ -40,8 +40,11 @@ def test_a_restarted_chat_with_default_settings_is_token_identical_to_full_prefi
     # every tier keeps KV as computed unless the user opts in (int8 on host and disk changed 1 of 4 turns)
     assert first["kv_quant"] == {"device": "none", "host": "none", "disk": "none"}
     second = run_chat(folder)  # a restart: a fresh process on the same folder
-    for run in (first, second):
-        assert [turn["token_ids"] for turn in run["turns"]] == reference
+    for name, run in (("first", first), ("restarted", second)):
+        for index, (turn, want) in enumerate(zip(run["turns"], reference)):
+            # what served the turn, for a failure that shows once in many runs (seen once in CI, never here)
+            assert turn["token_ids"] == want, (f"{name} process, turn {index}: chunks {turn['chunks']}, "
+                                               f"tiers {turn['reused_by_tier']}")
     from_disk = sum(turn["reused_by_tier"].get("disk", 0) for turn in second["turns"])
     assert from_disk > 0 and second["turns"][0]["reused_by_tier"].get("disk", 0) > 0
     kinds = {kind for turn in second["turns"] for _, _, kind in turn["chunks"]}
