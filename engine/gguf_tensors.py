@@ -34,16 +34,50 @@ CHUNK_ELEMENTS = 1 << 22
 
 
 def dequantized(file: GGUFFile, record: TensorRecord, rows=None) -> np.ndarray:
-    """float32 values of `record` ([rows, columns]; a 1-D tensor as [1, n]), gguf-py's dequantization;
-    `rows` (a slice or an index array) reads only those rows of the file."""
+    """float32 values of `record` ([rows, columns]; a 1-D tensor as [1, n]), gguf-py's dequantization (Q6_K and
+    Q8_0, the 5-8-bit types of the common files, by the same float32 products in torch: dequantize_q6_k,
+    dequantize_q8_0); `rows` (a slice or an index array) reads only those rows of the file."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    data = tensor_data(file, record)
+    data = np.asarray(tensor_data(file, record))  # a plain view: numpy's memmap subclass is slow to slice
     if rows is not None:
         data = data[rows]
+    fast = _TORCH_DEQUANTIZE.get(record.type_name)
+    if fast is not None:
+        return fast(data).numpy()
     values = dequantize(data, GGMLQuantizationType(record.ggml_type))
     return values if values.flags.writeable else np.array(values)  # F32: a view of the read-only map
+
+
+def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start:start + 2].contiguous().view(torch.float16)[:, 0].to(torch.float32)
+
+
+def dequantize_q6_k(data: np.ndarray) -> torch.Tensor:
+    """Q6_K bytes [rows, row bytes] -> float32 [rows, columns], each value d * scale (float32) times the signed
+    6-bit code, as gguf's `quants.Q6_K.dequantize_blocks` forms it. Block of 256: 128 bytes of low nibbles, 64 of
+    high 2-bit pairs, 16 int8 sub-scales, an fp16 d."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.array(data)).reshape(-1, 210)  # a copy of the bytes: the map is read-only
+    n = blocks.shape[0]
+    d = _fp16_field(blocks, 208)[:, None] * blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [n, 16]
+    shifts_low = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+    low = ((blocks[:, :128].reshape(n, 2, 1, 64) >> shifts_low) & 0x0F).reshape(n, 8, 32)
+    shifts_high = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    high = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> shifts_high) & 0x03).reshape(n, 8, 32)
+    q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
+    return (d[:, :, None] * q).reshape(rows, -1)
+
+
+def dequantize_q8_0(data: np.ndarray) -> torch.Tensor:
+    """Q8_0 bytes -> float32, code times the block's fp16 scale (gguf's `quants.Q8_0.dequantize_blocks`)."""
+    rows = data.shape[0]
+    blocks = torch.from_numpy(np.array(data)).reshape(-1, 34)
+    return (blocks[:, 2:].view(torch.int8).to(torch.float32) * _fp16_field(blocks, 0)[:, None]).reshape(rows, -1)
+
+
+_TORCH_DEQUANTIZE = {"Q6_K": dequantize_q6_k, "Q8_0": dequantize_q8_0}
 
 
 def float_weight(file: GGUFFile, record: TensorRecord, processor) -> torch.Tensor:

@@ -372,3 +372,27 @@ def test_a_tensor_converted_a_few_rows_at_a_time_holds_what_one_pass_makes(files
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
     assert any(isinstance(m, (Int4Linear, Int8Linear)) for m in sliced.modules())
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_the_torch_dequantizers_give_gguf_pys_values_bit_for_bit(kind):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from engine.gguf_tensors import dequantize_q6_k, dequantize_q8_0
+
+    rng = np.random.default_rng(5)
+    weight = (rng.standard_normal((48, 512)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)
+    weight[3] = 0  # an all-zero row: scales of zero
+    weight[7, :40] = 65000.0  # near fp16's largest scale
+    if kind == "Q6_K":
+        from gguf_files import quantize_q6_k, random_blocks
+
+        data = np.concatenate([quantize_q6_k(weight).reshape(48, -1), random_blocks("Q6_K", 16, 512, rng)])
+        ours = dequantize_q6_k(data)
+    else:
+        data = quantize(weight, GGMLQuantizationType.Q8_0)
+        ours = dequantize_q8_0(data)
+    want = dequantize(data, GGMLQuantizationType[kind])
+    assert ours.dtype == torch.float32 and ours.shape == want.shape
+    assert torch.equal(ours, torch.from_numpy(np.array(want)))
