@@ -4,7 +4,8 @@
 `python -m bench speculative ...`: prompt-lookup speculative decoding against one token per forward;
 `python -m bench remote ...`: a second process restoring a warmed prompt from the shared KV tier (Redis/Valkey);
 `python -m bench batching ...`: concurrent streams through the server, one at a time against batched;
-`python -m bench shapes --shape 1.5b|7b`: a real model's shape (random weights) against llama.cpp on the same file."""
+`python -m bench shapes --shape 1.5b|7b`: a real model's shape (random weights) against llama.cpp on the same file;
+`python -m bench exactness`: greedy answers with EXACT/PREFIX hits against uncached ones, per weight format."""
 
 import sys
 
@@ -31,6 +32,10 @@ if __name__ == "__main__":
         from bench.shapes import main as shapes_main
 
         sys.exit(shapes_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["exactness"]:
+        from bench.exactness import main as exactness_main
+
+        sys.exit(exactness_main(sys.argv[2:]))
     if sys.argv[1:2] == ["remote"]:
         from bench.remote import main as remote_main
 

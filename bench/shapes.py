@@ -140,7 +140,7 @@ LLAMA_QUANTIZE = r"""
 import ctypes, sys
 import llama_cpp
 params = llama_cpp.llama_model_quantize_default_params()
-params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.ftype = getattr(llama_cpp, sys.argv[4] if len(sys.argv) > 4 else "LLAMA_FTYPE_MOSTLY_Q4_K_M")
 params.nthread = int(sys.argv[3])
 params.allow_requantize = True
 rc = llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params))

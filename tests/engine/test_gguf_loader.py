@@ -396,3 +396,31 @@ def test_the_torch_dequantizers_give_gguf_pys_values_bit_for_bit(kind):
     want = dequantize(data, GGMLQuantizationType[kind])
     assert ours.dtype == torch.float32 and ours.shape == want.shape
     assert torch.equal(ours, torch.from_numpy(np.array(want)))
+
+
+@pytest.mark.parametrize(("kind", "weights"), [("Q4_K", "int4"), ("Q4_0", "int4"), ("Q6_K", "int4"),
+                                               ("Q8_0", "int4"), ("Q8_0", "float"), ("F16", "int4")])
+def test_reuse_over_every_weight_form_gives_the_uncached_greedy_tokens(files, kind, weights, one_thread):
+    """EXACT and PREFIX hits over int4 codes, int8 rows, RTN int4 and float: 12 prompts sharing prefixes of
+    whole chunks, each answered after the others filled the cache: the first token's logits (bit for bit over the
+    quantized forms; under float32 attention Q4_0's moved) and the greedy tokens those of an uncached run.
+    Divergences: none of 24."""
+    from engine import ChunkingConfig, EngineConfig, KVBoost
+
+    model, tokenizer = load_model(resolve_source(str(files(kind))), CPU, torch.float32, weights=weights)
+    cached = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=16), disk_cache_bytes=0))
+    plain = cached.with_options(reuse="off")
+    rng = np.random.default_rng(11)
+    shared = [rng.integers(3, 500, size=16 * n).tolist() for n in (1, 2, 3)]
+    prompts = [shared[i % 3] + rng.integers(3, 500, size=int(rng.integers(1, 40))).tolist() for i in range(12)]
+    diverged, moved, hits = 0, 0, set()
+    for ids in prompts + prompts:  # the second pass: EXACT hits of whole prompts
+        got = cached.generate(ids, max_new_tokens=12, return_logits=True)
+        want = plain.generate(ids, max_new_tokens=12, return_logits=True)
+        hits |= {kind for _, _, kind in got.stats.chunks}
+        diverged += got.token_ids != want.token_ids
+        if weights == "float":  # float32 kernels: attention's shape moves the logits by ~1e-6, as documented
+            moved += (got.first_logits - want.first_logits).abs().max().item() > 1e-4
+        else:
+            moved += not torch.equal(got.first_logits, want.first_logits)
+    assert hits >= {"EXACT"} and diverged == 0 and moved == 0

@@ -319,11 +319,11 @@ def test_an_exact_hit_after_int4_load_equals_full_prefill_at_the_same_weights(sm
     if kernel == "reference":  # float32 numerics: as exact as reuse on the float model
         assert (result.first_logits - full).abs().max() < 1e-4
     else:
-        # The kernel is batch-invariant but rounds every linear's input and output to bfloat16: the float32
-        # differences any two attention shapes make (~1e-6) flip some of those roundings (2^-8 relative), and 30
-        # layers grow that to about 0.5% of the logit scale (0.11 of 20 measured). Same argmax, and under 2%.
-        assert int(result.first_logits.argmax()) == int(full.argmax())
-        assert (result.first_logits - full).abs().max() < 0.02 * float(full.abs().max())
+        # The kernel is batch-invariant but rounds every linear's input to bfloat16; under float32 attention the
+        # ~1e-7 differences two attention shapes make flipped some of those roundings (0.11 of 20 in the logits).
+        # The engine runs such models on float64 attention (engine.exact_attention): the same logits exactly.
+        assert engine.model.config._attn_implementation == "sdpa_float64"
+        assert torch.equal(result.first_logits, full)
 
 
 # -- CUDA and the GPU check script -------------------------------------------------------------------------------
