@@ -226,6 +226,7 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
     scheduler = Scheduler(engine, max_queue, worker, max_batch)
     app.state.scheduler = scheduler
     card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "kvboost"}
+    weights = engine.info()["weights"]  # what was loaded: format, resident bytes, a GGUF's mix, auto's choice
 
     @app.exception_handler(APIError)
     async def on_api_error(_request, exc: APIError):
@@ -261,7 +262,7 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": model_id, "waiting": scheduler.num_waiting,
-                "running": scheduler.num_running, "served": scheduler.num_served}
+                "running": scheduler.num_running, "served": scheduler.num_served, "weights": weights}
 
     @app.get("/v1/models")
     async def models():
