@@ -69,7 +69,7 @@ def run_format(label: str, source, weights: str, count: int, new_tokens: int) ->
     compared = diverged = reused = 0
     kinds: dict[str, int] = {}
     t0 = time.perf_counter()
-    for messages in prompts(cached.tokenizer, count):
+    for number, messages in enumerate(prompts(cached.tokenizer, count), 1):
         first = cached.chat(messages, max_new_tokens=new_tokens)
         again = cached.chat(messages, max_new_tokens=new_tokens)
         follow = messages + [{"role": "assistant", "content": first.text}, {"role": "user", "content": FOLLOW_UP}]
@@ -82,6 +82,7 @@ def run_format(label: str, source, weights: str, count: int, new_tokens: int) ->
             reused += result.stats.reused_tokens
             for _start, _end, kind in result.stats.chunks:
                 kinds[kind] = kinds.get(kind, 0) + 1
+        print(f"  {label}: prompt {number}/{count}, {diverged} diverged of {compared}", file=sys.stderr, flush=True)
     return {"format": label, "weights": cached.info()["weights"]["format"], "prompts": count,
             "answers_compared": compared, "diverged": diverged, "rate": diverged / compared,
             "reused_tokens": reused, "chunk_kinds": kinds, "seconds": round(time.perf_counter() - t0, 1)}
