@@ -60,7 +60,9 @@ def payloads(draw):
         odd_layer = None
     label = draw(st.sampled_from(["as encoded", "as encoded", "another quant", "another token count"]))
     if label == "another quant":
-        stored = StoredKV(stored.layers, draw(st.sampled_from(["none", "int8", "int4"])), stored.num_tokens)
+        # another than the one encoded (drawing "none" again relabelled nothing, yet counted as a lie)
+        others = [q for q in ("none", "int8", "int4") if q != stored.quant]
+        stored = StoredKV(stored.layers, draw(st.sampled_from(others)), stored.num_tokens)
     elif label == "another token count":
         stored = StoredKV(stored.layers, stored.quant, draw(st.sampled_from([tokens - 1, tokens + 1])))
     exact = (layers, heads, dim, tokens, dtype, v_dim, odd_layer) == (2, 2, 16, CHUNK, torch.float32, None, None)
