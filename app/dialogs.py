@@ -352,11 +352,11 @@ class ModelDialog(QDialog):
             self._weight_sizes_label.setText(f"Size unknown: {sizes['error']}")
             return
         float_mb, int4_mb = sizes["float"] / 2**20, sizes["int4"] / 2**20
-        auto = sizes.get("auto") or {"loads": "int4" if sizes["awq"] else "float", "why": ""}
+        auto = sizes["auto"]  # engine.weight_sizes.estimate: what weights="auto" loads and why
         self._weight_sizes_label.setText(
             f"Weights in memory: float ({sizes['dtype']}) {float_mb:,.0f} MB · int4 {int4_mb:,.0f} MB"
             f" · auto loads {auto['loads']}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
-        self._weight_sizes_label.setToolTip(f"Auto: {auto['why']}" if auto["why"] else "")
+        self._weight_sizes_label.setToolTip(f"Auto: {auto['why']}")
 
     def streaming_unavailable(self) -> str | None:
         """Why streaming cannot be chosen for the chosen model and weight format, or None."""

@@ -378,7 +378,7 @@ class EngineClient(QObject):
         self._engine = engine
         self._ms_per_token = None
         info = engine.info()
-        from engine.cli import describe_weights
+        from engine.loader import describe_weights
 
         self._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=time.perf_counter() - t0,
                           weights_text=describe_weights(info["weights"]))

@@ -82,6 +82,8 @@ def load_engine(args):
 
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
+    from .loader import describe_weights
+
     engine = KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
                                    chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
                                    cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
@@ -112,19 +114,6 @@ class _LoadProgress:
             self.shown = done * 10 // total
             self.out.write(f"  {what} ({done}/{total})\n")
         self.out.flush()
-
-
-def describe_weights(weights: dict) -> str:
-    """One line of what a load holds (engine.loader.weights_report): the format, why "auto" chose it, the bytes,
-    and a GGUF's mix of what each tensor type became."""
-    text = f"weights {weights['format']}, {weights['resident_bytes'] / 2**20:,.0f} MiB"
-    choice = weights.get("choice") or {}
-    if choice.get("asked") == "auto":
-        text += f" (auto: {choice['why']})"
-    mix = weights.get("gguf")
-    if mix:
-        text += "; " + ", ".join(f"{label} x{entry['tensors']}" for label, entry in mix.items())
-    return text
 
 
 def _badge(stats) -> str:

@@ -158,10 +158,11 @@ class KVBoost:
         GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
         Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's 4-bit codes as int4, its
         5-8-bit ones as int8 rows where that kernel runs, AWQ/GPTQ as int4, a float model as float unless it would
-        not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in groups of `group_size`; a GGUF's Q4_0/Q4_1
-        tensors taken as they are); `head` "auto" | "float" | "int8" | "int8+embedding" | "int4" |
-        "int4+embedding" (the output head, and with "+embedding" the input table, in fewer bytes; "auto": int8
-        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
+        not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in
+        groups of `group_size`; a GGUF's Q4_0/Q4_1/Q4_K tensors taken as they are); `head` "auto" | "float" |
+        "int8" | "int8+embedding" | "int4" | "int4+embedding" (the output head, and with "+embedding" the input
+        table, in fewer bytes; "auto": int8 head and table under int4 layers where the int8 kernel runs, else as
+        loaded: engine.head.auto_head);
         `kernel` the int4 matmul path ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says
         what was loaded."""
         if quiet:

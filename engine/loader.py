@@ -506,6 +506,19 @@ def weights_report(model) -> dict:
             "attention": getattr(model.config, "_attn_implementation", None)}
 
 
+def describe_weights(weights: dict) -> str:
+    """One line of what a load holds (engine.loader.weights_report): the format, why "auto" chose it, the bytes,
+    and a GGUF's mix of what each tensor type became."""
+    text = f"weights {weights['format']}, {weights['resident_bytes'] / 2**20:,.0f} MiB"
+    choice = weights.get("choice") or {}
+    if choice.get("asked") == "auto":
+        text += f" (auto: {choice['why']})"
+    mix = weights.get("gguf")
+    if mix:
+        text += "; " + ", ".join(f"{label} x{entry['tensors']}" for label, entry in mix.items())
+    return text
+
+
 def fingerprint(model) -> str:
     """A stable identity of the weights, dtype, RoPE/attention config and attention implementation.
 

@@ -157,9 +157,8 @@ def streaming_estimate(source, sizes: dict, *, device: str = "auto", num_slots: 
     src = loader.resolve_source(source)
     dev = loader.pick_device(device)
     config = loader.read_config(src)
-    # "auto" is what resolve_weights makes of this source (a 4-bit GGUF loads as int4, so it can stream)
-    resolved = {"auto": sizes["auto"]["loads"]} if "auto" in sizes else {}
-    unavailable = {weights: streaming_refusal(config, dev, resolved.get(weights, weights))
+    # "auto" is what resolve_weights made of this source (a 4-bit GGUF loads as int4, so it can stream)
+    unavailable = {weights: streaming_refusal(config, dev, sizes["auto"]["loads"] if weights == "auto" else weights)
                    for weights in ("auto", "float", "int4")}
     text = config.get_text_config()
     layers = int(text.num_hidden_layers)

@@ -68,7 +68,7 @@ def _int4_bytes(out_features: int, in_features: int, group_size: int, fast_kerne
     return out_features * padded // 2 + out_features * (padded // group_size) * per_group
 
 
-def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, fast_kernel: bool = True,
+def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, int4_kernel: str = "cpu_int4pack",
                       int8_kernel: bool = True) -> dict[str, int]:
     """weight_bytes for a GGUF file, tensor by tensor as engine.gguf_loader keeps it: "float" every tensor in
     `dtype`; "int4" the decoder matrices as weights="int4" loads them (4-bit codes as int4 at their own
@@ -96,7 +96,7 @@ def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, fast_k
             held = out_features * in_features + 2 * out_features if int8_kernel else record.num_elements * element
             quantized |= int8_kernel
         else:
-            fast = fast_kernel and shape_problem("cpu_int4pack", out_features, in_features) is None
+            fast = int4_kernel != "reference" and shape_problem(int4_kernel, out_features, in_features) is None
             four_bit = record.type_name in INT4_TYPES
             held = _int4_bytes(out_features, in_features, BLOCK if four_bit else group_size, fast,
                                four_bit and record.type_name != "Q4_0")
@@ -134,13 +134,14 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     from .head import pick_int8_kernel
     from .int4 import pick_kernel
 
-    fast = pick_kernel("auto", dev)[1] is None
+    kernel, why_not = pick_kernel("auto", dev)
+    fast = why_not is None
     int8 = pick_int8_kernel(dev)[1] is None
     if src.kind == "gguf":
         from .gguf_file import read_gguf
 
         sizes = gguf_weight_bytes(read_gguf(Path(src.location) / src.gguf_file), dt, group_size=group_size,
-                                  fast_kernel=fast, int8_kernel=int8)
+                                  int4_kernel=kernel if fast else "reference", int8_kernel=int8)
     else:
         sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast, int8_head=int8)
     return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size,

@@ -10,6 +10,19 @@ if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v
         || { apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null; } \
         || { echo "test.sh: redis-server could not be installed with apt-get" >&2; exit 1; }
 fi
+# llama.cpp, the independent reference of tests/engine/test_llama_cpp_reference.py, in a virtualenv of its own
+# (torch and llama.cpp in one process crash): built once (~15 min from source), then reused. A failed build is
+# said here and those tests skip saying why; KVBOOST_LLAMA_PYTHON set beforehand uses that Python instead.
+if [ -z "${KVBOOST_LLAMA_PYTHON:-}" ]; then
+    if ! .llama-venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
+        { "${PYTHON:-python3}" -m venv .llama-venv \
+            && CMAKE_ARGS="-DGGML_NATIVE=OFF" .llama-venv/bin/python -m pip install -q "llama-cpp-python==0.3.36" numpy; } \
+            >/dev/null 2>&1 || echo "test.sh: llama-cpp-python could not be built; the llama.cpp reference tests skip" >&2
+    fi
+    if .llama-venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
+        export KVBOOST_LLAMA_PYTHON="$PWD/.llama-venv/bin/python"
+    fi
+fi
 export QT_QPA_PLATFORM=offscreen
 # engine/ never imports Qt (contract in pyproject.toml).
 .venv/bin/lint-imports
