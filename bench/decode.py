@@ -5,8 +5,9 @@ Rows: plain transformers `generate()` on the float model; our float model; our i
 (reference, cpu_int4pack / tinygemm where available) and group size; the float model with an int8 output head
 (the head of a 135M model is a fifth of its weights and is read at every token: engine.head); for a GGUF with
 Q4_0 / Q4_1 tensors, those read as they are (engine.gguf_int4), with the output head in float, int8 (alone and
-with the embedding table in int8), int4 at each group size (alone and with an int4 table); llama.cpp on the
-same GGUF when `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
+with the embedding table in int8), int4 at each group size (alone and with an int4 table), and the file's own
+blocks under the block kernel (engine.gguf_blocks: every tensor it holds, head and table included); llama.cpp on
+the same GGUF when `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
 
 Each int4 row is a copy of the float model quantized in place (RTN, or the GGUF's blocks); all rows stay
 resident and are timed interleaved, step by step, so the noise of a shared machine hits them alike. Decode
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engine import gguf_blocks
 from engine.gguf_int4 import GGUFBlocks
 from engine.head import quantize_head
 from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
@@ -213,6 +215,9 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
             models[f"ours int4 g{group_size} {kernel}"] = quantized
         if src.kind == "gguf" and kernel != "reference":
             models.update(gguf_rows(model, src, kernel, head_groups))
+    if src.kind == "gguf" and gguf_blocks.unavailable(dev) is None:  # the file's blocks, head and table included
+        blocks, _ = load_model(src, dev, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)
+        models[f"ours {weights_report(blocks)['format']} {gguf_blocks.KERNEL}"] = blocks
     reports = {name: weights_report(m) for name, m in models.items()}
     few = {name for name, r in reports.items() if r["kernel"] == "reference"}
     interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs

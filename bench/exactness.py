@@ -33,9 +33,8 @@ def q8_0_copy() -> Path | None:
     target = cache_folder() / "SmolLM2-135M-Instruct.Q8_0.gguf"
     if target.is_file():
         return target
-    try:
-        python = llama_python()
-    except SystemExit:
+    python = llama_python()
+    if python is None:
         return None
     part = target.with_suffix(".part")
     done = subprocess.run([python, "-c", LLAMA_QUANTIZE, str(default_model_path()), str(part), "2",

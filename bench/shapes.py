@@ -5,7 +5,8 @@ noise, its speed and memory are real) into a cache folder, once per shape:
   1. every tensor Q8_0 (gguf-py's quantizer), written tensor by tensor (never the whole model in memory); the
      tokenizer is the embedded SmolLM2 model's, its token list padded to the shape's vocabulary;
   2. then Q4_K_M by llama.cpp's own quantizer (llama-cpp-python, requantizing the Q8_0 file) when llama_cpp is
-     importable; without it the benchmark stops and says so (a Q8_0 row alone is not what users download).
+     importable; without it, the Q4_K_M layout (llama.cpp's type per tensor) written directly with the project's
+     own random K-quant blocks, and ours is measured alone.
 Then measures, each engine in a child process of its own (llama.cpp and torch in one process crash), alternating
 the engines for `--rounds` rounds, medians reported: load time (warm page cache: the file was just read; cold too
 when the page cache can be dropped, as root), peak RSS of the process while loading, the weights it keeps, time
@@ -60,8 +61,33 @@ def _field_value(reader, key: str):
     return field.parts[field.data[0]].tolist()[0]
 
 
-def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
-    """The shape's body as a Q8_0 GGUF (norms F32), one tensor in memory at a time."""
+def q4_k_m_type(name: str, layer: int, layers: int, tied: bool) -> str:
+    """The type llama.cpp's Q4_K_M gives a tensor of a llama body: Q6_K for the output head (the tied table) and for
+    attn_v / ffn_down in the first and last eighth of the layers and every third layer between, else Q4_K."""
+    more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    if name == "output.weight" or (name == "token_embd.weight" and tied):
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and more_bits:
+        return "Q6_K"
+    return "Q4_K"
+
+
+def random_k_blocks(type_name: str, rows: int, columns: int, rng):
+    """Stored bytes of a [rows, columns] Q4_K / Q6_K tensor with random codes and sub-scales and small positive
+    fp16 super-scales (the project's own packer: every byte pattern of these blocks decodes, and the scales keep
+    the values finite and small, like a real model's)."""
+    import numpy as np
+
+    width, scales = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}[type_name]
+    data = rng.integers(0, 256, (rows * columns // 256, width), dtype=np.uint8)
+    for offset in scales:
+        data[:, offset:offset + 2] = rng.uniform(1e-4, 1e-3, (data.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def write_q8_gguf(shape: dict, path: Path, seed: int = 0, own_q4_k_m: bool = False) -> None:
+    """The shape's body as a Q8_0 GGUF (norms F32), one tensor in memory at a time; with `own_q4_k_m` its tensors
+    take llama.cpp's Q4_K_M types (q4_k_m_type) instead, as random K-quant blocks (random_k_blocks)."""
     import gguf
     import numpy as np
     from gguf import GGMLQuantizationType as T
@@ -88,7 +114,7 @@ def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
     writer.add_rope_freq_base(1_000_000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(shape["vocab"])
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if own_q4_k_m else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_tokenizer_model(_field_value(donor, "tokenizer.ggml.model"))
     writer.add_tokenizer_pre(_field_value(donor, "tokenizer.ggml.pre"))
     writer.add_token_list(tokens)
@@ -112,6 +138,10 @@ def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
     plan.append(("output_norm.weight", (h,), T.F32))
     if not shape["tied"]:
         plan.append(("output.weight", (shape["vocab"], h), T.Q8_0))
+    if own_q4_k_m:
+        plan = [(name, dims, kind if kind == T.F32 else T[q4_k_m_type(
+            name, int(name.split(".")[1]) if name.startswith("blk.") else 0, shape["layers"], shape["tied"])])
+                for name, dims, kind in plan]
     for name, dims, kind in plan:
         if kind == T.F32:
             writer.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
@@ -125,6 +155,9 @@ def write_q8_gguf(shape: dict, path: Path, seed: int = 0) -> None:
     for name, dims, kind in plan:
         if kind == T.F32:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        if kind in (T.Q4_K, T.Q6_K):
+            writer.write_tensor_data(random_k_blocks(kind.name, dims[0], dims[1], rng))
             continue
         rows = []
         step = max(1, (1 << 24) // dims[1])  # quantize ~16M weights at a time
@@ -149,11 +182,20 @@ sys.exit(rc)
 
 
 def model_file(shape_name: str, threads: int) -> Path:
-    """The shape's Q4_K_M file, written on first use."""
+    """The shape's Q4_K_M file, written on first use: by llama.cpp's quantizer from a Q8_0 file where llama.cpp is
+    installed, else laid out as llama.cpp lays one out with the project's own random blocks (said on stderr)."""
     folder = cache_folder()
     q4 = folder / f"llama-{shape_name}.Q4_K_M.gguf"
     if q4.is_file():
         return q4
+    if llama_python() is None:
+        own = folder / f"llama-{shape_name}.Q4_K_M-own.gguf"
+        if not own.is_file():
+            t0 = time.perf_counter()
+            print(f"llama.cpp is not installed: writing {own.name} with our own K-quant blocks ...", file=sys.stderr)
+            write_q8_gguf(SHAPES[shape_name], own, own_q4_k_m=True)
+            print(f"  {own.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        return own
     q8 = folder / f"llama-{shape_name}.Q8_0.gguf"
     if not q8.is_file():
         t0 = time.perf_counter()
@@ -172,16 +214,14 @@ def model_file(shape_name: str, threads: int) -> Path:
     return q4
 
 
-def llama_python() -> str:
+def llama_python() -> str | None:
     """The Python that has llama-cpp-python: KVBOOST_LLAMA_PYTHON (a virtualenv of its own, as llama.cpp and
-    torch in one process crash), else this one when it can import llama_cpp."""
+    torch in one process crash), else this one when it can import llama_cpp, else None (the benchmark then
+    measures ours alone, on its own K-quant file)."""
     chosen = os.environ.get("KVBOOST_LLAMA_PYTHON")
     if chosen:
         return chosen
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise SystemExit("bench shapes needs llama-cpp-python (llama.cpp's quantizer writes Q4_K_M, and it is the "
-                         "anchor): pip install llama-cpp-python, or set KVBOOST_LLAMA_PYTHON to a Python that has it")
-    return sys.executable
+    return sys.executable if importlib.util.find_spec("llama_cpp") is not None else None
 
 
 RSS_NOW = r"""
@@ -201,8 +241,8 @@ torch.set_num_threads(job["threads"])
 from engine import KVBoost
 before = rss_now()
 t0 = time.perf_counter()
-eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], disk_cache_bytes=0, cpu_cache_bytes=0,
-                              reuse="off", speculative=None)
+eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], kernel=job["kernel"], disk_cache_bytes=0,
+                              cpu_cache_bytes=0, reuse="off", speculative=None)
 load_s = time.perf_counter() - t0
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weights = eng.info()["weights"]
@@ -264,13 +304,21 @@ def median(rows: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
-def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str) -> dict:
+def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str,
+        kernel: str = "auto") -> dict:
     path = model_file(shape_name, threads)
-    job = {"gguf": str(path), "threads": threads, "prompt": prompt, "new": new, "weights": weights}
+    job = {"gguf": str(path), "threads": threads, "prompt": prompt, "new": new, "weights": weights,
+           "kernel": kernel}
     results = {"ours": [], "llama.cpp": []}
     cold = {"ours": [], "llama.cpp": []}
+    engines = (("ours", OURS_CHILD), ("llama.cpp", LLAMA_CHILD))
+    if llama_python() is None:
+        print("  llama.cpp: not installed (pip install llama-cpp-python, or set KVBOOST_LLAMA_PYTHON): ours alone",
+              file=sys.stderr)
+        engines = engines[:1]
+        results["llama.cpp"] = [{"error": "llama-cpp-python is not installed"}]
     for r in range(rounds):
-        for name, code in (("ours", OURS_CHILD), ("llama.cpp", LLAMA_CHILD))[:: 1 if r % 2 == 0 else -1]:
+        for name, code in engines[:: 1 if r % 2 == 0 else -1]:
             python = llama_python() if name == "llama.cpp" else None
             if r == 0 and drop_page_cache():
                 row = child(code, job, python)
@@ -280,7 +328,7 @@ def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weigh
             results[name].append(row)
             print(f"  {name} round {r + 1}: {row}", file=sys.stderr)
     summary = {"shape": shape_name, "file_bytes": path.stat().st_size, "threads": threads, "prompt": prompt,
-               "rounds": rounds}
+               "rounds": rounds, "kernel": kernel}
     for name in results:
         summary[name] = {key: median(results[name], key)
                          for key in ("load_s", "peak_load_rss", "rss_before", "resident_bytes", "ttft_s",
@@ -309,7 +357,8 @@ def table(summary: dict) -> str:
 
         def num(value, fmt):
             return "-" if value is None else fmt.format(value)
-        rows.append(f"| {summary['shape']} ({size / 2**20:.0f} MiB) | {name} | {num(s['load_s'], '{:.1f} s')} | "
+        engine = f"ours (kernel={summary.get('kernel', 'auto')})" if name == "ours" else name
+        rows.append(f"| {summary['shape']} ({size / 2**20:.0f} MiB) | {engine} | {num(s['load_s'], '{:.1f} s')} | "
                     f"{num(s['cold_load_s'], '{:.1f} s')} | {num(s['peak_load_rss'] and s['peak_load_rss'] / 2**30, '{:.2f} GiB')} | "
                     f"{num(s['peak_load_rss'] and s['peak_load_rss'] / size, '{:.2f}x')} | "
                     f"{num(grown(s) and grown(s) / 2**30, '{:.2f} GiB')} | {num(grown(s) and grown(s) / size, '{:.2f}x')} | "
@@ -329,9 +378,10 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=1024, help="tokens of the TTFT prompt")
     parser.add_argument("--new", type=int, default=24, help="tokens decoded for the speed")
     parser.add_argument("--weights", default="int4", help="our weights= option (int4, auto, float)")
+    parser.add_argument("--kernel", default="auto", help="our kernel= option (auto, gguf_blocks, cpu_int4pack)")
     parser.add_argument("--json", type=Path, help="also write the summary here")
     args = parser.parse_args(argv)
-    summary = run(args.shape, args.rounds, args.threads, args.prompt, args.new, args.weights)
+    summary = run(args.shape, args.rounds, args.threads, args.prompt, args.new, args.weights, args.kernel)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     print(table(summary))

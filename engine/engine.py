@@ -156,15 +156,16 @@ class KVBoost:
         loaded); once set, the load stops there with engine.Cancelled. `progress(done, total, what)`: the
         load's steps as they happen, from the loading thread (engine.loader.load_model: per decoder layer for
         GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
-        Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's 4-bit codes as int4, its
-        5-8-bit ones as int8 rows where that kernel runs, AWQ/GPTQ as int4, a float model as float unless it would
+        Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0
+        tensors as the file's own blocks where the block kernel runs (engine.gguf_blocks: the CPU, with a C
+        compiler), elsewhere its 4-bit codes as int4 and its 5-8-bit ones as int8 rows, AWQ/GPTQ as int4, a float model as float unless it would
         not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in
         groups of `group_size`; a GGUF's Q4_0/Q4_1/Q4_K tensors taken as they are); `head` "auto" | "float" |
         "int8" | "int8+embedding" | "int4" | "int4+embedding" (the output head, and with "+embedding" the input
-        table, in fewer bytes; "auto": int8 head and table under int4 layers where the int8 kernel runs, else as
-        loaded: engine.head.auto_head);
-        `kernel` the int4 matmul path ("auto", "reference", "cpu_int4pack", "tinygemm"). info()["weights"] says
-        what was loaded."""
+        table, in fewer bytes; "auto": a GGUF's head and table as its blocks under the block kernel, else int8
+        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
+        `kernel` the matmul path ("auto", "gguf_blocks", or an int4 one: "reference", "cpu_int4pack",
+        "tinygemm"). info()["weights"] says what was loaded."""
         if quiet:
             loader.quiet_transformers()
         if draft_model is not None and speculative == "prompt-lookup":  # the default: a draft model replaces it

@@ -52,16 +52,19 @@ def float64_attention(module, query, key, value, attention_mask, *args, **kwargs
 
 
 def needs_exact_attention(model) -> bool:
-    """Whether `model` rounds activations to bfloat16 in its linears on the CPU (int4pack / int8pack kernels
-    under float32 attention), where attention's shape-dependent roundings would change reused answers."""
+    """Whether `model` rounds activations in its linears on the CPU (to bfloat16 in the int4pack / int8pack
+    kernels, to int8 blocks in engine.gguf_blocks) under float32 attention, where attention's shape-dependent
+    roundings would change reused answers."""
+    from .gguf_blocks import KERNEL, BlockLinear
     from .head import Int8Linear
     from .int4 import Int4Linear
 
-    device = next(model.parameters()).device
+    device = next(iter([*model.parameters(), *model.buffers()])).device
     if device.type != "cpu" or model.config._attn_implementation not in ("sdpa", ATTENTION):
         return False
-    kernels = {getattr(m, "kernel", None) for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear))}
-    return bool(kernels & {"cpu_int4pack", "cpu_int8pack"})
+    kernels = {getattr(m, "kernel", None) for m in model.modules()
+               if isinstance(m, (Int4Linear, Int8Linear, BlockLinear))}
+    return bool(kernels & {"cpu_int4pack", "cpu_int8pack", KERNEL})
 
 
 def use_exact_attention(model) -> bool:

@@ -8,7 +8,12 @@ replaced by its int4 or int8 layer as it is read. Names and per-architecture tra
 (`get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`); llama's q/k row permutation is applied to codes as a row
 order (engine.gguf_int4.row_order).
 
-Per GGUF type of a decoder linear, with weights="int4" (TENSOR_FORMS):
+Per GGUF type of a decoder linear, with weights="int4":
+- where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler): Q6_K and Q8_0 with kernel "auto"
+  (AUTO_BLOCK_TYPES), and Q4_0 / Q4_1 / Q4_K too with kernel "gguf_blocks": the file's blocks as they are, a
+  BlockLinear (no rounding at all at load; the kernel rounds activations to int8 per block, as llama.cpp does).
+  The head and the table take the same form when their tensor is one of these types (head="auto").
+Elsewhere (another kernel asked for, a GPU, no compiler, the other types):
 - Q4_0, Q4_1, Q4_K: the file's 4-bit codes as they are, Int4Linear group 32 (engine.gguf_int4). The reference
   path reproduces gguf's dequantization bit for bit; the int4pack kernels hold each group's scale and offset in
   bfloat16, so d (Q4_0 / Q4_1), d * sc (Q4_K) and the offsets are rounded to bfloat16 there.
@@ -36,6 +41,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import gguf_blocks
+from .gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
 from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord
 from .gguf_int4 import INT4_TYPES, memoized_name_maps, processor_config, row_order, unmappable_architecture
 from .gguf_tensors import float_weight, int4_codes, int8_rows, rtn_rows
@@ -46,6 +53,11 @@ from .int4 import Int4Linear, decoder_linears, pick_kernel, quantize_rtn, replac
 log = logging.getLogger(__name__)
 
 ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weight: int8 rows or float
+# What kernel="auto" keeps as the file's blocks where the block kernel runs: the types whose other form is a second
+# rounding into wider int8 rows. Q4_0 / Q4_1 / Q4_K codes stay int4 codes on torch's bfloat16 kernel (their codes
+# as they are, and faster at many rows: `python -m bench shapes`, README); kernel="gguf_blocks" keeps them as
+# blocks too.
+AUTO_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
 PROBE_COLUMNS = 2  # columns of the row-order probe (engine.gguf_int4.row_order): the transforms act on rows
@@ -80,8 +92,9 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
                     group_size: int = 128, kernel: str = "auto", head: str = "auto", progress: Progress | None = None):
     """The model of `file` (whose checked transformers config is `config`) in eval mode on `device`, each tensor
     in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
-    at load; `kernel` the int4 matmul path (engine.int4); `head` one of engine.head.HEAD_CHOICES. `progress`
-    (done, total, what) after each decoder layer and once more when the head and table are in place; each
+    at load; `kernel` the matmul path: "gguf_blocks" (engine.gguf_blocks, every type it holds), one of
+    engine.int4's, or "auto" (AUTO_BLOCK_TYPES as blocks where the block kernel runs, the fastest int4 kernel for
+    the rest); `head` one of engine.head.HEAD_CHOICES. `progress` (done, total, what) after each decoder layer and once more when the head and table are in place; each
     converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time."""
     assert weights in ("int4", "float") and head in HEAD_CHOICES, (weights, head)
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -103,8 +116,10 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
             done = layers.index(int(here.group(1))) + 1
             release_freed_memory()  # a layer's transients, or they pile up in the heap (0.5 GB over a 7B)
             report(done, total, f"layer {done} of {len(layers)}")
-    quantized = any(isinstance(m, (Int4Linear, Int8Linear)) for m in model.modules())
-    head = auto_head_for(quantized, device) if head == "auto" else head
+    quantized = any(isinstance(m, (Int4Linear, Int8Linear, BlockLinear)) for m in model.modules())
+    if head == "auto":
+        head = "blocks" if quantized and _head_source(model, records).type_name in loader.block_types \
+            else auto_head_for(quantized, device)
     _place_head_and_table(model, loader, records, head)
     for hf_name, record in records.items():  # norms, biases outside the linears, anything else: float
         loader.set_float(model, hf_name, record)
@@ -194,7 +209,19 @@ class _Loader:
     def __init__(self, file: GGUFFile, processor, device: torch.device, dtype: torch.dtype, group_size: int,
                  kernel: str):
         self.file, self.processor, self.device, self.dtype, self.group_size = file, processor, device, dtype, group_size
-        self.kernel = kernel  # the int4 kernel asked for; picked at the first int4 layer
+        # The block kernel for the types it holds, where it runs ("auto") or as asked; the int4 kernel for the rest
+        # ("auto" then), picked at the first int4 layer.
+        self.block_types: tuple[str, ...] = ()
+        if kernel in ("auto", gguf_blocks.KERNEL):
+            why = gguf_blocks.unavailable(device)
+            if why is not None and kernel == gguf_blocks.KERNEL:
+                raise ValueError(f"kernel {gguf_blocks.KERNEL!r} is unavailable: {why}")
+            if why is not None:
+                log.info("GGUF blocks through the int4 / int8 kernels: %s", why)
+            else:
+                self.block_types = tuple(BLOCK_TYPES) if kernel == gguf_blocks.KERNEL else AUTO_BLOCK_TYPES
+            kernel = "auto"
+        self.kernel = kernel
         self._int4: tuple[str, str | None] | None = None
         # 5/6/8-bit tensors become int8 rows only where the int8 kernel runs; elsewhere the reference int8 path
         # would dequantize the whole weight at every step, so they stay float.
@@ -243,11 +270,49 @@ class _Loader:
             return quantize_rtn(self.float32(record), self.group_size)
         return rtn_rows(self.file, record, order, self.group_size)
 
+    def block_rows(self, record: TensorRecord, order) -> torch.Tensor:
+        """The file's bytes of `record`, uint8 [rows, row bytes], rows in `order` (None: as stored), read straight
+        into the tensor that keeps them (not through a memory map, whose pages would count in the process's
+        memory next to the copy: the load holds the kept bytes and nothing of the file beside them)."""
+        try:
+            row_bytes = gguf_blocks.row_bytes(record.type_name, record.shape[-1])
+        except ValueError as exc:
+            raise GGUFFormatError(f"tensor {record.name!r}: {exc}") from None
+        rows = record.nbytes // row_bytes
+        if rows * row_bytes != record.nbytes:
+            raise GGUFFormatError(f"tensor {record.name!r}: {record.nbytes} bytes are not rows of {row_bytes}")
+        held = torch.empty(rows, row_bytes, dtype=torch.uint8)
+        target = memoryview(held.numpy()).cast("B")
+        with open(self.file.path, "rb") as handle:
+            handle.seek(record.offset)
+            filled = 0
+            while filled < record.nbytes:
+                got = handle.readinto(target[filled:])
+                if not got:
+                    raise GGUFFormatError(f"tensor {record.name!r}: the file ends {record.nbytes - filled} bytes "
+                                          "before its data does")
+                filled += got
+        return held if order is None else held[torch.from_numpy(order)]
+
+    def block_linear(self, record: TensorRecord, bias) -> BlockLinear | None:
+        """`record` as a BlockLinear when the load keeps its type as blocks and its transform is a row order."""
+        if record.type_name not in self.block_types:
+            return None
+        order = self.row_order(record)
+        if order is False:
+            return None
+        layer = BlockLinear(self.block_rows(record, order), record.type_name, record.shape[1], bias)
+        self.count(record, "blocks", [layer.blocks])
+        return layer
+
     def linear(self, meta: nn.Linear, weight: TensorRecord, bias: TensorRecord | None, quantize: bool) -> nn.Module:
         """The decoder linear of `weight` (and `bias`) in its final form."""
         bias_value = self.float_tensor(bias) if bias is not None else None
         if bias is not None:
             self.count(bias, _dtype_name(self.dtype), [bias_value])
+        held = self.block_linear(weight, bias_value) if quantize else None
+        if held is not None:
+            return held
         if quantize and (weight.type_name not in ROW_TYPES or self.int8):
             order = self.row_order(weight)
             if weight.type_name in ROW_TYPES:
@@ -290,10 +355,19 @@ class _Loader:
         return (*self.rtn_rows(record, order), None), "rtn"
 
 
+def _head_source(model, records: dict[str, TensorRecord]) -> TensorRecord:
+    """The tensor the output head is read from: the table's when they are tied."""
+    output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
+    names = {id(m): n for n, m in model.named_modules()}
+    own = records.get(f"{names[id(output)]}.weight")
+    return records[f"{names[id(inputs)]}.weight"] if output.weight is inputs.weight or own is None else own
+
+
 def _place_head_and_table(model, loader: _Loader, records: dict[str, TensorRecord], head: str) -> None:
-    """Fill the input table and the output head in `head` format (engine.head.HEAD_FORMATS) from their tensors,
-    as engine.head.quantize_head would make them from the float model; a tied head shares the table's float
-    Parameter, or with "+embedding" the table holds the head's own codes."""
+    """Fill the input table and the output head in `head` format (engine.head.HEAD_FORMATS, or "blocks": the
+    file's blocks for the block kernel) from their tensors, as engine.head.quantize_head would make them from the
+    float model; a tied head shares the table's float Parameter, or with "+embedding" (and "blocks") the table
+    holds the head's own codes."""
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
     names = {id(m): n for n, m in model.named_modules()}
     table_name, head_name = f"{names[id(inputs)]}.weight", f"{names[id(output)]}.weight"
@@ -301,6 +375,9 @@ def _place_head_and_table(model, loader: _Loader, records: dict[str, TensorRecor
     table, own = records.pop(table_name), records.pop(head_name, None)
     if head != "float" and not isinstance(output, nn.Linear):
         raise ValueError(f"the output head of {type(model).__name__} is a {type(output).__name__}, not an nn.Linear")
+    if head == "blocks":
+        _place_blocks(model, loader, names[id(output)], table, None if tied else own)
+        return
     if head == "float":
         table_value = loader.set_float(model, table_name, table)
         if tied:
@@ -342,6 +419,27 @@ def _place_head_and_table(model, loader: _Loader, records: dict[str, TensorRecor
         if not tied:
             loader.count(table, "int4", new_table.buffers())
     model.set_input_embeddings(new_table)
+
+
+def _place_blocks(model, loader: _Loader, head_name: str, table: TensorRecord, own: TensorRecord | None) -> None:
+    """The head from its tensor's blocks (`own`, or the table's when tied: None), and the table from its blocks
+    (the head's own, held once, when tied) or in float when the block kernel does not hold its type."""
+    inputs = model.get_input_embeddings()
+    new_head = loader.block_linear(own or table, None)
+    assert new_head is not None, (own or table).name
+    replace_module(model, head_name, new_head)
+    model.config.tie_word_embeddings = False  # the head no longer shares a Parameter with the table
+    embed_scale = getattr(inputs, "embed_scale", None)  # Gemma's scaled table
+    if own is None:
+        blocks = new_head.blocks
+    elif table.type_name in loader.block_types and loader.row_order(table) is None:
+        blocks = loader.block_rows(table, None)
+        loader.count(table, "blocks", [blocks])
+    else:
+        names = {id(m): n for n, m in model.named_modules()}
+        loader.set_float(model, f"{names[id(inputs)]}.weight", table)
+        return
+    model.set_input_embeddings(BlockEmbedding(blocks, table.type_name, table.shape[1], loader.dtype, embed_scale))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

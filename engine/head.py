@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .gguf_blocks import BlockEmbedding, BlockLinear
 from .int4 import FAST_DTYPE, Int4Linear, check_group_size, dequantize_codes, layer_format, pack_nibbles, \
     padded_features, pick_kernel, quantize_rtn, replace_module, shape_problem, unpack_nibbles
 
@@ -234,11 +235,13 @@ def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str =
 
 
 def head_format(module: nn.Module) -> str:
-    """ "int4-g32" for an int4 head or table, "int8" for an int8 one, else the dtype of its first tensor
+    """ "int4-g32" for an int4 head or table, "int8" for an int8 one, "gguf-q6_k" for a GGUF tensor's blocks, else the dtype of its first tensor
     ("float32", "bfloat16")."""
     if isinstance(module, (Int4Linear, Int4Embedding)):
         return layer_format(module)
     if isinstance(module, (Int8Linear, Int8Embedding)):
         return "int8"
+    if isinstance(module, (BlockLinear, BlockEmbedding)):
+        return f"gguf-{module.type_name.lower()}"
     first = next(iter([*module.parameters(), *module.buffers()]), None)
     return "none" if first is None else str(first.dtype).replace("torch.", "")

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from torch import nn
 
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .float_int4 import CheckpointError, load_float_as_int4
+from .gguf_blocks import KERNEL as BLOCK_KERNEL
+from .gguf_blocks import BlockEmbedding, BlockLinear
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import INT4_TYPES, GGUFBlocks, memoized_name_maps
@@ -171,8 +174,12 @@ def resolve_weights(source: ModelSource, device: torch.device, dtype: torch.dtyp
         if unsupported(file) is None and quantized > kinds.get("float", 0):
             if kinds.get("4-bit", 0) >= kinds.get("5-8-bit", 0):
                 return "int4", "the file's decoder weights are 4-bit codes: loaded as they are"
+            from .gguf_blocks import unavailable
+            from .gguf_loader import AUTO_BLOCK_TYPES
             from .head import pick_int8_kernel
 
+            if unavailable(device) is None and _block_share(file, AUTO_BLOCK_TYPES) > 0.5:
+                return "int4", "the file's decoder weights are 5-8-bit: kept as the file's blocks"
             if pick_int8_kernel(device)[0] == "cpu_int8pack":
                 return "int4", "the file's decoder weights are 5-8-bit: loaded as int8 rows"
             return "float", f"the file's decoder weights are 5-8-bit and no int8 kernel runs on {device.type}"
@@ -189,6 +196,13 @@ def resolve_weights(source: ModelSource, device: torch.device, dtype: torch.dtyp
         return "int4", (f"{float_bytes / 1e9:.1f} GB of {_dtype_name(dtype)} weights would not fit the "
                         f"{room / 1e9:.1f} GB available ({'GPU memory' if device.type == 'cuda' else 'RAM'})")
     return "float", f"float weights ({float_bytes / 1e9:.1f} GB in {_dtype_name(dtype)}) fit"
+
+
+def _block_share(file, types) -> float:
+    """The share of a GGUF's decoder-layer matrix elements whose type is in `types`."""
+    matrices = [r for r in file.tensors.values() if r.name.startswith("blk.") and len(r.shape) == 2]
+    total = sum(r.num_elements for r in matrices)
+    return sum(r.num_elements for r in matrices if r.type_name in types) / total if total else 0.0
 
 
 def file_weight_kinds(file) -> dict[str, int]:
@@ -317,8 +331,9 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     quantized tensor by tensor while read (engine.float_int4); float and GGUF sources become
     int4 only with weights == "int4": a GGUF (engine.gguf_loader, straight from the file) with its Q4_0 / Q4_1 /
     Q4_K tensors as they are (group 32), its Q5/Q6/Q8 ones as int8 rows where the int8 kernel runs, every other
-    linear round-to-nearest at `group_size` (32/64/128). `kernel`: the int4 matmul path ("auto",
-    "reference", "cpu_int4pack", "tinygemm"; see engine.int4). `head` (engine.head.HEAD_CHOICES): the output head
+    linear round-to-nearest at `group_size` (32/64/128); where the block kernel runs (engine.gguf_blocks) the
+    Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 tensors are kept as the file's blocks instead. `kernel`: the matmul path
+    ("auto", "gguf_blocks" (GGUF files), or an int4 one: "reference", "cpu_int4pack", "tinygemm"; engine.int4). `head` (engine.head.HEAD_CHOICES): the output head
     in int8 rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too; "auto": int8 head and
     table under int4 decoder layers where the int8 kernel runs, else as loaded (engine.head.auto_head).
     """
@@ -342,6 +357,9 @@ def _load(source: ModelSource, device: torch.device, dtype: torch.dtype, weights
         loaded = _load_gguf(source, device, dtype, weights, group_size, kernel, head, cache_dir, report)
         if loaded is not None:
             return loaded
+    if kernel == BLOCK_KERNEL:
+        raise ValueError(f"kernel {BLOCK_KERNEL!r} multiplies a GGUF file's own blocks; {source.describe()} is not "
+                         "a GGUF this loader reads")
     folder = local_folder(source)
     config = checked_config(source, folder) if source.kind != "hub" or folder is not None else None
     dequantize = weights == "float"
@@ -464,9 +482,10 @@ def _tensor_bytes(tensors) -> int:
 
 def weights_report(model) -> dict:
     """What the weights are and what they hold: `format` of the decoder linears ("float32", "bfloat16", ...,
-    "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF blocks as they are), several joined by
-    "+", most common first), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm",
-    or several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `head` and
+    "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF 4-bit codes as int4 groups), "gguf-q4_k"
+    (a GGUF type's blocks as the file holds them: engine.gguf_blocks), several joined by "+", most common first),
+    `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm", "gguf_blocks", or several
+    joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `head` and
     `embedding` (the output head's and the input table's format: "float32", "int8", "int4-g32"), `head_kernel` (the
     head's matmul path: "dense", "cpu_int8pack", "reference", ...), `resident_bytes` (every
     parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder layers'
@@ -483,15 +502,18 @@ def weights_report(model) -> dict:
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear) and m is not output]
     int8 = [(n, m) for n, m in model.named_modules()
             if isinstance(m, Int8Linear) and m is not output and DECODER_LINEAR.search(n)]
-    linears = decoder_linears(model) + int8 + [(n, m) for n, m in model.named_modules()
-                                               if isinstance(m, Int4Linear) and m is not output]
+    blocks = [(n, m) for n, m in model.named_modules()
+              if isinstance(m, BlockLinear) and m is not output and DECODER_LINEAR.search(n)]
+    linears = decoder_linears(model) + int8 + blocks + [(n, m) for n, m in model.named_modules()
+                                                        if isinstance(m, Int4Linear) and m is not output]
     linear_bytes = sum(_tensor_bytes([*m.parameters(), *m.buffers()]) for _, m in linears)
     float32_bytes = sum(4 * m.out_features * (m.in_features + (m.bias is not None)) for _, m in linears)
     floating = next((p.dtype for p in params if p.is_floating_point()), torch.float32)
     reason = None
-    if int4 or int8:
-        fmt = "+".join(([weights_format(model)] if int4 else []) + (["int8"] if int8 else []))
-        kernel = "+".join(sorted({m.kernel for m in int4} | {m.kernel for _, m in int8}))
+    if int4 or int8 or blocks:
+        block_formats = [label for label, _ in Counter(head_format(m) for _, m in blocks).most_common()]
+        fmt = "+".join(block_formats + ([weights_format(model)] if int4 else []) + (["int8"] if int8 else []))
+        kernel = "+".join(sorted({m.kernel for m in int4} | {m.kernel for _, m in int8} | {m.kernel for _, m in blocks}))
         reason = "; ".join(sorted({m.fallback_reason for m in int4 if m.fallback_reason})) or None
     else:
         fmt = str(floating).replace("torch.", "")
@@ -544,10 +566,10 @@ def fingerprint(model) -> str:
         h.update(str(param.dtype).encode())
         h.update(sample)
     for name, module in model.named_modules():
-        if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding)):
+        if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding, BlockLinear, BlockEmbedding)):
             continue
         h.update(f"{name}:{type(module).__name__}:g{getattr(module, 'group_size', 0)}:"
-                 f"{getattr(module, 'kernel', 'rows')}".encode())
+                 f"{getattr(module, 'kernel', 'rows')}:{getattr(module, 'type_name', '')}".encode())
         for buffer_name, buffer in module.named_buffers():
             flat = buffer.reshape(-1)
             step = max(1, flat.numel() // 64)

@@ -69,12 +69,13 @@ def _int4_bytes(out_features: int, in_features: int, group_size: int, fast_kerne
 
 
 def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, int4_kernel: str = "cpu_int4pack",
-                      int8_kernel: bool = True) -> dict[str, int]:
+                      int8_kernel: bool = True, blocks: tuple[str, ...] = ()) -> dict[str, int]:
     """weight_bytes for a GGUF file, tensor by tensor as engine.gguf_loader keeps it: "float" every tensor in
-    `dtype`; "int4" the decoder matrices as weights="int4" loads them (4-bit codes as int4 at their own
-    32-weight groups, 5/6/8-bit ones as int8 rows where the int8 kernel runs and in `dtype` where it does not,
-    float ones RTN at `group_size`), the table and a tied head once in int8 rows where head="auto" puts them
-    there. Reads the header only."""
+    `dtype`; "int4" the decoder matrices as weights="int4" loads them: the types in `blocks` (those the load keeps
+    as blocks: engine.gguf_loader.AUTO_BLOCK_TYPES where the block kernel runs) at the file's own bytes; other
+    4-bit codes as int4 at their own 32-weight groups, 5/6/8-bit ones as int8 rows where the int8 kernel runs and
+    in `dtype` where it does not, float ones RTN at `group_size`;
+    the table and a tied head once as head="auto" puts them (their blocks, or int8 rows). Reads the header only."""
     from .gguf_int4 import BLOCK, INT4_TYPES
     from .gguf_loader import ROW_TYPES
     from .int4 import shape_problem
@@ -92,7 +93,10 @@ def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, int4_k
                 outside += 0 if record.name.startswith("blk.") else record.num_elements * element
             continue
         out_features, in_features = record.shape
-        if record.type_name in ROW_TYPES:
+        if record.type_name in blocks:
+            held = record.nbytes
+            quantized = True
+        elif record.type_name in ROW_TYPES:
             held = out_features * in_features + 2 * out_features if int8_kernel else record.num_elements * element
             quantized |= int8_kernel
         else:
@@ -103,12 +107,17 @@ def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, int4_k
             quantized = True
         int4 += held
     int8_head = quantized and int8_kernel
+    head_source = file.tensors.get("output.weight") or file.tensors.get("token_embd.weight")
+    block_head = quantized and head_source is not None and head_source.type_name in blocks
     for name in ("token_embd.weight", "output.weight"):
         record = file.tensors.get(name)
         if record is None:
             continue
         rows = record.shape[0]
-        held = record.num_elements + 2 * rows if int8_head else record.num_elements * element
+        if block_head:
+            held = record.nbytes if record.type_name in blocks else record.num_elements * element
+        else:
+            held = record.num_elements + 2 * rows if int8_head else record.num_elements * element
         int4 += held
         outside += held
     return {"float": float_bytes, "int4": int4, "outside_layers": outside}
@@ -138,10 +147,13 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     fast = why_not is None
     int8 = pick_int8_kernel(dev)[1] is None
     if src.kind == "gguf":
+        from .gguf_blocks import unavailable
         from .gguf_file import read_gguf
+        from .gguf_loader import AUTO_BLOCK_TYPES
 
         sizes = gguf_weight_bytes(read_gguf(Path(src.location) / src.gguf_file), dt, group_size=group_size,
-                                  int4_kernel=kernel if fast else "reference", int8_kernel=int8)
+                                  int4_kernel=kernel if fast else "reference", int8_kernel=int8,
+                                  blocks=AUTO_BLOCK_TYPES if unavailable(dev) is None else ())
     else:
         sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast, int8_head=int8)
     return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size,

@@ -118,7 +118,8 @@ def test_quantizing_the_real_model_takes_its_blocks_and_reports_them(smollm_floa
 
 @needs_cpu_kernel
 def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm_float, one_thread):
-    model, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", head="int4")
+    model, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", head="int4",
+                          kernel="cpu_int4pack")
     report = weights_report(model)
     assert report["format"] == "gguf-q4_1-g32" and report["kernel"] == "cpu_int4pack"
     assert report["head"] == "int4-g128" and report["embedding"] == "float32"

@@ -13,6 +13,7 @@ from tiny_models import ARCHS
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from engine import gguf_blocks
 from engine.gguf_config import FAST_ARCHITECTURES, gguf_config
 from engine.gguf_file import read_gguf
 from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
@@ -103,11 +104,61 @@ def test_4_bit_tensors_become_int4_layers_holding_the_files_codes(files, kind, o
     assert report["gguf"][f"{kind}->int4"]["tensors"] == 14
 
 
+needs_blocks = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
+                                  reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")
+# The block kernel rounds activations to int8 per block (as llama.cpp does): on these files its logits are 1-3% of
+# the largest logit from the float model's (measured), bounded at 6%.
+BLOCKS_LOGIT_BOUND = 0.06
+
+
+@needs_blocks
+@pytest.mark.parametrize("kind", tuple(gguf_blocks.BLOCK_TYPES))
+def test_the_types_the_block_kernel_holds_are_kept_as_the_files_own_bytes(files, kind, one_thread):
+    path = files(kind, table_type=kind)
+    file = read_gguf(path)
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel=gguf_blocks.KERNEL)
+    for name, layer in decoder_linears(reference):
+        held = model.get_submodule(name)
+        assert isinstance(held, gguf_blocks.BlockLinear) and held.type_name == kind, name
+        assert torch.equal(held.dequantize(), layer.weight), name  # llama's q/k rows included
+    head, table = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(head, gguf_blocks.BlockLinear) and isinstance(table, gguf_blocks.BlockEmbedding)
+    assert head.blocks.data_ptr() == table.blocks.data_ptr()  # the tied table's blocks, held once
+    ids = torch.arange(512)
+    assert torch.equal(table(ids), reference.model.embed_tokens(ids))
+    ref = logits(reference)
+    assert (logits(model) - ref).abs().max() <= BLOCKS_LOGIT_BOUND * ref.abs().max()
+    report = weights_report(model)
+    assert report["format"] == f"gguf-{kind.lower()}" and report["kernel"] == gguf_blocks.KERNEL
+    assert report["head"] == report["embedding"] == f"gguf-{kind.lower()}"
+    matrices = [r for r in file.tensors.values() if r.type_name == kind]
+    assert report["gguf"][f"{kind}->blocks"] == {"tensors": 15, "file_bytes": sum(r.nbytes for r in matrices),
+                                                 "bytes": sum(r.nbytes for r in matrices)}
+    assert report["attention"] == "sdpa"  # the engine switches it (engine.exact_attention): the next test
+
+
+@needs_blocks
+def test_an_engine_over_blocks_computes_attention_in_float64(files, one_thread):
+    from engine import EngineConfig, KVBoost
+
+    model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
+                                  kernel=gguf_blocks.KERNEL)
+    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0))
+    assert engine.info()["weights"]["attention"] == "sdpa_float64"
+
+
+@needs_blocks
+def test_blocks_and_int4_codes_are_different_weights_to_the_cache(files, one_thread):
+    path = files("Q4_K")
+    blocks = ours(path, weights="int4", kernel=gguf_blocks.KERNEL)
+    assert fingerprint(blocks) != fingerprint(ours(path, weights="int4", kernel="cpu_int4pack"))
+
+
 @needs_cpu_kernel
 @pytest.mark.parametrize("kind", INT4_TYPES)
 def test_on_the_cpu_int4_kernel_scales_and_offsets_are_rounded_to_bf16_only(files, kind, one_thread):
     path = files(kind)
-    reference, model = transformers_model(path), ours(path, weights="int4", head="float")
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="cpu_int4pack", head="float")
     exact = ours(path, weights="int4", kernel="reference", head="float")
     for name, layer in decoder_linears(reference):
         held, codes = model.get_submodule(name), exact.get_submodule(name)
@@ -124,8 +175,9 @@ def test_on_the_cpu_int4_kernel_scales_and_offsets_are_rounded_to_bf16_only(file
 
 @pytest.mark.parametrize("kind", ROW_TYPES)
 def test_5_6_and_8_bit_tensors_become_int8_rows_of_their_dequantized_values(files, kind, one_thread):
+    """Where the block kernel does not run (here: the int4pack kernel asked for)."""
     path = files(kind)
-    reference, model = transformers_model(path), ours(path, weights="int4", head="float")
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="cpu_int4pack", head="float")
     for name, layer in decoder_linears(reference):
         held = model.get_submodule(name)
         assert isinstance(held, Int8Linear) and held.kernel == "cpu_int8pack", name
@@ -213,7 +265,7 @@ def test_an_int4_load_never_holds_a_float_decoder_weight(files, one_thread):
 
 def test_int8_head_and_table_share_codes_made_from_the_files_table(files, one_thread):
     path = files("Q4_K", table_type="Q8_0")
-    reference, model = transformers_model(path), ours(path, weights="int4")
+    reference, model = transformers_model(path), ours(path, weights="int4", kernel="cpu_int4pack")
     head, table = model.get_output_embeddings(), model.get_input_embeddings()
     assert isinstance(head, Int8Linear) and isinstance(table, Int8Embedding)
     assert table.codes.data_ptr() == head.codes.data_ptr()  # held once
@@ -238,8 +290,15 @@ def test_an_untied_head_is_read_from_its_own_tensor(files, one_thread):
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
     assert torch.equal(logits(model), logits(reference))
-    quantized = ours(path, weights="int4")
+    quantized = ours(path, weights="int4", kernel="cpu_int4pack")
     assert weights_report(quantized)["gguf"]["Q6_K->int8"]["tensors"] == 2  # head and table, each its own rows
+    blocks = ours(path, weights="int4")
+    if gguf_blocks.unavailable() is None:  # head and table each their own tensor's blocks
+        assert weights_report(blocks)["gguf"]["Q6_K->blocks"]["tensors"] == 2
+        assert blocks.lm_head.blocks.data_ptr() != blocks.model.embed_tokens.blocks.data_ptr()
+        assert torch.equal(blocks.lm_head.dequantize(), reference.lm_head.weight)
+        ids = torch.arange(512)
+        assert torch.equal(blocks.model.embed_tokens(ids), reference.model.embed_tokens(ids))
 
 
 def test_the_report_counts_tensors_and_bytes_per_type_and_form(files, one_thread):
@@ -398,16 +457,21 @@ def test_the_torch_dequantizers_give_gguf_pys_values_bit_for_bit(kind):
     assert torch.equal(ours, torch.from_numpy(np.array(want)))
 
 
-@pytest.mark.parametrize(("kind", "weights"), [("Q4_K", "int4"), ("Q4_0", "int4"), ("Q6_K", "int4"),
-                                               ("Q8_0", "int4"), ("Q8_0", "float"), ("F16", "int4")])
-def test_reuse_over_every_weight_form_gives_the_uncached_greedy_tokens(files, kind, weights, one_thread):
-    """EXACT and PREFIX hits over int4 codes, int8 rows, RTN int4 and float: 12 prompts sharing prefixes of
-    whole chunks, each answered after the others filled the cache: the first token's logits (bit for bit over the
-    quantized forms; under float32 attention Q4_0's moved) and the greedy tokens those of an uncached run.
-    Divergences: none of 24."""
+@pytest.mark.parametrize(("kind", "weights", "kernel"), [
+    ("Q4_K", "int4", "auto"), ("Q4_0", "int4", "auto"), ("Q6_K", "int4", "auto"), ("Q8_0", "int4", "auto"),
+    ("Q4_K", "int4", "gguf_blocks"), ("Q4_1", "int4", "gguf_blocks"), ("Q6_K", "int4", "cpu_int4pack"),
+    ("Q8_0", "float", "auto"), ("F16", "int4", "auto")])
+def test_reuse_over_every_weight_form_gives_the_uncached_greedy_tokens(files, kind, weights, kernel, one_thread):
+    """EXACT and PREFIX hits over the file's blocks (Q6_K / Q8_0 with kernel "auto" where the block kernel runs,
+    every type with "gguf_blocks"), int4 codes and int8 rows (the int4pack kernels), RTN int4 and float: 12 prompts sharing prefixes of whole chunks, each
+    answered after the others filled the cache: the first token's logits (bit for bit over the quantized forms;
+    under float32 attention Q4_0's moved) and the greedy tokens those of an uncached run. Divergences: none of 24."""
     from engine import ChunkingConfig, EngineConfig, KVBoost
 
-    model, tokenizer = load_model(resolve_source(str(files(kind))), CPU, torch.float32, weights=weights)
+    if kernel == gguf_blocks.KERNEL and gguf_blocks.unavailable() is not None:
+        pytest.skip(f"block kernel unavailable: {gguf_blocks.unavailable()}")
+    model, tokenizer = load_model(resolve_source(str(files(kind))), CPU, torch.float32, weights=weights,
+                                  kernel=kernel)
     cached = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=16), disk_cache_bytes=0))
     plain = cached.with_options(reuse="off")
     rng = np.random.default_rng(11)

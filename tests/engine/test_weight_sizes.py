@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from awq_checkpoints import write_awq_checkpoint
-from engine import weight_sizes
+from engine import gguf_blocks, weight_sizes
 from engine.head import int8_kernel_unavailable
 from engine.loader import load_model, resolve_source, weights_report
 from tiny_models import build_model, build_tokenizer
@@ -47,9 +47,13 @@ def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm_float
     sizes = weight_sizes.estimate(None, device="cpu")
     assert close(sizes["float"], weights_report(smollm_float.model)["resident_bytes"])
     # SmolLM2-135M: the 30 layers' linears shrink to 0.156x; the tied 49152 x 576 embedding (113 MB in float32)
-    # becomes one int8 table shared with the head (28 MB) where the int8 kernel runs (head="auto"), else stays
+    # is held once for the head and the table: as the file's Q8_0 blocks (34 bytes per 32) where the block kernel
+    # runs, else in int8 rows (28 MB) where the int8 kernel runs (head="auto"), else it stays float
     table = 49152 * 576
-    head_saving = 4 * table - (table + 2 * 49152) if int8_kernel_unavailable("cpu_int8pack", "cpu") is None else 0
+    if gguf_blocks.unavailable() is None:
+        head_saving = 4 * table - table // 32 * 34
+    else:
+        head_saving = 4 * table - (table + 2 * 49152) if int8_kernel_unavailable("cpu_int8pack", "cpu") is None else 0
     assert 0.25 * sizes["float"] < sizes["int4"] + head_saving < 0.4 * sizes["float"]
     assert sizes["outside_layers"] == 4 * table + 4 * 576 - head_saving  # the table and the final norm
 
@@ -75,8 +79,9 @@ def test_from_pretrained_takes_the_weight_format_and_reports_what_it_holds(tmp_p
 
 
 def test_a_gguf_of_mixed_types_is_estimated_as_the_loader_holds_each_tensor(tmp_path, one_thread):
-    """Q4_K codes as int4 at their own groups, Q6_K / Q8_0 as int8 rows (where the int8 kernel runs), F16
-    quantized at the asked group size, the Q8_0 table in int8 rows under head="auto"."""
+    """Q4_K, Q6_K and Q8_0 as the file's blocks where the block kernel runs (else Q4_K codes as int4 at their own
+    groups, Q6_K / Q8_0 as int8 rows where the int8 kernel runs), F16 quantized at the asked group size, the Q8_0
+    table as blocks (or int8 rows) under head="auto"."""
     from gguf_files import random_tensors, tensor_shapes, write_gguf
 
     values = random_tensors(tensor_shapes("llama", {"hidden": 256, "intermediate": 512}))

@@ -1,0 +1,273 @@
+"""GGUF weights kept as the file's own blocks, multiplied by a small C kernel (engine/gguf_blocks.c).
+
+A Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor is held as its bytes, row after row: the resident weights are the file's
+tensor bytes (no second rounding, no wider format: a Q6_K tensor no longer becomes 8-bit rows), and loading is a
+copy. The kernel rounds each activation row to int8 in blocks of 32 (a float scale per block, as llama.cpp rounds
+its activations) and sums each block's products exactly in integers; the float sums over blocks run in an order
+fixed by the row's length, so an output does not depend on how many rows are multiplied together (reuse then
+never changes an answer through this kernel).
+
+The kernel is compiled on first use with the machine's C compiler (`cc`, or $CC) for this CPU (-march=native, or
+$KVBOOST_BLOCKS_MARCH) into <cache>/kernels, keyed by the source, the flags and the CPU's feature flags (~2 s once); where no compiler is found or it
+fails, `unavailable()` says why and the loader keeps the torch kernels (engine.int4, engine.head).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gguf_blocks.c")
+# type name -> (ggml type id, values per block, bytes per block)
+BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
+               "Q6_K": (14, 256, 210)}
+ACTIVATION_BLOCK = 32
+FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
+VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
+KERNEL = "gguf_blocks"  # the name loaders and reports use for this kernel
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+class BlockKernelUnavailable(RuntimeError):
+    """The block kernel cannot be built or loaded here (the message says why)."""
+
+
+def kernel_dir() -> Path:
+    """$KVBOOST_CACHE_DIR/kernels when set, else the per-user cache folder's kernels/ (engine.disk's root)."""
+    root = os.environ.get("KVBOOST_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "kernels"
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    if platform.system() == "Windows":
+        raise BlockKernelUnavailable("the block kernel is built with a Unix C compiler; Windows keeps torch's kernels")
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise BlockKernelUnavailable("no C compiler (cc or $CC) to build the block kernel")
+    source = SOURCE.read_bytes()
+    flags = (*FLAGS, f"-march={os.environ.get(MARCH_ENV_VAR) or 'native'}")
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_flags().encode(),
+                                     platform.machine().encode()])).hexdigest()[:16]
+    folder = kernel_dir()
+    target = folder / f"gguf_blocks-{key}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+                                    text=True, timeout=300)
+            if result.returncode != 0:
+                raise BlockKernelUnavailable(f"{compiler} could not build the block kernel: "
+                                             f"{result.stderr.strip()[-400:]}")
+            os.replace(built, target)  # whole or not at all: another process may be building it too
+        log.info("built the GGUF block kernel into %s", target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise BlockKernelUnavailable(f"the built block kernel does not load: {exc}") from exc
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.kvb_quantize.argtypes = [p, i64, i64, i32, p, p, p, i32]
+    lib.kvb_quantize.restype = None
+    lib.kvb_matmul.argtypes = [i32, p, i64, i64, i64, p, p, p, i64, p, i32]
+    lib.kvb_matmul.restype = i32
+    lib.kvb_linear.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
+    lib.kvb_linear.restype = i32
+    lib.kvb_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.kvb_dequantize.restype = i32
+    lib.kvb_supports.argtypes = [i32]
+    lib.kvb_vector_path.restype = i32
+    for name, (type_id, _, _) in BLOCK_TYPES.items():
+        assert lib.kvb_supports(type_id) and lib.kvb_activation_block(type_id) == activation_block(name), name
+    return lib
+
+
+def _library() -> ctypes.CDLL:
+    with _lock:
+        if "lib" not in _state and "error" not in _state:
+            try:
+                _state["lib"] = _build()
+            except (BlockKernelUnavailable, OSError, subprocess.SubprocessError) as exc:
+                _state["error"] = str(exc)
+        if "error" in _state:
+            raise BlockKernelUnavailable(_state["error"])
+        return _state["lib"]
+
+
+def unavailable(device: torch.device | str = "cpu") -> str | None:
+    """Why the block kernel cannot run on `device` here, or None (it is built on the first call)."""
+    if torch.device(device).type != "cpu":
+        return f"the GGUF block kernel runs on the CPU, not on {torch.device(device).type}"
+    try:
+        _library()
+    except BlockKernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def vector_path() -> str:
+    """Which of the kernel's paths this CPU runs ("avx2+vnni", "avx2" or "portable C")."""
+    return VECTOR_PATHS[_library().kvb_vector_path()]
+
+
+def row_bytes(type_name: str, columns: int) -> int:
+    """Bytes of one row of `columns` values in `type_name`'s blocks; ValueError when the row is not whole blocks
+    or the kernel cannot take it."""
+    if type_name not in BLOCK_TYPES:
+        raise ValueError(f"the block kernel does not hold {type_name}")
+    _, per_block, block_bytes = BLOCK_TYPES[type_name]
+    if columns <= 0 or columns % per_block or columns % ACTIVATION_BLOCK:
+        raise ValueError(f"a {type_name} row of {columns} values is not whole blocks of {per_block}")
+    return columns // per_block * block_bytes
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def activation_block(type_name: str) -> int:
+    """The block the kernel rounds activations in for weights of `type_name`: 256 for the K-quants, else 32."""
+    return 256 if type_name.endswith("_K") else 32
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float32 [rows, k] (k a multiple of `block`, 32 or 256) -> (int8 codes [rows, k], float32 scales
+    [rows, k / block], code sums: per block (int32) for 32, per 16 (int16) for 256)."""
+    assert block in (32, 256) and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+    rows, k = x.shape
+    assert k % block == 0, (k, block)
+    q = torch.empty(rows, k, dtype=torch.int8)
+    d = torch.empty(rows, k // block, dtype=torch.float32)
+    sums = torch.empty(rows, k // 32, dtype=torch.int32) if block == 32 else torch.empty(rows, k // 16,
+                                                                                         dtype=torch.int16)
+    _library().kvb_quantize(_ptr(x), rows, k, block, _ptr(q), _ptr(d), _ptr(sums), _threads())
+    return q, d, sums
+
+
+def matmul(blocks: torch.Tensor, type_name: str, columns: int, x: torch.Tensor) -> torch.Tensor:
+    """x float32 [rows, columns] times the weight whose rows are `blocks` (uint8 [out, row bytes]) -> float32
+    [rows, out]."""
+    out = blocks.shape[0]
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(type_name, columns)
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[-1] == columns and x.is_contiguous(), x.shape
+    y = torch.empty(x.shape[0], out, dtype=torch.float32)
+    status = _library().kvb_linear(BLOCK_TYPES[type_name][0], _ptr(blocks), out, columns, blocks.shape[1], _ptr(x),
+                                   x.shape[0], _ptr(y), _threads())
+    if status == -2:
+        raise MemoryError(f"no scratch memory for {x.shape[0]} rows of activations")
+    assert status == 0, type_name
+    return y
+
+
+def dequantize(blocks: torch.Tensor, type_name: str, columns: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 values of the rows `rows` (int64 indices, each checked against the row count; None: all) of the
+    weight held as `blocks`, gguf-py's dequantization bit for bit."""
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(type_name, columns)
+    if rows is None:
+        rows = torch.arange(blocks.shape[0])
+    rows = rows.reshape(-1).to(torch.int64).contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
+        raise IndexError(f"row index out of range for a table of {blocks.shape[0]} rows")
+    out = torch.empty(rows.numel(), columns, dtype=torch.float32)
+    status = _library().kvb_dequantize(BLOCK_TYPES[type_name][0], _ptr(blocks), columns, blocks.shape[1], _ptr(rows),
+                                       rows.numel(), _ptr(out), _threads())
+    assert status == 0, type_name
+    return out
+
+
+class BlockLinear(nn.Module):
+    """A linear layer whose weight is a GGUF tensor's blocks (uint8 [out, row bytes]), multiplied by the block
+    kernel; activations in any float dtype, computed in float32 and returned in the input's dtype."""
+
+    kernel = KERNEL
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(type_name, in_features):
+            raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} are not rows of {in_features} values")
+        self.type_name, self.in_features, self.out_features = type_name, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.fallback_reason: str | None = None
+        self._call = (_library().kvb_linear, BLOCK_TYPES[type_name][0], blocks.shape[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the checks of `matmul` were made once, here and in __init__; a forward is one call into the kernel
+        x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
+        if self.blocks.device.type != "cpu" or x2.device.type != "cpu":
+            raise RuntimeError(f"the GGUF block kernel runs on the CPU, not on {x2.device} / {self.blocks.device}")
+        call, type_id, row_bytes = self._call
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        status = call(type_id, self.blocks.data_ptr(), self.out_features, self.in_features, row_bytes,
+                      x2.data_ptr(), x2.shape[0], y.data_ptr(), _threads())
+        if status != 0:
+            raise MemoryError(f"no scratch memory for {x2.shape[0]} rows of activations") if status == -2 else \
+                RuntimeError(f"the block kernel does not multiply {self.type_name}")
+        y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [out, in] weight: the file's dequantized values."""
+        return dequantize(self.blocks, self.type_name, self.in_features).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
+
+
+class BlockEmbedding(nn.Module):
+    """An input table held as a GGUF tensor's blocks: a lookup dequantizes only the rows asked for (gguf's
+    values, in `dtype`, times a scaled table's `embed_scale`). May share its blocks with a BlockLinear head."""
+
+    def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int, dtype: torch.dtype,
+                 embed_scale: torch.Tensor | None = None):
+        super().__init__()
+        row_bytes(type_name, embedding_dim)
+        self.type_name, self.embedding_dim, self.dtype = type_name, embedding_dim, dtype
+        self.num_embeddings = blocks.shape[0]
+        self.register_buffer("blocks", blocks)
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone(),
+                             persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize(self.blocks, self.type_name, self.embedding_dim, ids).to(self.dtype)
+        if self.embed_scale is not None:
+            rows = rows * self.embed_scale.to(self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.type_name}"

@@ -1,0 +1,189 @@
+"""The GGUF block kernel (engine.gguf_blocks, engine/gguf_blocks.c) against independent references: gguf-py's
+dequantization, float64 products of those values, its own activation rounding checked from its definition, and
+the same outputs however many rows are multiplied together. Also what happens where it cannot be built."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine import gguf_blocks
+from engine.gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
+
+pytestmark = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
+                                reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")
+TYPES = tuple(BLOCK_TYPES)
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def random_rows(type_name: str, rows: int, columns: int, seed: int = 0) -> np.ndarray:
+    """Stored bytes of a [rows, columns] tensor: random codes and sub-scales, small positive fp16 scales."""
+    rng = np.random.default_rng(seed)
+    _, per_block, block_bytes = BLOCK_TYPES[type_name]
+    data = rng.integers(0, 256, (rows, columns // per_block, block_bytes), dtype=np.uint8)
+    for offset in SCALE_FIELDS[type_name]:
+        scales = rng.uniform(1e-3, 2e-2, data.shape[:2]).astype(np.float16)
+        data[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    return data.reshape(rows, -1)
+
+
+def reference_weight(data: np.ndarray, type_name: str) -> torch.Tensor:
+    return torch.from_numpy(np.array(gguf_dequantize(data, GGMLQuantizationType[type_name])))
+
+
+def rebuilt_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What the kernel multiplies by: its int8 codes times their block's scale, in float64."""
+    q, d, _ = gguf_blocks.quantize_activations(x, block)
+    return (q.double().reshape(x.shape[0], -1, block) * d.double()[:, :, None]).reshape(x.shape)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_rows_read_back_are_gguf_pys_dequantized_values_bit_for_bit(type_name):
+    data = random_rows(type_name, 40, 512)
+    ours = gguf_blocks.dequantize(torch.from_numpy(data.copy()), type_name, 512)
+    assert torch.equal(ours, reference_weight(data, type_name))
+    some = torch.tensor([39, 0, 7, 7])
+    assert torch.equal(gguf_blocks.dequantize(torch.from_numpy(data.copy()), type_name, 512, some),
+                       reference_weight(data, type_name)[some])
+
+
+@pytest.mark.parametrize("block", [32, 256])
+def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(block):
+    x = torch.randn(5, 1024) * torch.logspace(-3, 2, 1024)  # blocks of very different sizes
+    x[2, :block] = 0  # an all-zero block: scale 0, codes 0
+    q, d, sums = gguf_blocks.quantize_activations(x.contiguous(), block)
+    blocks = x.reshape(5, -1, block)
+    want_d = blocks.abs().amax(-1) / 127
+    assert torch.equal(d, want_d)
+    assert int(q.abs().max()) <= 127 and d[2, 0] == 0 and not q[2, :block].any()
+    error = (blocks - q.float().reshape(5, -1, block) * d[:, :, None]).abs()
+    assert torch.all(error <= d[:, :, None] * (0.5 + 1e-5))
+    group = 32 if block == 32 else 16
+    assert torch.equal(sums.to(torch.int64), q.to(torch.int64).reshape(5, -1, group).sum(-1))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_product_is_the_float64_product_of_the_files_values_and_the_rounded_activations(type_name):
+    data = random_rows(type_name, 96, 768, seed=1)
+    x = torch.randn(6, 768)
+    got = gguf_blocks.matmul(torch.from_numpy(data.copy()), type_name, 768, x).double()
+    weight = reference_weight(data, type_name).double()
+    exact = rebuilt_activations(x, gguf_blocks.activation_block(type_name)) @ weight.T
+    assert (got - exact).abs().max() <= 2e-6 * exact.abs().max()  # float32 sums over 24-ish blocks
+    # against the unrounded activations: the activation rounding alone (half a step of 1/127 of a block's max)
+    true = x.double() @ weight.T
+    assert (got - true).norm() <= 0.02 * true.norm()
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_an_output_is_the_same_whatever_rows_and_threads_it_is_computed_with(type_name):
+    blocks = torch.from_numpy(random_rows(type_name, 50, 512, seed=2))
+    x = torch.randn(11, 512)
+    together = gguf_blocks.matmul(blocks, type_name, 512, x)
+    alone = torch.cat([gguf_blocks.matmul(blocks, type_name, 512, x[i:i + 1].contiguous()) for i in range(11)])
+    split = torch.cat([gguf_blocks.matmul(blocks, type_name, 512, x[:7].contiguous()),
+                       gguf_blocks.matmul(blocks, type_name, 512, x[7:].contiguous())])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = gguf_blocks.matmul(blocks, type_name, 512, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, alone) and torch.equal(together, split) and torch.equal(together, one_thread)
+
+
+def test_a_layer_and_a_table_over_the_same_blocks():
+    data = random_rows("Q6_K", 64, 256, seed=3)
+    weight = reference_weight(data, "Q6_K")
+    bias = torch.randn(64)
+    layer = BlockLinear(torch.from_numpy(data.copy()), "Q6_K", 256, bias)
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
+    want = x.double() @ weight.double().T + bias.double()
+    assert (y.double() - want).norm() <= 0.03 * want.norm()
+    table = BlockEmbedding(layer.blocks, "Q6_K", 256, torch.float32, embed_scale=torch.tensor(2.0))
+    ids = torch.tensor([[3, 63], [0, 3]])
+    assert torch.equal(table(ids), weight[ids] * 2.0)
+    assert torch.equal(layer.dequantize(), weight)
+
+
+def test_shapes_that_are_not_whole_blocks_and_rows_out_of_range_are_refused():
+    data = torch.from_numpy(random_rows("Q4_K", 4, 512))
+    with pytest.raises(ValueError, match="not rows of 256"):
+        BlockLinear(data, "Q4_K", 256)
+    with pytest.raises(ValueError, match="not whole blocks"):
+        gguf_blocks.row_bytes("Q4_K", 300)
+    with pytest.raises(ValueError, match="does not hold Q5_K"):
+        gguf_blocks.row_bytes("Q5_K", 256)
+    table = BlockEmbedding(data, "Q4_K", 512, torch.float32)
+    with pytest.raises(IndexError):
+        table(torch.tensor([4]))
+    with pytest.raises(IndexError):
+        table(torch.tensor([-1]))
+
+
+CHILD = r"""
+import json, sys, numpy as np, torch
+sys.path.insert(0, sys.argv[1])
+from test_gguf_blocks import random_rows, reference_weight, rebuilt_activations
+from engine import gguf_blocks
+out = {"unavailable": gguf_blocks.unavailable()}
+if out["unavailable"] is None:
+    out["path"] = gguf_blocks.vector_path()
+    errors = {}
+    for name in gguf_blocks.BLOCK_TYPES:
+        data = random_rows(name, 32, 512, seed=4)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+        got = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x).double()
+        exact = rebuilt_activations(x, gguf_blocks.activation_block(name)) @ reference_weight(data, name).double().T
+        errors[name] = float((got - exact).abs().max() / exact.abs().max())
+    out["errors"] = errors
+elif len(sys.argv) > 2:  # a GGUF load where the kernel cannot be built
+    from engine.loader import load_model, resolve_source
+    source = resolve_source(sys.argv[2])
+    model, _ = load_model(source, torch.device("cpu"), torch.float32, weights="int4")
+    out["layers"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("q_proj")})
+    try:
+        load_model(source, torch.device("cpu"), torch.float32, weights="int4", kernel="gguf_blocks")
+    except ValueError as exc:
+        out["asked"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def child(tmp_path, *args, **env) -> dict:
+    environment = {**os.environ, "KVBOOST_CACHE_DIR": str(tmp_path), **env}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(Path(__file__).parent), *args], cwd=ROOT,
+                          env=environment, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_portable_c_path_computes_the_same_products(tmp_path):
+    """Built for a CPU without AVX2 (another machine's build, or not x86): the same integer sums."""
+    result = child(tmp_path, KVBOOST_BLOCKS_MARCH="x86-64" if os.uname().machine == "x86_64" else "native")
+    assert result["unavailable"] is None
+    if os.uname().machine == "x86_64":
+        assert result["path"] == "portable C"
+    assert max(result["errors"].values()) <= 2e-6, result
+
+
+def test_without_a_compiler_the_kernel_says_why_and_loaders_keep_torchs_kernels(tmp_path):
+    from gguf_files import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "q4k.gguf", "Q4_K")
+    result = child(tmp_path, str(path), CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path))
+    assert "no C compiler" in result["unavailable"]
+    assert result["layers"] == ["Int4Linear"]
+    assert "'gguf_blocks' is unavailable: no C compiler" in result["asked"]
