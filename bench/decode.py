@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -159,13 +160,14 @@ json.dump(out, sys.stdout)
 
 
 def llama_cpp_row(gguf: str, short, long, prompts, num_new: int) -> dict | None:
-    import importlib.util
+    from bench.shapes import llama_python
 
-    if importlib.util.find_spec("llama_cpp") is None:
+    python = llama_python()  # KVBOOST_LLAMA_PYTHON, or this Python where it has llama_cpp
+    if python is None:
         return None
     job = json.dumps({"gguf": gguf, "threads": torch.get_num_threads(), "short": short, "long": long,
                       "prompts": prompts, "new": num_new})
-    done = subprocess.run([sys.executable, "-c", LLAMA_CPP_CHILD], input=job, capture_output=True, text=True,
+    done = subprocess.run([python, "-c", LLAMA_CPP_CHILD], input=job, capture_output=True, text=True,
                           timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"rc {done.returncode}"}
@@ -219,6 +221,9 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         blocks, _ = load_model(src, dev, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)
         models[f"ours {weights_report(blocks)['format']} {gguf_blocks.KERNEL}"] = blocks
     reports = {name: weights_report(m) for name, m in models.items()}
+    from bench.shapes import read_bandwidth
+
+    bandwidth = read_bandwidth(torch.get_num_threads())
     few = {name for name, r in reports.items() if r["kernel"] == "reference"}
     interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs
     speeds_short = interleaved_speeds(models, short, num_new, few, dev)
@@ -234,7 +239,9 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     for name, m in models.items():
         r = reports[name]
         agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
+        read = step_bytes(m, r, len(short))
         rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "head": r["head"],
+                     "read_mb": read / MB, "limit_128": bandwidth / read, "bandwidth": bandwidth,
                      "embedding": r["embedding"], "linear_mb": r["linear_bytes"] / MB,
                      "linear_vs_f32": r["linear_bytes"] / r["linear_float32_bytes"],
                      "resident_mb": r["resident_bytes"] / MB, "prefill_tps": speeds_long[name][0],
@@ -251,8 +258,13 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
             print(f"  llama.cpp: failed ({result['error']})", file=sys.stderr)
         else:
             agree, kl = agreement(reference, torch.log_softmax(torch.tensor(result["logits"]), dim=-1))
+            cfg = model.config.get_text_config()
+            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            # the file's tensors (its table is the tied head here) and an f16 KV of the context
+            read = (Path(src.location) / src.gguf_file).stat().st_size + \
+                2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * len(short)
             rows.append({"row": "llama.cpp (same GGUF)", "format": src.gguf_file.split(".")[-2], "kernel": "ggml",
-                         "head": "?", "embedding": "?",
+                         "head": "?", "embedding": "?", "read_mb": read / MB, "limit_128": bandwidth / read,
                          "linear_mb": nan, "linear_vs_f32": nan, "resident_mb": nan,
                          "prefill_tps": result["long"][0], "decode_tps_128": result["short"][1],
                          "decode_tps_long": result["long"][1], "agree": agree, "kl": kl, "needle": nan})
@@ -260,15 +272,34 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     return rows
 
 
-def table(rows: list[dict], long_tokens: int) -> str:
+def step_bytes(model, report: dict, context: int) -> int:
+    """Bytes one decode step at `context` tokens reads: every weight held but the input table (one row of it is
+    read; a table the head shares is read whole) and the float32 KV of the context."""
+    table, head = model.get_input_embeddings(), model.get_output_embeddings()
+    shared = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]}
+    table_bytes = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()]
+                      if t.data_ptr() not in shared)
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return report["resident_bytes"] - table_bytes + 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * context
+
+
+def table(rows: list[dict], long_tokens: int, bandwidth: float | None = None) -> str:
     head = ("| row | format | kernel | head | embedding | linears MB | vs f32 | resident MB | prefill tok/s | "
-            f"decode tok/s @128 | decode tok/s @{long_tokens} | top-1 agree | mean KL | needle acc |")
+            f"decode tok/s @128 | decode tok/s @{long_tokens} | reads/token MB @128 | share of the limit @128 | "
+            "top-1 agree | mean KL | needle acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    nan = float("nan")
     for r in rows:
+        share = r["decode_tps_128"] / r["limit_128"] if r.get("limit_128") else nan
         lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r.get('head', '?')} | {r.get('embedding', '?')} | "
                      f"{r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
                      f"{r['resident_mb']:.1f} | {r['prefill_tps']:.0f} | {r['decode_tps_128']:.1f} | "
-                     f"{r['decode_tps_long']:.1f} | {r['agree']:.2f} | {r['kl']:.4f} | {r.get('needle', float('nan')):.2f} |")
+                     f"{r['decode_tps_long']:.1f} | {r.get('read_mb', nan):.0f} | {share:.0%} | "
+                     f"{r['agree']:.2f} | {r['kl']:.4f} | {r.get('needle', nan):.2f} |")
+    if bandwidth:
+        lines.append(f"\nlimit: read bandwidth {bandwidth / 1e9:.1f} GB/s (best of 5 sums over 1 GiB) / bytes read "
+                     "per token")
     return "\n".join(lines)
 
 
@@ -296,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                args.new_tokens, args.long, args.prompts, not args.no_llama_cpp,
                [int(g) for g in args.head_groups.split(",")], args.needle)
     print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}")
-    print(table(rows, args.long))
+    print(table(rows, args.long, rows[0].get("bandwidth")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

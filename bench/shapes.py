@@ -246,7 +246,17 @@ eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], kernel=job["k
 load_s = time.perf_counter() - t0
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weights = eng.info()["weights"]
-vocab = eng.model.get_input_embeddings().num_embeddings
+model = eng.model
+vocab = model.get_input_embeddings().num_embeddings
+# What one decode step reads: every weight but the input table (one row of it), and the KV of the context.
+table = model.get_input_embeddings()
+shared = {t.data_ptr() for t in [*model.get_output_embeddings().parameters(), *model.get_output_embeddings().buffers()]}
+table_bytes = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()]
+                  if t.data_ptr() not in shared)
+cfg = model.config.get_text_config()
+head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # float32 KV
+weights_read = weights["resident_bytes"] - table_bytes
 ids = [(i * 7919) % (vocab - 200) + 100 for i in range(job["prompt"])]
 t0 = time.perf_counter()
 steps = []
@@ -260,7 +270,8 @@ for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
     last = now
 print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before,
                   "resident_bytes": weights["resident_bytes"], "format": weights["format"], "ttft_s": first,
-                  "decode_tok_s": len(steps) / sum(steps)}))
+                  "decode_tok_s": len(steps) / sum(steps),
+                  "bytes_per_token": weights_read + kv_per_token * (job["prompt"] + job["new"] // 2)}))
 """
 
 LLAMA_CHILD = RSS_NOW + r"""
@@ -277,8 +288,17 @@ t0 = time.perf_counter(); llm.eval(ids); ttft = time.perf_counter() - t0
 steps = []
 for _ in range(job["new"]):
     t = time.perf_counter(); llm.eval([ids[-1]]); steps.append(time.perf_counter() - t)
+# What one decode step reads: the file's tensors but the input table (unless tied to the head), and an f16 KV.
+from gguf import GGUFReader
+reader = GGUFReader(job["gguf"])
+names = {t.name: int(t.n_bytes) for t in reader.tensors}
+weights_read = sum(names.values()) - (names["token_embd.weight"] if "output.weight" in names else 0)
+layers = int(llm.metadata["llama.block_count"]); kv_heads = int(llm.metadata["llama.attention.head_count_kv"])
+head_dim = int(llm.metadata["llama.embedding_length"]) // int(llm.metadata["llama.attention.head_count"])
+kv_per_token = 2 * layers * kv_heads * head_dim * 2
 print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before, "ttft_s": ttft,
-                  "decode_tok_s": len(steps) / sum(steps)}))
+                  "decode_tok_s": len(steps) / sum(steps),
+                  "bytes_per_token": weights_read + kv_per_token * (job["prompt"] + job["new"] // 2)}))
 """
 
 
@@ -302,6 +322,25 @@ def child(code: str, job: dict, python: str | None = None) -> dict:
 def median(rows: list[dict], key: str):
     values = [r[key] for r in rows if key in r]
     return statistics.median(values) if values else None
+
+
+def read_bandwidth(threads: int, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """This machine's memory read bandwidth in bytes/s: the best of `repeats` sums over a tensor far larger than
+    the caches, on `threads` threads (what a decode step does with its weights: read each once)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(size_bytes // 4)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - start)
+        return size_bytes / best
+    finally:
+        torch.set_num_threads(previous)
 
 
 def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str,
@@ -328,11 +367,11 @@ def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weigh
             results[name].append(row)
             print(f"  {name} round {r + 1}: {row}", file=sys.stderr)
     summary = {"shape": shape_name, "file_bytes": path.stat().st_size, "threads": threads, "prompt": prompt,
-               "rounds": rounds, "kernel": kernel}
+               "rounds": rounds, "kernel": kernel, "read_bandwidth": read_bandwidth(threads)}
     for name in results:
         summary[name] = {key: median(results[name], key)
                          for key in ("load_s", "peak_load_rss", "rss_before", "resident_bytes", "ttft_s",
-                                     "decode_tok_s")}
+                                     "decode_tok_s", "bytes_per_token")}
         summary[name]["cold_load_s"] = median(cold[name], "load_s")
         errors = [row["error"] for row in results[name] if "error" in row]
         if errors:
@@ -367,6 +406,18 @@ def table(summary: dict) -> str:
     ours, theirs = summary["ours"].get("decode_tok_s"), summary["llama.cpp"].get("decode_tok_s")
     if ours and theirs:
         rows.append(f"\ndecode: ours / llama.cpp = {ours / theirs:.2f}x")
+    bandwidth = summary.get("read_bandwidth")
+    if bandwidth:
+        rows.append(f"\nroofline: read bandwidth {bandwidth / 1e9:.1f} GB/s ({summary['threads']} threads, best of 5 "
+                    f"sums over 1 GiB); a decode step reads its weights and the KV of ~{summary['prompt']} tokens")
+        rows += ["", "| engine | bytes read per token | limit tok/s | decode tok/s | share of the limit |",
+                 "|---|---|---|---|---|"]
+        for name in ("llama.cpp", "ours"):
+            s = summary[name]
+            if s.get("bytes_per_token") and s.get("decode_tok_s"):
+                limit = bandwidth / s["bytes_per_token"]
+                rows.append(f"| {name} | {s['bytes_per_token'] / 2**20:.0f} MiB | {limit:.1f} | "
+                            f"{s['decode_tok_s']:.2f} | {s['decode_tok_s'] / limit:.0%} |")
     return "\n".join(rows)
 
 

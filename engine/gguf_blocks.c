@@ -112,6 +112,16 @@ static inline __m256i dot_u8s8(__m256i u, __m256i v) { /* 8 int32, each the sum 
 #endif
 }
 
+static inline __m256i madd_add(__m256i sum, __m256i a, __m256i b) { /* sum + pairwise int16 products */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(sum, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(sum, a, b);
+#else
+    return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b));
+#endif
+}
+
 static inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -213,8 +223,7 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
             const int8_t *x = q + r * k + b * 256;
             __m256i sum = _mm256_setzero_si256();
             for (int j = 0; j < 8; j++)
-                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(codes[j], load32(x + 32 * j)),
-                                                              scale16[j]));
+                sum = madd_add(sum, _mm256_maddubs_epi16(codes[j], load32(x + 32 * j)), scale16[j]);
             const __m256i sums16 = _mm256_madd_epi16(terms16, load32(bsums + at * 16));
             if (type == KVB_Q6_K) sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(sums16, 5));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * d[at]), acc[r]);

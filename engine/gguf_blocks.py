@@ -31,6 +31,10 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
+# Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
+# machines without a C compiler; it is loaded only where the CPU has those features.
+PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
+PREBUILT_NEEDS = ("avx2", "fma", "f16c")
 # type name -> (ggml type id, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
@@ -48,14 +52,17 @@ class BlockKernelUnavailable(RuntimeError):
     """The block kernel cannot be built or loaded here (the message says why)."""
 
 
-def kernel_dir() -> Path:
-    """$KVBOOST_CACHE_DIR/kernels when set, else the per-user cache folder's kernels/ (engine.disk's root)."""
+def kernel_dir(engine_cache_dir: Path | str | None = None) -> Path:
+    """<the engine's cache folder>/kernels: `engine_cache_dir` (from_pretrained's disk_cache_dir) when given, else
+    $KVBOOST_CACHE_DIR when set, else the per-user cache folder, as engine.gguf_tokenizer.tokenizer_cache_dir."""
+    if engine_cache_dir is not None:
+        return Path(engine_cache_dir).expanduser() / "kernels"
     root = os.environ.get("KVBOOST_CACHE_DIR")
     if root:
         return Path(root).expanduser() / "kernels"
     import platformdirs
 
-    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kernels"
+    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kv" / "kernels"
 
 
 def _cpu_flags() -> str:
@@ -68,29 +75,51 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def build_command(compiler: str, target: Path, march: str) -> list[str]:
+    """The command that builds the kernel for `march` (gcc's -march) into `target`."""
+    return [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(target), "-lm"]
+
+
+def _prebuilt() -> Path | None:
+    flags = set(_cpu_flags().split())
+    if PREBUILT.is_file() and platform.machine() in ("x86_64", "AMD64") and flags >= set(PREBUILT_NEEDS):
+        return PREBUILT
+    return None
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _build(folder: Path) -> ctypes.CDLL:
     if platform.system() == "Windows":
         raise BlockKernelUnavailable("the block kernel is built with a Unix C compiler; Windows keeps torch's kernels")
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
-        raise BlockKernelUnavailable("no C compiler (cc or $CC) to build the block kernel")
+        shipped = _prebuilt()
+        if shipped is None:
+            raise BlockKernelUnavailable("no C compiler (cc or $CC) to build the block kernel")
+        return _bind(shipped)
     source = SOURCE.read_bytes()
-    flags = (*FLAGS, f"-march={os.environ.get(MARCH_ENV_VAR) or 'native'}")
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), compiler.encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    folder = kernel_dir()
+    march = os.environ.get(MARCH_ENV_VAR) or "native"
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
     target = folder / f"gguf_blocks-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
-                                    text=True, timeout=300)
+            result = subprocess.run(build_command(compiler, built, march), capture_output=True, text=True,
+                                    timeout=300)
             if result.returncode != 0:
                 raise BlockKernelUnavailable(f"{compiler} could not build the block kernel: "
                                              f"{result.stderr.strip()[-400:]}")
             os.replace(built, target)  # whole or not at all: another process may be building it too
         log.info("built the GGUF block kernel into %s", target)
+    return _bind(target)
+
+
+def _bind(target: Path) -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as exc:
@@ -111,11 +140,12 @@ def _build() -> ctypes.CDLL:
     return lib
 
 
-def _library() -> ctypes.CDLL:
+def _library(engine_cache_dir: Path | str | None = None) -> ctypes.CDLL:
+    """The kernel, built on the first call of the process into kernel_dir(engine_cache_dir)."""
     with _lock:
         if "lib" not in _state and "error" not in _state:
             try:
-                _state["lib"] = _build()
+                _state["lib"] = _build(kernel_dir(engine_cache_dir))
             except (BlockKernelUnavailable, OSError, subprocess.SubprocessError) as exc:
                 _state["error"] = str(exc)
         if "error" in _state:
@@ -123,14 +153,32 @@ def _library() -> ctypes.CDLL:
         return _state["lib"]
 
 
-def unavailable(device: torch.device | str = "cpu") -> str | None:
-    """Why the block kernel cannot run on `device` here, or None (it is built on the first call)."""
+def unavailable(device: torch.device | str = "cpu", engine_cache_dir: Path | str | None = None) -> str | None:
+    """Why the block kernel cannot run on `device` here, or None (built on the first call of the process, into
+    kernel_dir(engine_cache_dir))."""
     if torch.device(device).type != "cpu":
         return f"the GGUF block kernel runs on the CPU, not on {torch.device(device).type}"
     try:
-        _library()
+        _library(engine_cache_dir)
     except BlockKernelUnavailable as exc:
         return str(exc)
+    return None
+
+
+def expected_unavailable(device: torch.device | str = "cpu") -> str | None:
+    """What unavailable() would say, without building anything (for estimates made before a load): None when
+    the kernel is loaded already, or a compiler or a shipped build for this CPU is there."""
+    if torch.device(device).type != "cpu":
+        return f"the GGUF block kernel runs on the CPU, not on {torch.device(device).type}"
+    with _lock:
+        if "lib" in _state:
+            return None
+        if "error" in _state:
+            return _state["error"]
+    if platform.system() == "Windows":
+        return "the block kernel is built with a Unix C compiler; Windows keeps torch's kernels"
+    if _compiler() is None and _prebuilt() is None:
+        return "no C compiler (cc or $CC) to build the block kernel"
     return None
 
 

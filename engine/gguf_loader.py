@@ -12,7 +12,8 @@ Per GGUF type of a decoder linear, with weights="int4":
 - where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler): Q6_K and Q8_0 with kernel "auto"
   (AUTO_BLOCK_TYPES), and Q4_0 / Q4_1 / Q4_K too with kernel "gguf_blocks": the file's blocks as they are, a
   BlockLinear (no rounding at all at load; the kernel rounds activations to int8 per block, as llama.cpp does).
-  The head and the table take the same form when their tensor is one of these types (head="auto").
+  Under such layers the head and the table take the same form when their tensor is one of these types
+  (head="auto"; a Q4_1 file's Q8_0 table stays with engine.head's rule, int8 rows, beside its int4 layers).
 Elsewhere (another kernel asked for, a GPU, no compiler, the other types):
 - Q4_0, Q4_1, Q4_K: the file's 4-bit codes as they are, Int4Linear group 32 (engine.gguf_int4). The reference
   path reproduces gguf's dequantization bit for bit; the int4pack kernels hold each group's scale and offset in
@@ -89,20 +90,22 @@ def auto_weights(file: GGUFFile) -> str:
 
 
 def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.dtype, *, weights: str = "int4",
-                    group_size: int = 128, kernel: str = "auto", head: str = "auto", progress: Progress | None = None):
+                    group_size: int = 128, kernel: str = "auto", head: str = "auto", progress: Progress | None = None,
+                    cache_dir=None):
     """The model of `file` (whose checked transformers config is `config`) in eval mode on `device`, each tensor
     in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
     at load; `kernel` the matmul path: "gguf_blocks" (engine.gguf_blocks, every type it holds), one of
     engine.int4's, or "auto" (AUTO_BLOCK_TYPES as blocks where the block kernel runs, the fastest int4 kernel for
     the rest); `head` one of engine.head.HEAD_CHOICES. `progress` (done, total, what) after each decoder layer and once more when the head and table are in place; each
-    converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time."""
+    converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time.
+    `cache_dir`: the engine's cache folder, where the block kernel is built (engine.gguf_blocks.kernel_dir)."""
     assert weights in ("int4", "float") and head in HEAD_CHOICES, (weights, head)
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     processor = TENSOR_PROCESSORS.get(file.architecture, TensorProcessor)(config=processor_config(config))
     model = meta_model(config, dtype)
     records = _records_by_parameter(file, model, processor)
-    loader = _Loader(file, processor, device, dtype, group_size, kernel)
+    loader = _Loader(file, processor, device, dtype, group_size, kernel, cache_dir)
     report = progress or (lambda done, total, what: None)
     linears = decoder_linears(model)
     layers = sorted({int(m.group(1)) for name, _ in linears if (m := LAYER_INDEX.search(f".{name}"))})
@@ -117,8 +120,9 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
             release_freed_memory()  # a layer's transients, or they pile up in the heap (0.5 GB over a 7B)
             report(done, total, f"layer {done} of {len(layers)}")
     quantized = any(isinstance(m, (Int4Linear, Int8Linear, BlockLinear)) for m in model.modules())
-    if head == "auto":
-        head = "blocks" if quantized and _head_source(model, records).type_name in loader.block_types \
+    if head == "auto":  # blocks under block layers (one rounding of activations throughout), else engine.head's rule
+        under_blocks = any(isinstance(m, BlockLinear) for m in model.modules())
+        head = "blocks" if under_blocks and _head_source(model, records).type_name in loader.block_types \
             else auto_head_for(quantized, device)
     _place_head_and_table(model, loader, records, head)
     for hf_name, record in records.items():  # norms, biases outside the linears, anything else: float
@@ -207,13 +211,13 @@ class _Loader:
     """What one load decided (device, dtype, kernels), and the tally of what each tensor became."""
 
     def __init__(self, file: GGUFFile, processor, device: torch.device, dtype: torch.dtype, group_size: int,
-                 kernel: str):
+                 kernel: str, cache_dir=None):
         self.file, self.processor, self.device, self.dtype, self.group_size = file, processor, device, dtype, group_size
         # The block kernel for the types it holds, where it runs ("auto") or as asked; the int4 kernel for the rest
         # ("auto" then), picked at the first int4 layer.
         self.block_types: tuple[str, ...] = ()
         if kernel in ("auto", gguf_blocks.KERNEL):
-            why = gguf_blocks.unavailable(device)
+            why = gguf_blocks.unavailable(device, cache_dir)
             if why is not None and kernel == gguf_blocks.KERNEL:
                 raise ValueError(f"kernel {gguf_blocks.KERNEL!r} is unavailable: {why}")
             if why is not None:

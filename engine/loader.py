@@ -174,11 +174,11 @@ def resolve_weights(source: ModelSource, device: torch.device, dtype: torch.dtyp
         if unsupported(file) is None and quantized > kinds.get("float", 0):
             if kinds.get("4-bit", 0) >= kinds.get("5-8-bit", 0):
                 return "int4", "the file's decoder weights are 4-bit codes: loaded as they are"
-            from .gguf_blocks import unavailable
+            from .gguf_blocks import expected_unavailable
             from .gguf_loader import AUTO_BLOCK_TYPES
             from .head import pick_int8_kernel
 
-            if unavailable(device) is None and _block_share(file, AUTO_BLOCK_TYPES) > 0.5:
+            if expected_unavailable(device) is None and _block_share(file, AUTO_BLOCK_TYPES) > 0.5:
                 return "int4", "the file's decoder weights are 5-8-bit: kept as the file's blocks"
             if pick_int8_kernel(device)[0] == "cpu_int8pack":
                 return "int4", "the file's decoder weights are 5-8-bit: loaded as int8 rows"
@@ -446,7 +446,8 @@ def _load_gguf(source: ModelSource, device: torch.device, dtype: torch.dtype, we
         report(0, 0, "tokenizer")
         tokenizer = load_gguf_tokenizer(file, tokenizer_cache_dir(cache_dir))
         model = load_gguf_model(file, config, device, dtype, weights="int4" if weights == "int4" else "float",
-                                group_size=group_size, kernel=kernel, head=head, progress=report)
+                                group_size=group_size, kernel=kernel, head=head, progress=report,
+                                cache_dir=cache_dir)
     except GGUFFormatError as exc:
         raise ModelLoadError(f"could not load {source.describe()}: {exc}") from None
     except (OSError, ValueError, KeyError, RuntimeError) as exc:

@@ -108,7 +108,8 @@ def gguf_weight_bytes(file, dtype: torch.dtype, *, group_size: int = 128, int4_k
         int4 += held
     int8_head = quantized and int8_kernel
     head_source = file.tensors.get("output.weight") or file.tensors.get("token_embd.weight")
-    block_head = quantized and head_source is not None and head_source.type_name in blocks
+    under_blocks = any(r.type_name in blocks for r in records if r.name.startswith("blk.") and len(r.shape) == 2)
+    block_head = under_blocks and head_source is not None and head_source.type_name in blocks
     for name in ("token_embd.weight", "output.weight"):
         record = file.tensors.get(name)
         if record is None:
@@ -147,13 +148,13 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     fast = why_not is None
     int8 = pick_int8_kernel(dev)[1] is None
     if src.kind == "gguf":
-        from .gguf_blocks import unavailable
+        from .gguf_blocks import expected_unavailable
         from .gguf_file import read_gguf
         from .gguf_loader import AUTO_BLOCK_TYPES
 
         sizes = gguf_weight_bytes(read_gguf(Path(src.location) / src.gguf_file), dt, group_size=group_size,
                                   int4_kernel=kernel if fast else "reference", int8_kernel=int8,
-                                  blocks=AUTO_BLOCK_TYPES if unavailable(dev) is None else ())
+                                  blocks=AUTO_BLOCK_TYPES if expected_unavailable(dev) is None else ())
     else:
         sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast, int8_head=int8)
     return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size,

@@ -134,10 +134,13 @@ def test_shapes_that_are_not_whole_blocks_and_rows_out_of_range_are_refused():
 
 
 CHILD = r"""
-import json, sys, numpy as np, torch
+import json, os, sys, numpy as np, torch
+from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from test_gguf_blocks import random_rows, reference_weight, rebuilt_activations
 from engine import gguf_blocks
+if os.environ.get("TEST_PREBUILT"):  # before anything asks for the kernel
+    gguf_blocks.PREBUILT = Path(os.environ["TEST_PREBUILT"])
+from test_gguf_blocks import random_rows, reference_weight, rebuilt_activations
 out = {"unavailable": gguf_blocks.unavailable()}
 if out["unavailable"] is None:
     out["path"] = gguf_blocks.vector_path()
@@ -187,3 +190,19 @@ def test_without_a_compiler_the_kernel_says_why_and_loaders_keep_torchs_kernels(
     assert "no C compiler" in result["unavailable"]
     assert result["layers"] == ["Int4Linear"]
     assert "'gguf_blocks' is unavailable: no C compiler" in result["asked"]
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the shipped build is for x86-64-v3")
+def test_without_a_compiler_the_build_shipped_with_the_installers_runs(tmp_path):
+    import shutil
+
+    prebuilt = tmp_path / gguf_blocks.PREBUILT.name
+    built = subprocess.run(gguf_blocks.build_command(shutil.which("cc") or "gcc", prebuilt, "x86-64-v3"),
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    result = child(tmp_path, CC=str(tmp_path / "no-such-cc"), PATH=str(tmp_path), TEST_PREBUILT=str(prebuilt))
+    if not set(gguf_blocks._cpu_flags().split()) >= set(gguf_blocks.PREBUILT_NEEDS):
+        assert "no C compiler" in result["unavailable"]  # a CPU the shipped build cannot run on
+        return
+    assert result["unavailable"] is None and result["path"] == "avx2"
+    assert max(result["errors"].values()) <= 2e-6, result

@@ -292,8 +292,8 @@ def test_an_untied_head_is_read_from_its_own_tensor(files, one_thread):
     assert torch.equal(logits(model), logits(reference))
     quantized = ours(path, weights="int4", kernel="cpu_int4pack")
     assert weights_report(quantized)["gguf"]["Q6_K->int8"]["tensors"] == 2  # head and table, each its own rows
-    blocks = ours(path, weights="int4")
-    if gguf_blocks.unavailable() is None:  # head and table each their own tensor's blocks
+    if gguf_blocks.unavailable() is None:  # head and table each their own tensor's blocks, under block layers
+        blocks = ours(path, weights="int4", kernel=gguf_blocks.KERNEL)
         assert weights_report(blocks)["gguf"]["Q6_K->blocks"]["tensors"] == 2
         assert blocks.lm_head.blocks.data_ptr() != blocks.model.embed_tokens.blocks.data_ptr()
         assert torch.equal(blocks.lm_head.dequantize(), reference.lm_head.weight)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from awq_checkpoints import write_awq_checkpoint
-from engine import gguf_blocks, weight_sizes
+from engine import weight_sizes
 from engine.head import int8_kernel_unavailable
 from engine.loader import load_model, resolve_source, weights_report
 from tiny_models import build_model, build_tokenizer
@@ -47,13 +47,10 @@ def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm_float
     sizes = weight_sizes.estimate(None, device="cpu")
     assert close(sizes["float"], weights_report(smollm_float.model)["resident_bytes"])
     # SmolLM2-135M: the 30 layers' linears shrink to 0.156x; the tied 49152 x 576 embedding (113 MB in float32)
-    # is held once for the head and the table: as the file's Q8_0 blocks (34 bytes per 32) where the block kernel
-    # runs, else in int8 rows (28 MB) where the int8 kernel runs (head="auto"), else it stays float
+    # becomes one int8 table shared with the head (28 MB) where the int8 kernel runs (head="auto" beside int4
+    # layers), else stays
     table = 49152 * 576
-    if gguf_blocks.unavailable() is None:
-        head_saving = 4 * table - table // 32 * 34
-    else:
-        head_saving = 4 * table - (table + 2 * 49152) if int8_kernel_unavailable("cpu_int8pack", "cpu") is None else 0
+    head_saving = 4 * table - (table + 2 * 49152) if int8_kernel_unavailable("cpu_int8pack", "cpu") is None else 0
     assert 0.25 * sizes["float"] < sizes["int4"] + head_saving < 0.4 * sizes["float"]
     assert sizes["outside_layers"] == 4 * table + 4 * 576 - head_saving  # the table and the final norm
 
