@@ -6,9 +6,11 @@ For each prompt (a passage of the Python documentation as the system message, a 
   2. it answers the same messages again (an EXACT hit of the whole prompt);
   3. it answers a follow-up turn (the first turn and its answer reused: PREFIX/EXACT hits, a new suffix);
 each answer against an engine with reuse="off" on the same loaded weights. A divergence is a prompt whose greedy
-tokens differ anywhere; the rate is divergences over answers compared. Weight formats: float (the file
-dequantized), int4 (weights="auto": the file's Q4_1 codes), and int8 rows (a Q8_0 copy of the embedded model
-written by llama.cpp's quantizer, when llama-cpp-python is found: KVBOOST_LLAMA_PYTHON or this Python).
+tokens differ anywhere; the rate is divergences over answers compared. Weight formats (FORMATS, `--formats`):
+float (the file dequantized), int4 (weights="auto": the file's Q4_1 codes on torch's int4 kernel), q4_1-blocks
+(the same codes as the file's blocks on the block kernel, engine.gguf_blocks), and from a Q8_0 copy of the
+embedded model written by llama.cpp's quantizer (when llama-cpp-python is found: KVBOOST_LLAMA_PYTHON or this
+Python) q8_0-blocks (auto: its blocks) and int8-rows (torch's kernels: int8 rows of its values).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+# row -> (source: None the embedded model, "q8" its Q8_0 copy; weights; kernel)
+FORMATS = {"float": (None, "float", "auto"), "int4": (None, "auto", "auto"),
+           "q4_1-blocks": (None, "auto", "gguf_blocks"), "q8_0-blocks": ("q8", "auto", "auto"),
+           "int8-rows": ("q8", "auto", "cpu_int4pack")}
 QUESTIONS = ("What is this passage about? Answer in one sentence.", "Give one example from the passage.")
 FOLLOW_UP = "Explain that in simpler words."
 
@@ -60,10 +66,11 @@ def prompts(tokenizer, count: int) -> list[list[dict]]:
     return out[:count]
 
 
-def run_format(label: str, source, weights: str, count: int, new_tokens: int) -> dict:
+def run_format(label: str, source, weights: str, count: int, new_tokens: int, kernel: str = "auto") -> dict:
     from engine import KVBoost
 
-    cached = KVBoost.from_pretrained(source, device="cpu", weights=weights, disk_cache_bytes=0, quiet=True)
+    cached = KVBoost.from_pretrained(source, device="cpu", weights=weights, kernel=kernel, disk_cache_bytes=0,
+                                     quiet=True)
     plain = cached.with_options(reuse="off")
     compared = diverged = reused = 0
     kinds: dict[str, int] = {}
@@ -82,7 +89,8 @@ def run_format(label: str, source, weights: str, count: int, new_tokens: int) ->
             for _start, _end, kind in result.stats.chunks:
                 kinds[kind] = kinds.get(kind, 0) + 1
         print(f"  {label}: prompt {number}/{count}, {diverged} diverged of {compared}", file=sys.stderr, flush=True)
-    return {"format": label, "weights": cached.info()["weights"]["format"], "prompts": count,
+    return {"format": label, "weights": f"{cached.info()['weights']['format']} ({cached.info()['weights']['kernel']})",
+            "prompts": count,
             "answers_compared": compared, "diverged": diverged, "rate": diverged / compared,
             "reused_tokens": reused, "chunk_kinds": kinds, "seconds": round(time.perf_counter() - t0, 1)}
 
@@ -92,15 +100,23 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=40)
     parser.add_argument("--new", type=int, default=32, help="greedy tokens per answer")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"any of {', '.join(FORMATS)}")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(2)
-    rows = [run_format("float", None, "float", args.prompts, args.new),
-            run_format("int4 (Q4_1 codes)", None, "auto", args.prompts, args.new)]
-    q8 = q8_0_copy()
-    if q8 is not None:
-        rows.append(run_format("int8 rows (Q8_0)", str(q8), "auto", args.prompts, args.new))
+    wanted = args.formats.split(",")
+    unknown = [f for f in wanted if f not in FORMATS]
+    if unknown:
+        parser.error(f"unknown format(s) {', '.join(unknown)}; choose from {', '.join(FORMATS)}")
+    q8 = q8_0_copy() if any(FORMATS[f][0] == "q8" for f in wanted) else None
+    rows = []
+    for name in wanted:
+        source, weights, kernel = FORMATS[name]
+        if source == "q8" and q8 is None:
+            print(f"  {name}: skipped (no Q8_0 copy without llama.cpp)", file=sys.stderr)
+            continue
+        rows.append(run_format(name, str(q8) if source == "q8" else None, weights, args.prompts, args.new, kernel))
     print("| weights | format | prompts | answers compared | diverged | rate | reused tokens | hits |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

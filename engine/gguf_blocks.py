@@ -31,6 +31,8 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
+# Built into the same library: attention one row at a time (engine.exact_attention).
+SOURCES = (SOURCE, Path(__file__).with_name("exact_attention.c"))
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
@@ -77,7 +79,7 @@ def _cpu_flags() -> str:
 
 def build_command(compiler: str, target: Path, march: str) -> list[str]:
     """The command that builds the kernel for `march` (gcc's -march) into `target`."""
-    return [compiler, *FLAGS, f"-march={march}", str(SOURCE), "-o", str(target), "-lm"]
+    return [compiler, *FLAGS, f"-march={march}", *map(str, SOURCES), "-o", str(target), "-lm"]
 
 
 def _prebuilt() -> Path | None:
@@ -100,7 +102,7 @@ def _build(folder: Path) -> ctypes.CDLL:
         if shipped is None:
             raise BlockKernelUnavailable("no C compiler (cc or $CC) to build the block kernel")
         return _bind(shipped)
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     march = os.environ.get(MARCH_ENV_VAR) or "native"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
@@ -133,6 +135,9 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_linear.restype = i32
     lib.kvb_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
     lib.kvb_dequantize.restype = i32
+    f32 = ctypes.c_float
+    lib.kvb_attention.argtypes = [p, p, p, p, i64, i32, p, i64, i64, i64, i64, i64, i64, f32, i32]
+    lib.kvb_attention.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     for name, (type_id, _, _) in BLOCK_TYPES.items():
@@ -196,6 +201,11 @@ def row_bytes(type_name: str, columns: int) -> int:
     if columns <= 0 or columns % per_block or columns % ACTIVATION_BLOCK:
         raise ValueError(f"a {type_name} row of {columns} values is not whole blocks of {per_block}")
     return columns // per_block * block_bytes
+
+
+def library(engine_cache_dir: Path | str | None = None) -> ctypes.CDLL:
+    """The built library (BlockKernelUnavailable where it cannot be had): for engine.exact_attention."""
+    return _library(engine_cache_dir)
 
 
 def _threads() -> int:

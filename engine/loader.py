@@ -496,7 +496,8 @@ def weights_report(model) -> dict:
     loaded by engine.gguf_loader, else None): per "<GGUF type>-><form>" ("Q4_K->int4", "Q6_K->int8",
     "F32->float32") the number of tensors, their bytes in the file and as held. `choice`: what weights="auto"
     (or the asked format) became and why (load_model), None for a model built elsewhere; `attention`: the
-    attention implementation ("sdpa", or "sdpa_float64" under bfloat16 kernels: engine.exact_attention)."""
+    attention implementation ("sdpa", or under quantized CPU kernels "rows_exact", else "sdpa_float64":
+    engine.exact_attention)."""
     params = list(model.parameters())  # tied weights once
     resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .exact_attention import ATTENTION
+from .exact_attention import ATTENTION, ROWS, rows
 from .live_cache import GrowingCache
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each [1, H_kv, T, D] (as engine.tiers.KV)
@@ -382,10 +382,17 @@ def _paged_attention(module, query: torch.Tensor, layer: SpillingLayer, kwargs: 
     assert query.shape[1] == layer.keys.shape[1] * module.num_key_value_groups, "GQA groups as the module says"
     # A model on exact attention (engine.exact_attention) gets it here too: its paged and unpaged forwards then
     # differ by float64 roundings only, so spilling changes no answer of a bfloat16-kernel model.
+    # Under ROWS the pages and the device part are joined and attended in one pass of the same kernel, which
+    # gives each row what the unpaged call gives it, bit for bit.
     config = getattr(module, "config", None)
-    exact = getattr(config, "_attn_implementation", None) == ATTENTION
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation == ROWS:
+        blocks = list(layer.blocks())
+        key = torch.cat([k.to(query.device) for _, k, _ in blocks], dim=2)
+        value = torch.cat([v.to(query.device) for _, _, v in blocks], dim=2)
+        return rows(query, key, value, None, True, scaling).to(query.dtype), None
     out = attend_blocks(query, layer.blocks(), layer.get_seq_length() - q_len, scaling,
-                        work=torch.float64 if exact else None)
+                        work=torch.float64 if implementation == ATTENTION else None)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -19,6 +19,7 @@ from awq_checkpoints import PACK_ORDER, pack_awq, write_awq_checkpoint
 from tiny_models import FIRST_WORD, VOCAB, build_model, build_tokenizer, random_ids
 
 from engine import KVBoost
+from engine.exact_attention import EXACT
 from engine.awq import unpack_awq
 from engine.config import ChunkingConfig, EngineConfig
 from engine.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
@@ -321,8 +322,8 @@ def test_an_exact_hit_after_int4_load_equals_full_prefill_at_the_same_weights(sm
     else:
         # The kernel is batch-invariant but rounds every linear's input to bfloat16; under float32 attention the
         # ~1e-7 differences two attention shapes make flipped some of those roundings (0.11 of 20 in the logits).
-        # The engine runs such models on float64 attention (engine.exact_attention): the same logits exactly.
-        assert engine.model.config._attn_implementation == "sdpa_float64"
+        # The engine runs such models on row-by-row (or float64) attention (engine.exact_attention): the same logits.
+        assert engine.model.config._attn_implementation in EXACT
         assert torch.equal(result.first_logits, full)
 
 

@@ -1,0 +1,83 @@
+"""Attention one query row at a time (engine.exact_attention.rows, engine/exact_attention.c): the softmax attention
+float64 sdpa computes, and for every row the same bits however the queries are cut, batched or threaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.exact_attention import row_attention, rows, rows_unavailable
+
+pytestmark = pytest.mark.skipif(rows_unavailable() is not None, reason=f"no C kernel: {rows_unavailable()}")
+SCALE = 64 ** -0.5
+
+
+def qkv(batch=2, heads=6, kv_heads=2, n=40, dim=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads, n, dim, generator=gen), torch.randn(batch, kv_heads, n, dim, generator=gen),
+            torch.randn(batch, kv_heads, n, dim, generator=gen))
+
+
+def reference(q, k, v, mask=None, causal=True):
+    """float64 sdpa over repeated kv heads, [B, nq, H, D]."""
+    groups = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(groups, 1),
+                                         v.double().repeat_interleave(groups, 1), attn_mask=mask,
+                                         is_causal=causal and mask is None)
+    return out.transpose(1, 2)
+
+
+def test_rows_compute_the_softmax_attention_of_float64_sdpa():
+    q, k, v = qkv()
+    assert (rows(q, k, v, None, True, SCALE).double() - reference(q, k, v)).abs().max() < 2e-6
+    assert (rows(q, k, v, None, False, SCALE).double() - reference(q, k, v, causal=False)).abs().max() < 2e-6
+
+
+def test_a_row_is_the_same_however_the_queries_are_cut_batched_or_threaded():
+    q, k, v = qkv()
+    whole = rows(q, k, v, None, True, SCALE)
+    pieces = torch.cat([rows(q[:, :, :13], k[:, :, :13], v[:, :, :13], None, True, SCALE),
+                        rows(q[:, :, 13:], k, v, None, True, SCALE)], dim=1)
+    one_by_one = torch.cat([rows(q[:, :, i:i + 1], k[:, :, :i + 1], v[:, :, :i + 1], None, True, SCALE)
+                            for i in range(q.shape[2])], dim=1)
+    alone = torch.cat([rows(q[b:b + 1], k[b:b + 1], v[b:b + 1], None, True, SCALE) for b in range(2)])
+    # keys past a query, masked out, change nothing: a prefill of a longer prompt
+    longer = rows(q[:, :, :20], k, v, torch.ones(40, 40, dtype=torch.bool).tril()[None, None, :20], False, SCALE)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = rows(q, k, v, None, True, SCALE)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(whole, other) for other in (pieces, one_by_one, alone, single))
+    assert torch.equal(longer, whole[:, :20])
+
+
+class _Module(torch.nn.Module):
+    """What the attention interface reads of an attention module."""
+    is_causal = True
+    training = False
+    num_key_value_groups = 3
+
+
+def test_transformers_masks_boolean_and_additive_padding_included():
+    q, k, v = qkv()
+    keep = torch.ones(2, 1, 40, 40, dtype=torch.bool).tril()
+    keep[1, :, :, :5] = False  # the second sequence is left-padded by 5
+    keep[1, :, :5, :] = False  # its padding rows attend nothing: 0 here
+    additive = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    got_bool, _ = row_attention(_Module(), q, k, v, keep, scaling=SCALE)
+    got_add, _ = row_attention(_Module(), q, k, v, additive, scaling=SCALE)
+    assert torch.equal(got_bool, got_add)
+    want = reference(q[:, :, 5:], k, v, mask=keep[:, :, 5:].expand(2, 6, 35, 40), causal=False)
+    assert (got_bool[:, 5:].double() - want).abs().max() < 2e-6
+    assert not got_bool[1, :5].any()
+
+
+def test_a_mask_with_biases_takes_the_float64_path():
+    q, k, v = qkv()
+    bias = torch.randn(2, 1, 40, 40) * 0.1
+    got, _ = row_attention(_Module(), q, k, v, bias, scaling=SCALE)
+    assert (got.double() - reference(q, k, v, mask=bias.double().expand(2, 6, 40, 40), causal=False)).abs().max() \
+        < 2e-6
