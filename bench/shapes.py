@@ -238,6 +238,7 @@ import json, resource, sys, time
 job = json.loads(sys.argv[1])
 import torch
 torch.set_num_threads(job["threads"])
+from bench.decode import step_bytes  # what one decode step reads: weights but the input table, a float32 KV
 from engine import KVBoost
 before = rss_now()
 t0 = time.perf_counter()
@@ -248,15 +249,6 @@ peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 weights = eng.info()["weights"]
 model = eng.model
 vocab = model.get_input_embeddings().num_embeddings
-# What one decode step reads: every weight but the input table (one row of it), and the KV of the context.
-table = model.get_input_embeddings()
-shared = {t.data_ptr() for t in [*model.get_output_embeddings().parameters(), *model.get_output_embeddings().buffers()]}
-table_bytes = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()]
-                  if t.data_ptr() not in shared)
-cfg = model.config.get_text_config()
-head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # float32 KV
-weights_read = weights["resident_bytes"] - table_bytes
 ids = [(i * 7919) % (vocab - 200) + 100 for i in range(job["prompt"])]
 t0 = time.perf_counter()
 steps = []
@@ -271,7 +263,7 @@ for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
 print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before,
                   "resident_bytes": weights["resident_bytes"], "format": weights["format"], "ttft_s": first,
                   "decode_tok_s": len(steps) / sum(steps),
-                  "bytes_per_token": weights_read + kv_per_token * (job["prompt"] + job["new"] // 2)}))
+                  "bytes_per_token": step_bytes(model, weights, job["prompt"] + job["new"] // 2)}))
 """
 
 LLAMA_CHILD = RSS_NOW + r"""
