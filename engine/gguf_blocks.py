@@ -2,15 +2,16 @@
 
 A Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor is held as its bytes, row after row: the resident weights are the file's
 tensor bytes (no second rounding, no wider format: a Q6_K tensor no longer becomes 8-bit rows), and loading is a
-copy. The kernel rounds each activation row to int8 in blocks of 32 (a float scale per block, as llama.cpp rounds
-its activations) and sums each block's products exactly in integers; the float sums over blocks run in an order
-fixed by the row's length, so an output does not depend on how many rows are multiplied together (reuse then
-never changes an answer through this kernel).
+read. The kernel rounds each activation row to int8 (blocks of 256 for the K-quants, 32 for the others, a float
+scale per block, as llama.cpp rounds its activations) and sums each block's products exactly in integers; the
+float sums over blocks run in an order fixed by the row's length, so an output does not depend on how many rows
+are multiplied together or on the thread count (reuse then never changes an answer through this kernel).
 
-The kernel is compiled on first use with the machine's C compiler (`cc`, or $CC) for this CPU (-march=native, or
-$KVBOOST_BLOCKS_MARCH) into <cache>/kernels, keyed by the source, the flags and the CPU's feature flags (~2 s once); where no compiler is found or it
-fails, `unavailable()` says why and the loader keeps the torch kernels (engine.int4, engine.head).
-"""
+The kernel (with engine/exact_attention.c, in one library) is compiled on first use with the machine's C
+compiler (`cc`, or $CC) for this CPU (-march=native, or $KVBOOST_BLOCKS_MARCH) into <engine cache>/kernels, keyed
+by the sources, the flags and the CPU's feature flags (~2 s, once); without a compiler a shipped x86-64-v3 build
+is used where there is one; otherwise `unavailable()` says why and the loader keeps torch's kernels (engine.int4,
+engine.head)"""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ PREBUILT_NEEDS = ("avx2", "fma", "f16c")
 # type name -> (ggml type id, values per block, bytes per block)
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
-ACTIVATION_BLOCK = 32
+ACTIVATION_BLOCK = 32  # every row's length is a multiple of this
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
 VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
