@@ -242,9 +242,17 @@ class Connection:
             view = view[sent:]
 
     def _recv(self, into: memoryview | None, deadline: float) -> int:
-        """Takes what the store sends next (into `into`, else onto the buffer); its size, at least 1."""
+        """Takes what the store sends next (into `into`, else onto the buffer); its size, at least 1. A silence
+        limit that passed while bytes were already waiting in the socket is the reader's delay (a loaded machine
+        kept this thread off the CPU), not the store's: those bytes are taken."""
         while True:
-            self.sock.settimeout(self._wait(deadline))
+            try:
+                wait = self._wait(deadline)
+            except StoreSilent:
+                if not self._bytes_waiting():
+                    raise
+                wait = 0.001  # at once: the bytes are here
+            self.sock.settimeout(wait)
             try:
                 if into is not None:
                     got = self.sock.recv_into(into)
@@ -261,6 +269,14 @@ class Connection:
             self._progress = time.monotonic()
             self._answered = True
             return got
+
+    def _bytes_waiting(self) -> bool:
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return True
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def wait_for_answer(self, deadline: float) -> None:
         """Returns once the first byte of an answer is here."""

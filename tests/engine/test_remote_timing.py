@@ -96,10 +96,10 @@ def test_an_engine_measures_its_prefill_rate(one_thread):
     assert rate is not None and rate >= result.stats.prompt_tokens / elapsed * 0.9
 
 
-def run_worker(url, folder, mode, seed, env=None):
+def run_worker(url, folder, mode, seed, env=None, silence_s=None):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT_DIR), str(HERE)]), **(env or {}))
     args = [sys.executable, str(HERE / "remote_worker.py"), url, str(folder), mode, str(WIDE_CHUNK), "none",
-            str(seed), "--model", "wide"]
+            str(seed), "--model", "wide", *([] if silence_s is None else ["--silence", str(silence_s)])]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -113,13 +113,16 @@ def load_average() -> float:
 @pytest.mark.slow
 def test_a_second_process_on_a_loaded_machine_reuses_what_the_first_shared(redis_server, tmp_path):
     """Tens of MB in the store, the machine's cores busy with CPU burners: the second process's read takes longer
-    than a fixed 50 ms could allow, but far less than the prefill it saves."""
+    than a fixed 50 ms could allow, but far less than the prefill it saves. What is tested is the read budget; the
+    silence limit is a separate knob, and with six burners on two cores Redis itself was measured off the CPU for
+    255-258 ms before its first byte (the default limit is 250 ms: the breaker then rightly opened), so the
+    loaded process runs with a 1 s silence limit."""
     first = run_worker(redis_server.url, tmp_path / "a", "ask", 7)
     assert first["stats"]["tiers"]["remote"]["written_bytes"] > 40 << 20
     burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(6)]
     try:
         time.sleep(1.0)
-        second = run_worker(redis_server.url, tmp_path / "b", "ask", 7)
+        second = run_worker(redis_server.url, tmp_path / "b", "ask", 7, silence_s=1.0)
         remote = second["stats"]["tiers"]["remote"]
         print(f"\nload average while the second process ran: {load_average():.1f}; it read "
               f"{remote['read_bytes'] / 1e6:.0f} MB from the store in {remote['read_ms']:.0f} ms")

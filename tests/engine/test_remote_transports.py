@@ -97,3 +97,24 @@ def test_a_pooled_connection_the_store_closed_is_replaced_without_an_error(serve
 def test_url_options_the_tier_does_not_take_are_refused_when_it_is_built(url, what):
     with pytest.raises(ValueError, match=what):
         RemoteTier(url, "ns-test")
+
+
+def test_a_reader_held_up_longer_than_the_silence_limit_still_takes_what_the_store_sent():
+    """On a loaded machine the reading thread itself can be kept off the CPU past the silence limit while the
+    store's answer waits in the socket: that is not a silent store (it failed a two-process test under CPU
+    burners). Only a wait in which nothing arrives counts as silence."""
+    import time
+
+    from fake_resp import FakeResp
+
+    from engine import resp
+
+    with FakeResp() as server:
+        server.values[b"k"] = b"x" * 4_000_000  # more than one receive takes
+        pool = resp.Pool(resp.parse_url(server.url), silence_s=0.1)
+        deadline = time.monotonic() + 5.0
+        conn = resp.start(pool, [("GET", "k")], deadline)  # the first byte of the answer is in
+        time.sleep(0.3)  # the reader held up: three silence limits
+        reply = conn.read_reply(deadline, 1 << 23)
+        assert reply.kind == "bulk" and reply.value == b"x" * 4_000_000
+        conn.close()
