@@ -42,13 +42,14 @@ static inline void add_scaled(float *acc, float p, const float *x, int64_t n) { 
     for (; d < n; d++) acc[d] += p * x[d];
 }
 
-/* out [B, nq, H, D] = softmax(scale * q k^T, masked) v for q [B, H, nq, D], k and v [B, KVH, nk, D] (contiguous),
+/* out [B, nq, H, D] = softmax(scale * q k^T, masked) v for q [B, H, nq, D] (contiguous), k and v [B, KVH, nk, D]
+   with rows of D contiguous values D apart and the given batch and head strides (a cache's views need no copy),
    query head h reading kv head h / (H / KVH). mask: uint8 [B, mask_heads, nq, nk] (nonzero: attend; mask_heads 1
    or H), or NULL: with `causal` query i attends keys 0 .. nk - nq + i, else every key. A row that attends no key
    is 0. Returns 0, or -2 when scratch memory cannot be had. */
-int kvb_attention(const float *q, const float *k, const float *v, const uint8_t *mask, int64_t mask_heads,
-                  int causal, float *out, int64_t B, int64_t H, int64_t KVH, int64_t nq, int64_t nk, int64_t D,
-                  float scale, int threads) {
+int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,
+                  const uint8_t *mask, int64_t mask_heads, int causal, float *out, int64_t B, int64_t H, int64_t KVH,
+                  int64_t nq, int64_t nk, int64_t D, float scale, int threads) {
     const int64_t group = H / KVH, rows = B * H * nq;
     int status = 0;
 #pragma omp parallel num_threads(threads)
@@ -63,7 +64,8 @@ int kvb_attention(const float *q, const float *k, const float *v, const uint8_t 
         for (int64_t r = 0; r < rows; r++) {
             if (!scores || !acc) continue;
             const int64_t b = r / (H * nq), h = (r / nq) % H, i = r % nq, kv = h / group;
-            const float *qi = q + r * D, *kb = k + (b * KVH + kv) * nk * D, *vb = v + (b * KVH + kv) * nk * D;
+            const int64_t at = b * kv_batch_stride + kv * kv_head_stride;
+            const float *qi = q + r * D, *kb = k + at, *vb = v + at;
             const uint8_t *mi = mask ? mask + ((b * mask_heads + (mask_heads > 1 ? h : 0)) * nq + i) * nk : 0;
             const int64_t last = causal ? nk - nq + i : nk - 1;
             float *o = out + ((b * nq + i) * H + h) * D;

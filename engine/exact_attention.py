@@ -71,20 +71,33 @@ def rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
     if heads % kv_heads or key.shape != value.shape or key.shape[0] != batch or key.shape[3] != dim:
         raise ValueError(f"attention shapes do not fit: q {list(query.shape)}, k {list(key.shape)}, "
                          f"v {list(value.shape)}")
-    q, k, v = (t.to(torch.float32).contiguous() for t in (query, key, value))
+    q = query.to(torch.float32).contiguous()
+    k, v = _rows_of(key), _rows_of(value)
+    if k.stride()[:2] != v.stride()[:2]:
+        k, v = k.contiguous(), v.contiguous()
     mask_heads = 1
     if mask is not None:
         mask_heads = mask.shape[1]
-        assert mask.dtype == torch.bool and mask_heads in (1, heads) and mask.shape[2:] == (nq, nk), mask.shape
+        if mask.dtype != torch.bool or mask.dim() != 4 or mask_heads not in (1, heads) or \
+                tuple(mask.shape[2:]) != (nq, nk) or mask.shape[0] not in (1, batch):
+            raise ValueError(f"an attention mask of {mask.dtype} {list(mask.shape)} for q {list(query.shape)}, "
+                             f"k {list(key.shape)}")
         mask = mask.expand(batch, mask_heads, nq, nk).contiguous().view(torch.uint8)
     out = torch.empty(batch, nq, heads, dim, dtype=torch.float32)
-    status = library().kvb_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+    status = library().kvb_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
                                      None if mask is None else mask.data_ptr(), mask_heads, int(causal),
                                      out.data_ptr(), batch, heads, kv_heads, nq, nk, dim, ctypes.c_float(scale),
                                      max(1, torch.get_num_threads()))
     if status != 0:
         raise MemoryError("no scratch memory for attention")
     return out
+
+
+def _rows_of(t: torch.Tensor) -> torch.Tensor:
+    """`t` [B, KVH, n, D] in float32 as the kernel reads it: rows of D contiguous values, D apart (a cache's view
+    of its first n positions is already so: no copy), any batch and head strides; else a contiguous copy."""
+    t = t.to(torch.float32)
+    return t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous()
 
 
 def row_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):

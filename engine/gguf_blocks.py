@@ -94,15 +94,22 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _build(folder: Path) -> ctypes.CDLL:
+def _cannot_build() -> str | None:
+    """Why neither a build nor the shipped library can be had here, or None."""
     if platform.system() == "Windows":
-        raise BlockKernelUnavailable("the block kernel is built with a Unix C compiler; Windows keeps torch's kernels")
+        return "the block kernel is built with a Unix C compiler; Windows keeps torch's kernels"
+    if _compiler() is None and _prebuilt() is None:
+        return "no C compiler (cc or $CC) to build the block kernel"
+    return None
+
+
+def _build(folder: Path) -> ctypes.CDLL:
+    why = _cannot_build()
+    if why is not None:
+        raise BlockKernelUnavailable(why)
     compiler = _compiler()
     if compiler is None:
-        shipped = _prebuilt()
-        if shipped is None:
-            raise BlockKernelUnavailable("no C compiler (cc or $CC) to build the block kernel")
-        return _bind(shipped)
+        return _bind(_prebuilt())
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     march = os.environ.get(MARCH_ENV_VAR) or "native"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
@@ -137,7 +144,7 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
     lib.kvb_dequantize.restype = i32
     f32 = ctypes.c_float
-    lib.kvb_attention.argtypes = [p, p, p, p, i64, i32, p, i64, i64, i64, i64, i64, i64, f32, i32]
+    lib.kvb_attention.argtypes = [p, p, p, i64, i64, p, i64, i32, p, i64, i64, i64, i64, i64, i64, f32, i32]
     lib.kvb_attention.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
@@ -181,11 +188,7 @@ def expected_unavailable(device: torch.device | str = "cpu") -> str | None:
             return None
         if "error" in _state:
             return _state["error"]
-    if platform.system() == "Windows":
-        return "the block kernel is built with a Unix C compiler; Windows keeps torch's kernels"
-    if _compiler() is None and _prebuilt() is None:
-        return "no C compiler (cc or $CC) to build the block kernel"
-    return None
+    return _cannot_build()
 
 
 def vector_path() -> str:
@@ -225,9 +228,10 @@ def activation_block(type_name: str) -> int:
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 [rows, k] (k a multiple of `block`, 32 or 256) -> (int8 codes [rows, k], float32 scales
     [rows, k / block], code sums: per block (int32) for 32, per 16 (int16) for 256)."""
-    assert block in (32, 256) and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous()
+    if block not in (32, 256) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or \
+            x.shape[1] % block:
+        raise ValueError(f"activations {x.dtype} {list(x.shape)} are not contiguous float32 rows of {block}s")
     rows, k = x.shape
-    assert k % block == 0, (k, block)
     q = torch.empty(rows, k, dtype=torch.int8)
     d = torch.empty(rows, k // block, dtype=torch.float32)
     sums = torch.empty(rows, k // 32, dtype=torch.int32) if block == 32 else torch.empty(rows, k // 16,
@@ -236,12 +240,19 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return q, d, sums
 
 
+def _check_blocks(blocks: torch.Tensor, type_name: str, columns: int) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or \
+            blocks.device.type != "cpu" or blocks.shape[1] != row_bytes(type_name, columns):
+        raise ValueError(f"{type_name} blocks {blocks.dtype} {list(blocks.shape)} are not rows of {columns} values")
+
+
 def matmul(blocks: torch.Tensor, type_name: str, columns: int, x: torch.Tensor) -> torch.Tensor:
     """x float32 [rows, columns] times the weight whose rows are `blocks` (uint8 [out, row bytes]) -> float32
     [rows, out]."""
     out = blocks.shape[0]
-    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(type_name, columns)
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[-1] == columns and x.is_contiguous(), x.shape
+    _check_blocks(blocks, type_name, columns)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[-1] != columns or not x.is_contiguous():
+        raise ValueError(f"activations {x.dtype} {list(x.shape)} are not contiguous float32 rows of {columns}")
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
     status = _library().kvb_linear(BLOCK_TYPES[type_name][0], _ptr(blocks), out, columns, blocks.shape[1], _ptr(x),
                                    x.shape[0], _ptr(y), _threads())
@@ -254,7 +265,7 @@ def matmul(blocks: torch.Tensor, type_name: str, columns: int, x: torch.Tensor) 
 def dequantize(blocks: torch.Tensor, type_name: str, columns: int, rows: torch.Tensor | None = None) -> torch.Tensor:
     """float32 values of the rows `rows` (int64 indices, each checked against the row count; None: all) of the
     weight held as `blocks`, gguf-py's dequantization bit for bit."""
-    assert blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.shape[1] == row_bytes(type_name, columns)
+    _check_blocks(blocks, type_name, columns)
     if rows is None:
         rows = torch.arange(blocks.shape[0])
     rows = rows.reshape(-1).to(torch.int64).contiguous()
@@ -285,6 +296,8 @@ class BlockLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the checks of `matmul` were made once, here and in __init__; a forward is one call into the kernel
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input of {x.shape[-1]} features into a layer of {self.in_features}")
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         if self.blocks.device.type != "cpu" or x2.device.type != "cpu":
             raise RuntimeError(f"the GGUF block kernel runs on the CPU, not on {x2.device} / {self.blocks.device}")

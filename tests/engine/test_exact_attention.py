@@ -81,3 +81,15 @@ def test_a_mask_with_biases_takes_the_float64_path():
     got, _ = row_attention(_Module(), q, k, v, bias, scaling=SCALE)
     assert (got.double() - reference(q, k, v, mask=bias.double().expand(2, 6, 40, 40), causal=False)).abs().max() \
         < 2e-6
+
+
+def test_a_caches_view_of_its_first_positions_is_read_in_place_with_the_same_result():
+    """The live cache hands attention [:, :, :n] of a larger buffer: read through its strides, no copy."""
+    q, k, v = qkv(n=40)
+    key_buffer, value_buffer = torch.zeros(2, 2, 64, 64), torch.zeros(2, 2, 64, 64)
+    key_buffer[:, :, :40], value_buffer[:, :, :40] = k, v
+    view_k, view_v = key_buffer[:, :, :40], value_buffer[:, :, :40]
+    assert not view_k.is_contiguous()
+    assert torch.equal(rows(q, view_k, view_v, None, True, SCALE), rows(q, k, v, None, True, SCALE))
+    with pytest.raises(ValueError, match="attention mask"):
+        rows(q, k, v, torch.ones(2, 1, 40, 39, dtype=torch.bool), False, SCALE)

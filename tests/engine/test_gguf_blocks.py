@@ -126,6 +126,10 @@ def test_shapes_that_are_not_whole_blocks_and_rows_out_of_range_are_refused():
         gguf_blocks.row_bytes("Q4_K", 300)
     with pytest.raises(ValueError, match="does not hold Q5_K"):
         gguf_blocks.row_bytes("Q5_K", 256)
+    with pytest.raises(ValueError, match="not contiguous float32 rows of 512"):
+        gguf_blocks.matmul(data, "Q4_K", 512, torch.randn(2, 256))
+    with pytest.raises(ValueError, match="256 features into a layer of 512"):
+        BlockLinear(data, "Q4_K", 512)(torch.randn(4, 256))
     table = BlockEmbedding(data, "Q4_K", 512, torch.float32)
     with pytest.raises(IndexError):
         table(torch.tensor([4]))

@@ -111,6 +111,15 @@ needs_blocks = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
 BLOCKS_LOGIT_BOUND = 0.06
 
 
+def test_where_a_c_compiler_exists_the_kernels_build():
+    """The block kernel's tests skip where it cannot be had; where a compiler is found (CI's machines), it must
+    build, so those skips never hide a broken kernel."""
+    import shutil
+
+    if shutil.which("cc") or shutil.which("gcc"):
+        assert gguf_blocks.unavailable() is None
+
+
 @needs_blocks
 @pytest.mark.parametrize("kind", tuple(gguf_blocks.BLOCK_TYPES))
 def test_the_types_the_block_kernel_holds_are_kept_as_the_files_own_bytes(files, kind, one_thread):
