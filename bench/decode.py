@@ -6,10 +6,14 @@ Rows: plain transformers `generate()` on the float model; our float model; our i
 (the head of a 135M model is a fifth of its weights and is read at every token: engine.head); for a GGUF with
 Q4_0 / Q4_1 tensors, those read as they are (engine.gguf_int4), with the output head in float, int8 (alone and
 with the embedding table in int8), int4 at each group size (alone and with an int4 table), and the file's own
-blocks under the block kernel (engine.gguf_blocks: every tensor it holds, head and table included); llama.cpp on
+blocks under the block kernel (engine.gguf_blocks: every tensor it holds, head and table included); the model as
+weights="auto" loads it; llama.cpp on
 the same GGUF when `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
 
-Each int4 row is a copy of the float model quantized in place (RTN, or the GGUF's blocks); all rows stay
+Every row runs as KVBoost runs its model: attention one row at a time where the weights round activations
+(engine.exact_attention), and a model whose every layer is GGUF blocks through the one-call forward
+(engine.block_forward; its "forward" column). Each int4 row is a copy of the float model quantized in place
+(RTN, or the GGUF's blocks); all rows stay
 resident and are timed interleaved, step by step, so the noise of a shared machine hits them alike. Decode
 speed is the median step of a plain greedy loop of the model over the engine's live cache
 (engine.live_cache.GrowingCache; the row marked "(DynamicCache)" is the same model over transformers'
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engine import gguf_blocks
+from engine.block_forward import use_block_forward, uses_block_forward
+from engine.exact_attention import use_exact_attention
 from engine.gguf_int4 import GGUFBlocks
 from engine.head import quantize_head
 from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
@@ -220,6 +226,10 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     if src.kind == "gguf" and gguf_blocks.unavailable(dev) is None:  # the file's blocks, head and table included
         blocks, _ = load_model(src, dev, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)
         models[f"ours {weights_report(blocks)['format']} {gguf_blocks.KERNEL}"] = blocks
+    models["ours default (weights=\"auto\")"] = load_model(src, dev, torch.float32, weights="auto")[0]
+    for m in models.values():  # as KVBoost runs a model: ROWS attention where it rounds, blocks in one C call
+        use_exact_attention(m)
+        use_block_forward(m)
     reports = {name: weights_report(m) for name, m in models.items()}
     from bench.shapes import read_bandwidth
 
@@ -241,6 +251,8 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
         read = step_bytes(m, r, len(short))
         rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "head": r["head"],
+                     "attention": m.config._attn_implementation,
+                     "forward": "one call" if uses_block_forward(m) else "modules",
                      "read_mb": read / MB, "limit_128": bandwidth / read, "bandwidth": bandwidth,
                      "embedding": r["embedding"], "linear_mb": r["linear_bytes"] / MB,
                      "linear_vs_f32": r["linear_bytes"] / r["linear_float32_bytes"],
@@ -285,7 +297,8 @@ def step_bytes(model, report: dict, context: int) -> int:
 
 
 def table(rows: list[dict], long_tokens: int, bandwidth: float | None = None) -> str:
-    head = ("| row | format | kernel | head | embedding | linears MB | vs f32 | resident MB | prefill tok/s | "
+    head = ("| row | format | kernel | head | embedding | attention | forward | linears MB | vs f32 | resident MB | "
+            "prefill tok/s | "
             f"decode tok/s @128 | decode tok/s @{long_tokens} | reads/token MB @128 | share of the limit @128 | "
             "top-1 agree | mean KL | needle acc |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -293,6 +306,7 @@ def table(rows: list[dict], long_tokens: int, bandwidth: float | None = None) ->
     for r in rows:
         share = r["decode_tps_128"] / r["limit_128"] if r.get("limit_128") else nan
         lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r.get('head', '?')} | {r.get('embedding', '?')} | "
+                     f"{r.get('attention', '?')} | {r.get('forward', '?')} | "
                      f"{r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
                      f"{r['resident_mb']:.1f} | {r['prefill_tps']:.0f} | {r['decode_tps_128']:.1f} | "
                      f"{r['decode_tps_long']:.1f} | {r.get('read_mb', nan):.0f} | {share:.0%} | "

@@ -32,8 +32,9 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
-# Built into the same library: attention one row at a time (engine.exact_attention).
-SOURCES = (SOURCE, Path(__file__).with_name("exact_attention.c"))
+# Built into the same library: attention one row at a time (engine.exact_attention) and the one-call forward
+# (engine.block_forward).
+SOURCES = (SOURCE, Path(__file__).with_name("exact_attention.c"), Path(__file__).with_name("block_forward.c"))
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
@@ -76,6 +77,11 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags as the kernel's build key reads them (/proc/cpuinfo's flags line)."""
+    return _cpu_flags()
 
 
 def build_command(compiler: str, target: Path, march: str) -> list[str]:
@@ -146,6 +152,12 @@ def _bind(target: Path) -> ctypes.CDLL:
     f32 = ctypes.c_float
     lib.kvb_attention.argtypes = [p, p, p, i64, i64, p, i64, i32, p, i64, i64, i64, i64, i64, i64, f32, i32]
     lib.kvb_attention.restype = i32
+    lib.kvb_rmsnorm.argtypes = [p, p, i64, i64, f32, p]
+    lib.kvb_rmsnorm.restype = None
+    lib.kvb_silu.argtypes = [p, i64, p]
+    lib.kvb_silu.restype = None
+    lib.kvb_decoder.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32]
+    lib.kvb_decoder.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     for name, (type_id, _, _) in BLOCK_TYPES.items():
@@ -292,7 +304,8 @@ class BlockLinear(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.fallback_reason: str | None = None
-        self._call = (_library().kvb_linear, BLOCK_TYPES[type_name][0], blocks.shape[1])
+        _library()  # built or BlockKernelUnavailable, before a forward needs it
+        self._call = (BLOCK_TYPES[type_name][0], blocks.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the checks of `matmul` were made once, here and in __init__; a forward is one call into the kernel
@@ -301,9 +314,9 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features).to(torch.float32).contiguous()
         if self.blocks.device.type != "cpu" or x2.device.type != "cpu":
             raise RuntimeError(f"the GGUF block kernel runs on the CPU, not on {x2.device} / {self.blocks.device}")
-        call, type_id, row_bytes = self._call
+        type_id, row_bytes = self._call
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        status = call(type_id, self.blocks.data_ptr(), self.out_features, self.in_features, row_bytes,
+        status = _state["lib"].kvb_linear(type_id, self.blocks.data_ptr(), self.out_features, self.in_features, row_bytes,
                       x2.data_ptr(), x2.shape[0], y.data_ptr(), _threads())
         if status != 0:
             raise MemoryError(f"no scratch memory for {x2.shape[0]} rows of activations") if status == -2 else \

@@ -9,8 +9,9 @@ replaced by its int4 or int8 layer as it is read. Names and per-architecture tra
 order (engine.gguf_int4.row_order).
 
 Per GGUF type of a decoder linear, with weights="int4":
-- where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler): Q6_K and Q8_0 with kernel "auto"
-  (AUTO_BLOCK_TYPES), and Q4_0 / Q4_1 / Q4_K too with kernel "gguf_blocks": the file's blocks as they are, a
+- where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler): with kernel "auto" Q4_K, Q6_K and
+  Q8_0 (AUTO_BLOCK_TYPES), and Q4_0 / Q4_1 too on a CPU without AVX-512 (auto_block_types); every block type with
+  kernel "gguf_blocks": the file's blocks as they are, a
   BlockLinear (no rounding at all at load; the kernel rounds activations to int8 per block, as llama.cpp does).
   Under such layers the head and the table take the same form when their tensor is one of these types
   (head="auto"; a Q4_1 file's Q8_0 table stays with engine.head's rule, int8 rows, beside its int4 layers).
@@ -59,6 +60,14 @@ ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weigh
 # as they are, and faster at many rows: `python -m bench shapes`, README); kernel="gguf_blocks" keeps them as
 # blocks too.
 AUTO_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q8_0")
+
+
+def auto_block_types() -> tuple[str, ...]:
+    """What kernel "auto" keeps as blocks on this CPU: AUTO_BLOCK_TYPES where torch's int4 kernel has its AVX-512
+    path (there its bfloat16 GEMM prefills Q4_0 / Q4_1 2x faster than the 32-value block path), every block type
+    elsewhere: on an AVX2-only CPU torch's int4 kernel is a slower path (measured on the embedded model: 34 ms a
+    decode step against 12 ms for its blocks through engine.block_forward, the same prefill speed)."""
+    return AUTO_BLOCK_TYPES if "avx512f" in gguf_blocks.cpu_flags().split() else tuple(BLOCK_TYPES)
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
 PROBE_COLUMNS = 2  # columns of the row-order probe (engine.gguf_int4.row_order): the transforms act on rows
@@ -223,7 +232,7 @@ class _Loader:
             if why is not None:
                 log.info("GGUF blocks through the int4 / int8 kernels: %s", why)
             else:
-                self.block_types = tuple(BLOCK_TYPES) if kernel == gguf_blocks.KERNEL else AUTO_BLOCK_TYPES
+                self.block_types = tuple(BLOCK_TYPES) if kernel == gguf_blocks.KERNEL else auto_block_types()
             kernel = "auto"
         self.kernel = kernel
         self._int4: tuple[str, str | None] | None = None

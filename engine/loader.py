@@ -568,6 +568,8 @@ def fingerprint(model) -> str:
         h.update(str(param.dtype).encode())
         h.update(sample)
     for name, module in model.named_modules():
+        if getattr(module, "own_rounding", False):  # engine.block_forward's norms and SiLU round their own way
+            h.update(f"{name}:{type(module).__name__}".encode())
         if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding, BlockLinear, BlockEmbedding)):
             continue
         h.update(f"{name}:{type(module).__name__}:g{getattr(module, 'group_size', 0)}:"

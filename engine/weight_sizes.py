@@ -150,11 +150,11 @@ def estimate(source=None, *, device: str = "auto", dtype: str = "auto", group_si
     if src.kind == "gguf":
         from .gguf_blocks import expected_unavailable
         from .gguf_file import read_gguf
-        from .gguf_loader import AUTO_BLOCK_TYPES
+        from .gguf_loader import auto_block_types
 
         sizes = gguf_weight_bytes(read_gguf(Path(src.location) / src.gguf_file), dt, group_size=group_size,
                                   int4_kernel=kernel if fast else "reference", int8_kernel=int8,
-                                  blocks=AUTO_BLOCK_TYPES if expected_unavailable(dev) is None else ())
+                                  blocks=auto_block_types() if expected_unavailable(dev) is None else ())
     else:
         sizes = weight_bytes(config, dt, group_size=group_size, fast_kernel=fast, int8_head=int8)
     return {**sizes, "awq": awq, "dtype": str(dt).replace("torch.", ""), "group_size": group_size,

@@ -2,15 +2,17 @@
 repair mode keeps the answer closer to full prefill than no repair does.
 
 Measured on these three prompts (first answer token, KL of the approximate next-token distribution from full
-prefill's; greedy tokens shared with full prefill out of 32), mean over the prompts:
-  none        KL 0.124 (0.120, 0.147, 0.103)  common prefix 14.7 (16, 10, 18)
-  selective   KL 0.117 (0.083, 0.240, 0.029)  common prefix 15.7 (16, 16, 15)
-  cacheblend  KL 0.074 (0.082, 0.110, 0.029)  common prefix 18.7 (16, 16, 24)
+prefill's; greedy tokens shared with full prefill out of 32), mean over the prompts, with the default model as
+"auto" loads it on an AVX-512 CPU (int4 layers on torch's kernel, an int8 head) and on an AVX2 CPU (the file's
+blocks through engine.block_forward):
+                int4 layers                          file's blocks
+  none        KL 0.124 (0.120, 0.147, 0.103) 14.7    KL 0.149 (0.151, 0.180, 0.118) 14.7 (16, 10, 18)
+  selective   KL 0.117 (0.083, 0.240, 0.029) 15.7    KL 0.138 (0.107, 0.272, 0.033) 15.7 (16, 16, 15)
+  cacheblend  KL 0.074 (0.082, 0.110, 0.029) 18.7    KL 0.101 (0.091, 0.176, 0.037) 18.7 (16, 16, 24)
 The first answer token agrees with full prefill on every prompt in every mode (no repair included), so it is
-no floor. Selective's margin over no repair is thin on these prompts (5% in mean KL, one token in mean
-prefix; on the second prompt its KL is worse than no repair's), cacheblend's is wide. Each mode's floors sit
-between its numbers and no repair's, and the test computes no repair's numbers too and checks they fail every
-floor, so a repair that stops working fails it."""
+no floor. The weights' rounding moves every mode's KL alike, so each mode is held against no repair's numbers
+in the same run: selective's margin is thin on these prompts (5-8% in mean KL, one token in mean prefix; on the
+second prompt its KL is worse than no repair's), cacheblend's is wide."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from quality import common_prefix, kl
 
 ORDERS = [(2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0)]
 NEW_TOKENS = 32
-# mode -> (mean KL below, mean common prefix at least)
-FLOORS = {"selective": (0.120, 15.0), "cacheblend": (0.100, 16.5)}
+# mode -> (mean KL below this share of no repair's, mean common prefix at least this many tokens above no repair's)
+MARGINS = {"selective": (0.97, 1.0), "cacheblend": (0.80, 3.0)}
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +60,7 @@ def measured(smollm):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["selective", "cacheblend"])
 def test_repair_keeps_reordered_documents_closer_to_full_prefill_than_no_repair(measured, mode):
-    kl_floor, prefix_floor = FLOORS[mode]
+    kl_share, prefix_gain = MARGINS[mode]
     got, none = measured[mode], measured["none"]
-    assert got["kl"] < kl_floor, got
-    assert got["prefix"] >= prefix_floor, got
-    # the floors have power: without repair the same prompts fail them
-    assert none["kl"] >= kl_floor, none
-    assert none["prefix"] < prefix_floor, none
+    assert got["kl"] < kl_share * none["kl"], (got, none)
+    assert got["prefix"] >= none["prefix"] + prefix_gain, (got, none)

@@ -1,0 +1,167 @@
+/* A Llama-family decoder's layers in one call (engine/block_forward.py): RMS norms, block-kernel linears, rotary
+   embedding, the cache write and attention one row at a time, SiLU gating and the residual adds, for m new
+   positions after `start` cached ones. Every step is the function the module-by-module forward calls for it
+   (kvb_rmsnorm, kvb_silu, kvb_linear's quantize + matmul, kvb_attention) or an elementwise float operation in
+   the order PyTorch runs it (rotary: q * cos + rotate_half(q) * sin; residual: x + y), so the logits and the
+   cache are bit for bit those of transformers' forward over the same modules: this is a faster way to the same
+   numbers, never other numbers. Built with -ffp-contract=off (no fused multiply-adds outside the kernels' own). */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads);
+int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
+               const void *sums, int64_t m, float *y, int threads);
+int kvb_activation_block(int type);
+int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,
+                  const uint8_t *mask, int64_t mask_heads, int causal, float *out, int64_t B, int64_t H, int64_t KVH,
+                  int64_t nq, int64_t nk, int64_t D, float scale, int threads);
+
+/* out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the mean's sum in a fixed order of the row (eight lanes, then
+   the lanes in order, then the tail): a row's result does not depend on the other rows. */
+void kvb_rmsnorm(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *o = out + r * n;
+        float lanes[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++) lanes[j] += xr[i + j] * xr[i + j];
+        float total = 0.0f;
+        for (int j = 0; j < 8; j++) total += lanes[j];
+        for (; i < n; i++) total += xr[i] * xr[i];
+        const float inverse = 1.0f / sqrtf(total / (float)n + eps);
+        for (i = 0; i < n; i++) o[i] = w[i] * (xr[i] * inverse);
+    }
+}
+
+/* out = x / (1 + exp(-x)) */
+void kvb_silu(const float *x, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
+}
+
+typedef struct {
+    int64_t type, n, k, row_bytes;
+    const uint8_t *w;
+    const float *bias; /* [n] or NULL */
+} kvb_weight;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] */
+    kvb_weight q, k, v, o, gate, up, down;
+    float *keys, *values;                /* the cache's buffers [kv_heads, capacity, head_dim] of this layer */
+    int64_t head_stride;                 /* capacity * head_dim */
+} kvb_layer;
+
+typedef struct { /* one activation matrix rounded for a weight's activation block (32 or 256), made once */
+    int block;
+    int8_t *q;
+    float *d;
+    void *sums;
+} rounded;
+
+static void round_for(rounded *slot, const float *x, int64_t m, int64_t k, int block, int threads) {
+    if (slot->block != block) {
+        kvb_quantize(x, m, k, block, slot->q, slot->d, slot->sums, threads);
+        slot->block = block;
+    }
+}
+
+/* y = x W^T (+ bias), x rounded once per activation block size in `slots` (two: 32 and 256). */
+static int linear(const kvb_weight *w, const float *x, rounded *slots, int64_t m, float *y, int threads) {
+    const int block = kvb_activation_block((int)w->type);
+    rounded *slot = block == 32 ? &slots[0] : &slots[1];
+    round_for(slot, x, m, w->k, block, threads);
+    const int status = kvb_matmul((int)w->type, w->w, w->n, w->k, w->row_bytes, slot->q, slot->d, slot->sums, m, y,
+                                  threads);
+    if (status != 0 || !w->bias) return status;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < w->n; i++) y[r * w->n + i] = y[r * w->n + i] + w->bias[i];
+    return 0;
+}
+
+/* x [m, heads, D] in place: x * cos + rotate_half(x) * sin, cos and sin [m, D] (rotate_half: the second half
+   negated, then the first). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t m, int64_t heads, int64_t D) {
+    const int64_t half = D / 2;
+    float turned[512];
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + (i * heads + h) * D;
+            const float *c = cos + i * D, *s = sin + i * D;
+            for (int64_t d = 0; d < half; d++) turned[d] = -v[d + half], turned[d + half] = v[d];
+            for (int64_t d = 0; d < D; d++) v[d] = v[d] * c[d] + turned[d] * s[d];
+        }
+}
+
+static void *take(uint8_t **at, int64_t bytes) {
+    void *p = *at;
+    *at += (bytes + 63) / 64 * 64;
+    return p;
+}
+
+/* Runs `n_layers` layers over x [m, hidden] (overwritten with the last layer's output) for positions start ..
+   start + m - 1, writing each layer's keys and values for them into its buffers. cos, sin [m, head_dim]: the
+   model's rotary embedding at those positions. Returns 0, -1 for a weight type the kernel does not multiply, -2
+   when scratch memory cannot be had, -3 for shapes it does not take. */
+int kvb_decoder(const kvb_layer *layers, int64_t n_layers, float *x, int64_t m, int64_t hidden, int64_t heads,
+                int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t start, const float *cos,
+                const float *sin, float eps, float scale, int threads) {
+    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0) return -3;
+    const int64_t qn = heads * head_dim, kvn = kv_heads * head_dim, widest = hidden > intermediate ? hidden : intermediate;
+    const int64_t bytes = 4 * m * (hidden + 3 * qn + 2 * kvn + 3 * intermediate) +
+                          2 * (m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
+    uint8_t *scratch = malloc((size_t)bytes), *at = scratch;
+    if (!scratch) return -2;
+    float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
+    float *attended = take(&at, 4 * m * qn), *k = take(&at, 4 * m * kvn), *v = take(&at, 4 * m * kvn);
+    float *gate = take(&at, 4 * m * intermediate), *up = take(&at, 4 * m * intermediate);
+    float *mixed = take(&at, 4 * m * intermediate);
+    rounded slots[2];
+    for (int s = 0; s < 2; s++) {
+        slots[s].q = take(&at, m * widest);
+        slots[s].d = take(&at, 4 * m * (widest / 16 + 1));
+        slots[s].sums = take(&at, 4 * m * (widest / 16 + 1));
+    }
+    int status = 0;
+    for (int64_t l = 0; l < n_layers && status == 0; l++) {
+        const kvb_layer *L = &layers[l];
+        kvb_rmsnorm(x, L->input_norm, m, hidden, eps, normed);
+        slots[0].block = slots[1].block = 0;
+        if ((status = linear(&L->q, normed, slots, m, q, threads)) || (status = linear(&L->k, normed, slots, m, k, threads)) ||
+            (status = linear(&L->v, normed, slots, m, v, threads)))
+            break;
+        rotate(q, cos, sin, m, heads, head_dim);
+        rotate(k, cos, sin, m, kv_heads, head_dim);
+        for (int64_t i = 0; i < m; i++) /* [m, heads, D] -> [heads, m, D] as attention reads queries */
+            for (int64_t h = 0; h < heads; h++)
+                memcpy(q_heads + (h * m + i) * head_dim, q + (i * heads + h) * head_dim, 4 * head_dim);
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t i = 0; i < m; i++) {
+                memcpy(L->keys + h * L->head_stride + (start + i) * head_dim, k + (i * kv_heads + h) * head_dim,
+                       4 * head_dim);
+                memcpy(L->values + h * L->head_stride + (start + i) * head_dim, v + (i * kv_heads + h) * head_dim,
+                       4 * head_dim);
+            }
+        if ((status = kvb_attention(q_heads, L->keys, L->values, 0, L->head_stride, NULL, 1, 1, attended, 1, heads,
+                                    kv_heads, m, start + m, head_dim, scale, threads)))
+            break;
+        slots[0].block = slots[1].block = 0;
+        if ((status = linear(&L->o, attended, slots, m, normed, threads))) break;
+        for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
+        kvb_rmsnorm(x, L->post_norm, m, hidden, eps, normed);
+        slots[0].block = slots[1].block = 0;
+        if ((status = linear(&L->gate, normed, slots, m, gate, threads)) ||
+            (status = linear(&L->up, normed, slots, m, up, threads)))
+            break;
+        kvb_silu(gate, m * intermediate, mixed);
+        for (int64_t i = 0; i < m * intermediate; i++) mixed[i] = mixed[i] * up[i];
+        slots[0].block = slots[1].block = 0;
+        if ((status = linear(&L->down, mixed, slots, m, normed, threads))) break;
+        for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
+    }
+    free(scratch);
+    return status;
+}

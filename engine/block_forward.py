@@ -1,0 +1,290 @@
+"""A Llama-family model over GGUF blocks, all its layers in one call of C (engine/block_forward.c).
+
+transformers' forward runs ~40 PyTorch operations and a dozen module calls per layer; on a small model at decode
+that overhead takes longer than the arithmetic (the embedded 135M model: ~16 ms of a 30 ms step on a 2-core
+AVX2 machine, against llama.cpp's whole 10 ms step). Where every linear of every layer is a BlockLinear
+(engine.gguf_blocks), attention is ROWS (engine.exact_attention) and the cache is a GrowingCache,
+`use_block_forward` routes a forward over input ids into `kvb_decoder`, which runs the layers, writes the cache
+and returns the last hidden states; the embedding, the final norm and the head stay the model's own modules.
+
+The two ways give the same bits: the model's RMS norms and SiLU become RowNorm and RowSiLU, which call the C
+functions the one-call forward calls, the linears and attention are the same kernels, and the rest (rotary
+embedding, residual adds, the SiLU gate's product, biases) are elementwise float operations done in PyTorch's
+order (tested: logits and cache equal bit for bit, prefill and decode). So routing is a speed choice only:
+calls the one-call forward does not take (masks, position ids, batches, other caches: engine.batching, the
+CacheBlend pass, spilling caches) fall back to transformers' forward and still compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from . import gguf_blocks
+from .exact_attention import ROWS
+from .gguf_blocks import BLOCK_TYPES, BlockLinear
+from .live_cache import GrowingCache, GrowingLayer
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
+               ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+MAX_HEAD_DIM = 512
+
+
+class RowNorm(nn.Module):
+    """RMS norm by the C kernel (kvb_rmsnorm): each row's sum of squares in a fixed order, so a row's result is
+    the same in any forward; float32 in, float32 out (other dtypes through float32)."""
+
+    own_rounding = True  # not transformers' rounding: part of the model's fingerprint (engine.loader)
+
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(torch.float32).contiguous(), requires_grad=False)
+        self.variance_epsilon = float(eps)
+        self.hidden_size = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size or x.device.type != "cpu":
+            raise ValueError(f"a norm of {self.hidden_size} features on the CPU got {list(x.shape)} on {x.device}")
+        rows = x.reshape(-1, self.hidden_size).to(torch.float32).contiguous()
+        out = torch.empty_like(rows)
+        gguf_blocks.library().kvb_rmsnorm(rows.data_ptr(), self.weight.data_ptr(), rows.shape[0], self.hidden_size,
+                                          ctypes.c_float(self.variance_epsilon), out.data_ptr())
+        return out.reshape(x.shape).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class RowSiLU(nn.Module):
+    """x / (1 + exp(-x)) by the C kernel (kvb_silu), the function the one-call forward uses."""
+
+    own_rounding = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise ValueError(f"RowSiLU runs on the CPU, not on {x.device}")
+        flat = x.to(torch.float32).contiguous()
+        out = torch.empty_like(flat)
+        gguf_blocks.library().kvb_silu(flat.data_ptr(), flat.numel(), out.data_ptr())
+        return out.to(x.dtype)
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64), ("w", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
+                *[(name, _Weight) for _, name in PROJECTIONS], ("keys", ctypes.c_void_p),
+                ("values", ctypes.c_void_p), ("head_stride", ctypes.c_int64)]
+
+
+def _config(model):
+    return model.config.get_text_config()
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | None:
+    """(weight, eps) of a plain RMS norm (weight times x / rms, no offset), or None."""
+    if isinstance(module, RowNorm):
+        return module.weight, module.variance_epsilon
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if type(module).__name__ not in ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm") or weight is None \
+            or eps is None or weight.dim() != 1:
+        return None
+    return weight, eps
+
+
+def unsupported(model) -> str | None:
+    """Why the one-call forward cannot run `model`, or None."""
+    cfg = _config(model)
+    if cfg.model_type not in ARCHITECTURES:
+        return f"a {cfg.model_type} model (the one-call forward runs {', '.join(ARCHITECTURES)})"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)}"
+    if getattr(cfg, "pretraining_tp", 1) not in (1, None):
+        return "pretraining_tp > 1"
+    if getattr(cfg, "sliding_window", None) is not None and \
+            (cfg.model_type != "qwen2" or getattr(cfg, "use_sliding_window", False)):
+        return "sliding-window attention"
+    if any(kind != "full_attention" for kind in (getattr(cfg, "layer_types", None) or ())):
+        return "layers that are not full attention"
+    if model.config._attn_implementation != ROWS:
+        return f"attention {model.config._attn_implementation} (the one-call forward computes {ROWS})"
+    why = gguf_blocks.unavailable("cpu")
+    if why is not None:
+        return why
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or getattr(inner, "rotary_emb", None) is None or _norm(getattr(inner, "norm", None)) is None:
+        return "not a Llama-shaped module tree"
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for layer in layers:
+        attention = layer.self_attn
+        head_dim = getattr(attention, "head_dim", 0)
+        if not 0 < head_dim <= MAX_HEAD_DIM or head_dim % 2 or heads % kv_heads:
+            return f"head size {head_dim}"
+        norms = [_norm(layer.input_layernorm), _norm(layer.post_attention_layernorm), _norm(inner.norm)]
+        if any(n is None for n in norms):
+            return f"norms of type {type(layer.input_layernorm).__name__}"
+        if len({float(eps) for _, eps in norms}) != 1:
+            return "norms with different epsilons"
+        if getattr(attention, "scaling", None) != layers[0].self_attn.scaling:
+            return "attention scales that differ between layers"
+        if getattr(attention, "q_norm", None) is not None or getattr(attention, "k_norm", None) is not None:
+            return "query/key norms"
+        for part, name in PROJECTIONS:
+            linear = getattr(getattr(layer, part), name, None)
+            if not isinstance(linear, BlockLinear) or linear.blocks.device.type != "cpu":
+                return f"{part}.{name} is {type(linear).__name__}, not GGUF blocks"
+            if linear.bias is not None and (linear.bias.dtype != torch.float32 or not linear.bias.is_contiguous()):
+                return f"a {linear.bias.dtype} bias"
+        shapes = {name: (getattr(getattr(layer, part), name).out_features,
+                         getattr(getattr(layer, part), name).in_features) for part, name in PROJECTIONS}
+        hidden, inter = cfg.hidden_size, shapes["gate_proj"][0]
+        expected = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv_heads * head_dim, hidden),
+                    "v_proj": (kv_heads * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+                    "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+        if shapes != expected:
+            return f"projection shapes {shapes}"
+    return None
+
+
+def use_block_forward(model) -> bool:
+    """Makes `model`'s norms RowNorm and its SiLU RowSiLU, and routes its forwards over input ids into the
+    one-call forward where it can take them (see the module's docstring); False (the model unchanged) where
+    unsupported(model) says why not."""
+    if isinstance(getattr(model, "forward", None), OneCallForward):
+        return True
+    if unsupported(model) is not None:
+        return False
+    inner = model.model
+    for layer in inner.layers:
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, name, RowNorm(*_norm(getattr(layer, name))))
+        layer.mlp.act_fn = RowSiLU()
+    inner.norm = RowNorm(*_norm(inner.norm))
+    model.forward = OneCallForward(model, model.forward)
+    return True
+
+
+def uses_block_forward(model) -> bool:
+    return isinstance(getattr(model, "forward", None), OneCallForward)
+
+
+class OneCallForward:
+    """`model.forward` for use_block_forward: the one-call forward for a plain forward over input ids and a
+    GrowingCache, the model's own forward for every other call."""
+
+    def __init__(self, model, original):
+        self.model, self.original = model, original
+        self._layers = None  # ctypes array of _Layer, built on first use
+        self._modules: tuple = ()  # what the array points into: rebuilt when any of them changed
+        self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
+
+    def __deepcopy__(self, memo):  # a copied model gets its own arrays (they point into its own tensors)
+        import copy
+
+        return OneCallForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.original, memo))
+
+    def _takes(self, input_ids, past_key_values, kwargs) -> bool:
+        if kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None or \
+                kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None or \
+                kwargs.get("use_cache") is False or kwargs.get("output_attentions") or \
+                kwargs.get("output_hidden_states") or torch.is_grad_enabled():
+            return False
+        if set(kwargs) - {"attention_mask", "position_ids", "inputs_embeds", "labels", "use_cache",
+                          "output_attentions", "output_hidden_states", "logits_to_keep", "return_dict"}:
+            return False
+        if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("return_dict") is False:
+            return False
+        if type(past_key_values) is not GrowingCache or \
+                any(type(layer) is not GrowingLayer for layer in past_key_values.layers):
+            return False
+        return (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1 and
+                input_ids.shape[1] > 0 and input_ids.device.type == "cpu" and
+                input_ids.dtype in (torch.long, torch.int32) and self.model.config._attn_implementation == ROWS)
+
+    def __call__(self, input_ids=None, past_key_values=None, **kwargs):
+        if not self._takes(input_ids, past_key_values, kwargs):
+            return self.original(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        return self._one_call(input_ids, past_key_values, kwargs.get("logits_to_keep", 0))
+
+    def _current_modules(self) -> tuple:
+        inner = self.model.model
+        found = []
+        for layer in inner.layers:
+            found += [layer.input_layernorm, layer.post_attention_layernorm]
+            for part, name in PROJECTIONS:
+                linear = getattr(getattr(layer, part), name)
+                found += [linear, linear.blocks, linear.bias]
+        return tuple(found)
+
+    def _still_converted(self) -> bool:
+        """Whether the norms and SiLU are still the ones use_block_forward put in (the C path computes theirs)."""
+        inner = self.model.model
+        return isinstance(inner.norm, RowNorm) and all(
+            isinstance(layer.input_layernorm, RowNorm) and isinstance(layer.post_attention_layernorm, RowNorm)
+            and isinstance(layer.mlp.act_fn, RowSiLU) for layer in inner.layers)
+
+    def _build(self, modules: tuple) -> None:
+        layers = self.model.model.layers
+        array = (_Layer * len(layers))()
+        for i, layer in enumerate(layers):
+            entry = array[i]
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for part, name in PROJECTIONS:
+                linear = getattr(getattr(layer, part), name)
+                weight = getattr(entry, name)
+                weight.type = BLOCK_TYPES[linear.type_name][0]
+                weight.n, weight.k = linear.out_features, linear.in_features
+                weight.row_bytes = linear.blocks.shape[1]
+                weight.w = linear.blocks.data_ptr()
+                weight.bias = None if linear.bias is None else linear.bias.data_ptr()
+        self._layers, self._modules = array, modules
+
+    def _one_call(self, input_ids: torch.Tensor, cache: GrowingCache, logits_to_keep: int):
+        model, inner, cfg = self.model, self.model.model, _config(self.model)
+        modules = self._current_modules()
+        if len(modules) != len(self._modules) or any(a is not b for a, b in zip(modules, self._modules)):
+            if not self._still_converted() or unsupported(model) is not None:
+                return self.original(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                     logits_to_keep=logits_to_keep)
+            self._build(modules)
+        m = input_ids.shape[1]
+        start = cache.get_seq_length() if cache.layers else 0
+        hidden = inner.embed_tokens(input_ids).to(torch.float32).reshape(m, cfg.hidden_size).contiguous()
+        positions = (torch.arange(m) + start)[None]
+        cos, sin = inner.rotary_emb(hidden[None], position_ids=positions)
+        cos, sin = cos.reshape(m, -1).to(torch.float32).contiguous(), sin.reshape(m, -1).to(torch.float32).contiguous()
+        attention = inner.layers[0].self_attn
+        head_dim = attention.head_dim
+        if cos.shape[1] != head_dim:
+            return self.original(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                 logits_to_keep=logits_to_keep)
+        room = torch.empty(1, cfg.num_key_value_heads, m, head_dim, dtype=torch.float32)
+        for i, entry in enumerate(self._layers):
+            cache.update(room, room, i)  # grows the buffers; kvb_decoder writes the positions' real values
+            layer = cache.layers[i]
+            keys, values = layer._key_buffer, layer._value_buffer
+            entry.keys, entry.values, entry.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
+        inter = inner.layers[0].mlp.gate_proj.out_features
+        status = gguf_blocks.library().kvb_decoder(
+            ctypes.addressof(self._layers), len(self._layers), hidden.data_ptr(), m, cfg.hidden_size, cfg.num_attention_heads,
+            cfg.num_key_value_heads, head_dim, inter, start, cos.data_ptr(), sin.data_ptr(),
+            ctypes.c_float(inner.norm.variance_epsilon), ctypes.c_float(attention.scaling),
+            max(1, torch.get_num_threads()))
+        if status != 0:
+            for layer in cache.layers:  # the positions were not computed: give them back
+                layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
+            raise MemoryError("no scratch memory for the forward") if status == -2 else \
+                RuntimeError(f"the one-call forward failed ({status})")
+        self.one_call_forwards += 1
+        kept = hidden if not logits_to_keep else hidden[-logits_to_keep:]
+        logits = model.lm_head(inner.norm(kept))
+        return CausalLMOutputWithPast(logits=logits[None], past_key_values=cache)

@@ -1,0 +1,181 @@
+"""The one-call forward (engine.block_forward, engine/block_forward.c) against transformers' own forward over the
+same modules: the same logits and the same cache bit for bit, whole prompts, prompts cut into pieces and decode
+steps, Llama and Qwen2 (biases), every block type; calls it does not take fall back; a changed model is never
+computed from stale pointers; a model it cannot run is left as it was."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from cpu_kernels import needs_cpu_kernel
+from gguf_files import tiny_gguf
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from engine import gguf_blocks
+from engine.block_forward import RowNorm, RowSiLU, unsupported, use_block_forward, uses_block_forward
+from engine.exact_attention import ROWS, use_exact_attention
+from engine.gguf_blocks import BlockLinear
+from engine.live_cache import GrowingCache
+from engine.loader import fingerprint, load_model, quiet_transformers, resolve_source
+
+pytestmark = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
+                                reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")
+CPU = torch.device("cpu")
+IDS = [5, 70, 300, 12, 400, 9, 33, 200, 201, 202, 17, 18, 260, 4, 90, 91, 92, 511, 3, 44]
+
+quiet_transformers()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf")
+    made: dict = {}
+
+    def get(kind: str, arch: str = "llama"):
+        if (kind, arch) not in made:
+            made[kind, arch] = tiny_gguf(folder / f"{arch}-{kind}.gguf", kind, arch=arch)
+        return made[kind, arch]
+
+    return get
+
+
+def blocks_model(path):
+    model = load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)[0]
+    use_exact_attention(model)
+    assert model.config._attn_implementation == ROWS
+    return model
+
+
+def run(forward, pieces: list[int], new: int = 4) -> tuple[torch.Tensor, GrowingCache]:
+    """Logits of every position of IDS fed in `pieces`, then of `new` greedy decode steps; and the cache."""
+    cache, out = GrowingCache(), []
+    with torch.inference_mode():
+        at = 0
+        for size in pieces:
+            out.append(forward(input_ids=torch.tensor([IDS[at:at + size]]), past_key_values=cache,
+                               use_cache=True).logits[0])
+            at += size
+        for _ in range(new):
+            token = out[-1][-1].argmax().view(1, 1)
+            out.append(forward(input_ids=token, past_key_values=cache, use_cache=True).logits[0])
+    return torch.cat(out), cache
+
+
+def same_cache(a: GrowingCache, b: GrowingCache) -> bool:
+    return len(a.layers) == len(b.layers) and all(
+        torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers))
+
+
+@pytest.mark.parametrize("kind,arch", [("Q4_K", "llama"), ("Q4_1", "llama"), ("Q4_0", "llama"),
+                                       ("Q8_0", "llama"), ("Q6_K", "llama"), ("Q4_K", "qwen2")])
+def test_the_one_call_forward_gives_transformers_logits_and_cache_bit_for_bit(files, kind, arch, one_thread):
+    model = blocks_model(files(kind, arch))
+    assert unsupported(model) is None and use_block_forward(model)
+    forward = model.forward
+    reference_logits, reference_cache = run(forward.original, [len(IDS)])
+    assert forward.one_call_forwards == 0
+    for pieces in ([len(IDS)], [7, 13], [1] * 5 + [15]):
+        logits, cache = run(forward, pieces)
+        assert torch.equal(logits, reference_logits), pieces
+        assert same_cache(cache, reference_cache), pieces
+    assert forward.one_call_forwards == 5 + 6 + 10  # every forward above ran in one call
+
+
+def test_two_threads_give_the_one_threads_numbers(files):
+    model = blocks_model(files("Q4_K"))
+    use_block_forward(model)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, _ = run(model, [len(IDS)])
+        torch.set_num_threads(2)
+        two, _ = run(model, [len(IDS)])
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+
+
+def test_calls_it_does_not_take_run_the_models_own_forward_with_the_same_numbers(files, one_thread):
+    model = blocks_model(files("Q4_K"))
+    use_block_forward(model)
+    ids = torch.tensor([IDS])
+    with torch.inference_mode():
+        plain = model(input_ids=ids, past_key_values=GrowingCache(), use_cache=True).logits
+        masked = model(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=GrowingCache(),
+                       use_cache=True).logits
+        placed = model(input_ids=ids, position_ids=torch.arange(len(IDS))[None], past_key_values=GrowingCache(),
+                       use_cache=True).logits
+        uncached = model(input_ids=ids, use_cache=False).logits
+    assert model.forward.one_call_forwards == 1
+    assert torch.equal(plain, masked) and torch.equal(plain, placed) and torch.equal(plain, uncached)
+
+
+def test_a_replaced_layer_is_computed_with_its_new_weights(files, one_thread):
+    model, other = blocks_model(files("Q4_K")), blocks_model(files("Q4_1"))
+    use_block_forward(model)
+    run(model, [5])  # the pointers into the first weights are built
+    model.model.layers[1].mlp.down_proj = other.model.layers[1].mlp.down_proj
+    expected, _ = run(model.forward.original, [len(IDS)])
+    got, _ = run(model, [len(IDS)])
+    assert torch.equal(got, expected)
+    before = model.forward.one_call_forwards
+    model.model.layers[0].input_layernorm = LlamaRMSNorm(model.config.hidden_size)  # not the C norm any more
+    expected, _ = run(model.forward.original, [len(IDS)])
+    got, _ = run(model, [len(IDS)])
+    assert torch.equal(got, expected) and model.forward.one_call_forwards == before
+
+
+def test_a_copied_model_computes_from_its_own_weights(files, one_thread):
+    model = blocks_model(files("Q4_K"))
+    use_block_forward(model)
+    before, _ = run(model, [len(IDS)])
+    twin = copy.deepcopy(model)
+    assert uses_block_forward(twin) and twin.forward.model is twin
+    twin.model.layers[0].self_attn.q_proj.blocks.zero_()  # a weight of the copy only
+    changed, _ = run(twin, [len(IDS)])
+    again, _ = run(model, [len(IDS)])
+    assert torch.equal(again, before) and not torch.equal(changed, before)
+    assert twin.forward.one_call_forwards > 0
+
+
+@needs_cpu_kernel
+def test_a_model_it_cannot_run_is_left_as_it_was(files, one_thread):
+    float_model = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
+                             kernel="cpu_int4pack")[0]  # int4 layers on torch's kernel, under ROWS
+    use_exact_attention(float_model)
+    assert float_model.config._attn_implementation == ROWS and "not GGUF blocks" in unsupported(float_model)
+    forward = float_model.forward
+    assert not use_block_forward(float_model)
+    assert float_model.forward == forward and not uses_block_forward(float_model)
+    assert not any(isinstance(m, (RowNorm, RowSiLU)) for m in float_model.modules())
+
+
+def test_its_norm_and_silu_are_an_rms_norm_and_silu_and_change_the_fingerprint(files, one_thread):
+    model = blocks_model(files("Q4_K"))
+    reference = model.model.layers[0].input_layernorm
+    before = fingerprint(model)
+    use_block_forward(model)
+    ours = model.model.layers[0].input_layernorm
+    assert isinstance(ours, RowNorm) and isinstance(model.model.layers[0].mlp.act_fn, RowSiLU)
+    x = torch.randn(3, 5, model.config.hidden_size) * 4
+    with torch.inference_mode():
+        assert torch.allclose(ours(x), reference(x), rtol=1e-5, atol=1e-6)
+        y = torch.randn(1000) * 10
+        assert torch.allclose(model.model.layers[0].mlp.act_fn(y), torch.nn.functional.silu(y), rtol=1e-5, atol=1e-6)
+    assert fingerprint(model) != before  # KV computed with transformers' norms is never served to these
+
+
+def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_thread):
+    from engine import EngineConfig, KVBoost
+    from engine.config import ChunkingConfig
+
+    model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
+                                  kernel=gguf_blocks.KERNEL)
+    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16)))
+    assert uses_block_forward(engine.model)
+    first = engine.generate("the same words " * 6, max_new_tokens=6)
+    second = engine.generate("the same words " * 6, max_new_tokens=6)
+    assert second.stats.reused_tokens > 0 and second.token_ids == first.token_ids
+    assert engine.model.forward.one_call_forwards > 0
