@@ -112,7 +112,7 @@ int kvb_decoder(const kvb_layer *layers, int64_t n_layers, float *x, int64_t m, 
     if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0) return -3;
     const int64_t qn = heads * head_dim, kvn = kv_heads * head_dim, widest = hidden > intermediate ? hidden : intermediate;
     const int64_t bytes = 4 * m * (hidden + 3 * qn + 2 * kvn + 3 * intermediate) +
-                          2 * (m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
+                          2 * (2 * m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
     uint8_t *scratch = malloc((size_t)bytes), *at = scratch;
     if (!scratch) return -2;
     float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
@@ -121,7 +121,7 @@ int kvb_decoder(const kvb_layer *layers, int64_t n_layers, float *x, int64_t m, 
     float *mixed = take(&at, 4 * m * intermediate);
     rounded slots[2];
     for (int s = 0; s < 2; s++) {
-        slots[s].q = take(&at, m * widest);
+        slots[s].q = take(&at, 2 * m * widest); /* int16 codes for the 32-value types */
         slots[s].d = take(&at, 4 * m * (widest / 16 + 1));
         slots[s].sums = take(&at, 4 * m * (widest / 16 + 1));
     }

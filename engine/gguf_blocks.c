@@ -1,9 +1,12 @@
 /* GGUF weight blocks times activations, as the file holds them: no conversion at load, no second rounding.
 
-   Activations are rounded to int8 per block, as llama.cpp rounds its own: blocks of 32 for the 32-value weight
-   types (a float scale d = max|x| / 127 and the codes' sum per block: layout A32) and of 256 for the K-quants (one
-   scale per 256 and the codes' sum per 16: layout A256). A weight block's products with an activation block are
-   then summed exactly in integers, and the float sums over blocks run in an order that depends only on the row's
+   Activations are rounded per block: for the K-quants to int8, as llama.cpp rounds its own (one float scale
+   d = max|x| / 127 per 256 and the codes' sum per 16: layout A256); for the 32-value types to int16 (a scale
+   d = max|x| / 32767 and the codes' sum per 32: layout A32). int8 per 32, llama.cpp's rounding for those types,
+   moved the embedded model's answers (its Q4_1 file answered "What is the capital of France?" with "L'Etoile,
+   la Marseillaise", as llama.cpp does; int16 answers "Paris", as float and bfloat16 activations do), and
+   _mm256_madd_epi16 multiplies int16 about as fast as int8 goes. A weight block's products with an activation
+   block are then summed exactly in integers, and the float sums over blocks run in an order that depends only on the row's
    length: an output is the same whatever number of rows are multiplied together and however the rows are split
    between threads (batch-invariant by construction).
 
@@ -69,20 +72,31 @@ static void quantize_block(const float *x, int n, int8_t *q, float *d) {
     *d = scale;
 }
 
-/* x [rows, k] -> codes q [rows, k]; block = 32: scales d and code sums s (int32) [rows, k / 32]; block = 256:
+static void quantize_block16(const float *x, int n, int16_t *q, float *d) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float scale = amax / 32767.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    for (int i = 0; i < n; i++) q[i] = (int16_t)(int)nearbyintf(x[i] * inverse);
+    *d = scale;
+}
+
+/* x [rows, k] -> codes q [rows, k] (int16 for block = 32, int8 for 256); block = 32: scales d and code sums s
+   (int32) [rows, k / 32]; block = 256:
    scales d [rows, k / 256] and code sums per 16 (int16) [rows, k / 16]. */
 void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads) {
     const int64_t nb = k / block;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < nb; b++) {
-            int8_t *qb = q + r * k + b * block;
-            quantize_block(x + r * k + b * block, block, qb, d + r * nb + b);
             if (block == 32) {
+                int16_t *qb = (int16_t *)q + r * k + b * 32;
+                quantize_block16(x + r * k + b * 32, 32, qb, d + r * nb + b);
                 int32_t sum = 0;
                 for (int i = 0; i < 32; i++) sum += qb[i];
                 ((int32_t *)sums)[r * nb + b] = sum;
             } else {
+                int8_t *qb = q + r * k + b * block;
+                quantize_block(x + r * k + b * block, block, qb, d + r * nb + b);
                 for (int g = 0; g < 16; g++) {
                     int16_t sum = 0;
                     for (int i = 0; i < 16; i++) sum += qb[16 * g + i];
@@ -131,12 +145,14 @@ static inline float hsum(__m256 v) {
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 
-/* Q4_0, Q4_1, Q8_0 against A32: per block an exact integer dot, then one float multiply-add; two accumulators
-   (even and odd blocks) so that consecutive blocks do not wait on each other. */
+/* Q4_0, Q4_1, Q8_0 against A32 (int16 activations): per block an exact integer dot (the codes widened to int16,
+   _mm256_madd_epi16), then one float multiply-add; two accumulators (even and odd blocks) so that consecutive
+   blocks do not wait on each other. */
 static inline __attribute__((always_inline)) void dots32(int type, int R, const uint8_t *w, int64_t nb,
                                                            const int8_t *q, const float *d, const int32_t *s,
                                                            int64_t k, float *out, int64_t stride) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const int16_t *xs = (const int16_t *)q;
     const int bytes = block_bytes(type);
     __m256 acc[4][2];
     float offsets[4][2];
@@ -144,20 +160,21 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         const int odd = (int)(b & 1);
         const float dw = half_at(w);
-        __m256i codes, raw = _mm256_setzero_si256();
+        __m256i first, second; /* the block's 32 codes as int16: values 0-15, then 16-31 */
         float mw = 0.0f;
         if (type == KVB_Q8_0) {
-            raw = load32(w + 2);
-            codes = _mm256_sign_epi8(raw, raw);
+            first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 2)));
+            second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 18)));
         } else {
             const __m128i t = _mm_loadu_si128((const __m128i *)(w + (type == KVB_Q4_0 ? 2 : 4)));
-            codes = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), low);
+            first = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
+            second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
             if (type == KVB_Q4_1) mw = half_at(w + 2);
         }
         for (int r = 0; r < R; r++) {
             const int64_t at = r * nb + b;
-            const __m256i x = load32(q + r * k + b * 32);
-            __m256i p = type == KVB_Q8_0 ? dot_u8s8(codes, _mm256_sign_epi8(x, raw)) : dot_u8s8(codes, x);
+            const int16_t *x = xs + r * k + b * 32;
+            __m256i p = _mm256_add_epi32(_mm256_madd_epi16(first, load32(x)), _mm256_madd_epi16(second, load32(x + 16)));
             if (type == KVB_Q4_0) p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(8 * s[at])));
             acc[r][odd] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[at]), acc[r][odd]);
             if (type == KVB_Q4_1) offsets[r][odd] += mw * d[at] * (float)s[at];
@@ -245,7 +262,7 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
         const uint8_t *blk = w;
         for (int64_t b = 0; b < nb; b++, blk += bytes) {
             const int64_t at = r * nb + b;
-            const int8_t *x = q + r * k + b * 32;
+            const int16_t *x = (const int16_t *)q + r * k + b * 32;
             int32_t sum = 0;
             if (type == KVB_Q8_0) {
                 for (int i = 0; i < 32; i++) sum += (int32_t)(int8_t)blk[2 + i] * x[i];
@@ -369,7 +386,8 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     if (!dots_for(type, &one, &four)) return -1;
     const int block = activation_block(type);
     const int64_t nb = k / block, per_block = block == 32 ? 4 : 32; /* bytes of sums per activation block */
-    const uint8_t *sum_bytes = (const uint8_t *)sums;
+    const int64_t row = block == 32 ? 2 * k : k;                     /* bytes of one activation row */
+    const uint8_t *sum_bytes = (const uint8_t *)sums, *acts = (const uint8_t *)q;
     const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tasks; t++) {
@@ -377,10 +395,10 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
         int64_t i = 0;
         for (; i + 4 <= m; i += 4)
             for (int64_t r = first; r < last; r++)
-                four(w + r * row_bytes, nb, q + i * k, d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
+                four(w + r * row_bytes, nb, (const int8_t *)(acts + i * row), d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
         for (; i < m; i++)
             for (int64_t r = first; r < last; r++)
-                one(w + r * row_bytes, nb, q + i * k, d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
+                one(w + r * row_bytes, nb, (const int8_t *)(acts + i * row), d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
     }
     return 0;
 }
@@ -394,10 +412,11 @@ int kvb_linear(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     if (!dots_for(type, &one, &four)) return -1;
     const int block = activation_block(type);
     const int64_t nb = k / block, sum_bytes = block == 32 ? m * nb * 4 : m * (k / 16) * 2;
-    uint8_t *scratch = malloc((size_t)(m * k + m * nb * 4 + sum_bytes + 64));
+    const int64_t act_bytes = block == 32 ? 2 * m * k : m * k;
+    uint8_t *scratch = malloc((size_t)(act_bytes + m * nb * 4 + sum_bytes + 64));
     if (!scratch) return -2;
     int8_t *q = (int8_t *)scratch;
-    float *d = (float *)(scratch + ((m * k + 31) / 32) * 32);
+    float *d = (float *)(scratch + ((act_bytes + 31) / 32) * 32);
     void *sums = (uint8_t *)d + m * nb * 4;
     kvb_quantize(x, m, k, block, q, d, sums, threads);
     const int status = kvb_matmul(type, w, n, k, row_bytes, q, d, sums, m, y, threads);

@@ -2,10 +2,11 @@
 
 A Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor is held as its bytes, row after row: the resident weights are the file's
 tensor bytes (no second rounding, no wider format: a Q6_K tensor no longer becomes 8-bit rows), and loading is a
-read. The kernel rounds each activation row to int8 (blocks of 256 for the K-quants, 32 for the others, a float
-scale per block, as llama.cpp rounds its activations) and sums each block's products exactly in integers; the
-float sums over blocks run in an order fixed by the row's length, so an output does not depend on how many rows
-are multiplied together or on the thread count (reuse then never changes an answer through this kernel).
+read. The kernel rounds each activation row per block, to int8 per 256 values for the K-quants (as llama.cpp
+rounds its activations) and to int16 per 32 for the 32-value types (llama.cpp's int8 there moved the embedded
+model's answers; see gguf_blocks.c), and sums each block's products exactly in integers. Every float sum runs
+in an order fixed by the row's length, so an output does not depend on how many rows are multiplied together
+or on the thread count (reuse then never changes an answer through this kernel).
 
 The kernel (with engine/exact_attention.c, in one library) is compiled on first use with the machine's C
 compiler (`cc`, or $CC) for this CPU (-march=native, or $KVBOOST_BLOCKS_MARCH) into <engine cache>/kernels, keyed
@@ -238,13 +239,15 @@ def activation_block(type_name: str) -> int:
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float32 [rows, k] (k a multiple of `block`, 32 or 256) -> (int8 codes [rows, k], float32 scales
-    [rows, k / block], code sums: per block (int32) for 32, per 16 (int16) for 256)."""
+    """float32 [rows, k] (k a multiple of `block`) -> the activations as the kernel multiplies them: block 32 (the
+    32-value types): (int16 codes [rows, k], float32 scales max|x| / 32767 [rows, k / 32], int32 code sums
+    [rows, k / 32]); block 256 (the K-quants): (int8 codes [rows, k], scales max|x| / 127 [rows, k / 256], int16
+    code sums per 16 [rows, k / 16])."""
     if block not in (32, 256) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or \
             x.shape[1] % block:
         raise ValueError(f"activations {x.dtype} {list(x.shape)} are not contiguous float32 rows of {block}s")
     rows, k = x.shape
-    q = torch.empty(rows, k, dtype=torch.int8)
+    q = torch.empty(rows, k, dtype=torch.int16 if block == 32 else torch.int8)
     d = torch.empty(rows, k // block, dtype=torch.float32)
     sums = torch.empty(rows, k // 32, dtype=torch.int32) if block == 32 else torch.empty(rows, k // 16,
                                                                                          dtype=torch.int16)

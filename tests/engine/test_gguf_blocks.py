@@ -42,7 +42,7 @@ def reference_weight(data: np.ndarray, type_name: str) -> torch.Tensor:
 
 
 def rebuilt_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """What the kernel multiplies by: its int8 codes times their block's scale, in float64."""
+    """What the kernel multiplies by: its integer codes times their block's scale, in float64."""
     q, d, _ = gguf_blocks.quantize_activations(x, block)
     return (q.double().reshape(x.shape[0], -1, block) * d.double()[:, :, None]).reshape(x.shape)
 
@@ -57,17 +57,18 @@ def test_rows_read_back_are_gguf_pys_dequantized_values_bit_for_bit(type_name):
                        reference_weight(data, type_name)[some])
 
 
-@pytest.mark.parametrize("block", [32, 256])
-def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(block):
+@pytest.mark.parametrize("block,top,dtype", [(32, 32767, torch.int16), (256, 127, torch.int8)])
+def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(block, top, dtype):
+    """int16 per 32 for the 32-value types, int8 per 256 (llama.cpp's rounding) for the K-quants."""
     x = torch.randn(5, 1024) * torch.logspace(-3, 2, 1024)  # blocks of very different sizes
     x[2, :block] = 0  # an all-zero block: scale 0, codes 0
     q, d, sums = gguf_blocks.quantize_activations(x.contiguous(), block)
     blocks = x.reshape(5, -1, block)
-    want_d = blocks.abs().amax(-1) / 127
-    assert torch.equal(d, want_d)
-    assert int(q.abs().max()) <= 127 and d[2, 0] == 0 and not q[2, :block].any()
-    error = (blocks - q.float().reshape(5, -1, block) * d[:, :, None]).abs()
-    assert torch.all(error <= d[:, :, None] * (0.5 + 1e-5))
+    want_d = blocks.abs().amax(-1) / top
+    assert q.dtype == dtype and torch.equal(d, want_d)
+    assert int(q.abs().max()) <= top and d[2, 0] == 0 and not q[2, :block].any()
+    error = (blocks.double() - q.double().reshape(5, -1, block) * d.double()[:, :, None]).abs()
+    assert torch.all(error <= d.double()[:, :, None] * (0.5 + top * 2**-23))  # and x / d's float32 rounding
     group = 32 if block == 32 else 16
     assert torch.equal(sums.to(torch.int64), q.to(torch.int64).reshape(5, -1, group).sum(-1))
 
@@ -80,9 +81,10 @@ def test_a_product_is_the_float64_product_of_the_files_values_and_the_rounded_ac
     weight = reference_weight(data, type_name).double()
     exact = rebuilt_activations(x, gguf_blocks.activation_block(type_name)) @ weight.T
     assert (got - exact).abs().max() <= 2e-6 * exact.abs().max()  # float32 sums over 24-ish blocks
-    # against the unrounded activations: the activation rounding alone (half a step of 1/127 of a block's max)
+    # against the unrounded activations: the activation rounding alone (half a step of 1/127 of a block's max for
+    # the K-quants, of 1/32767 for the others)
     true = x.double() @ weight.T
-    assert (got - true).norm() <= 0.02 * true.norm()
+    assert (got - true).norm() <= (0.02 if type_name.endswith("_K") else 1e-4) * true.norm()
 
 
 @pytest.mark.parametrize("type_name", TYPES)
