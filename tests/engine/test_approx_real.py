@@ -4,15 +4,15 @@ repair mode keeps the answer closer to full prefill than no repair does.
 Measured on these three prompts (first answer token, KL of the approximate next-token distribution from full
 prefill's; greedy tokens shared with full prefill out of 32), mean over the prompts, with the default model as
 "auto" loads it on an AVX-512 CPU (int4 layers on torch's kernel, an int8 head) and on an AVX2 CPU (the file's
-blocks through engine.block_forward):
-                int4 layers                          file's blocks
-  none        KL 0.124 (0.120, 0.147, 0.103) 14.7    KL 0.149 (0.151, 0.180, 0.118) 14.7 (16, 10, 18)
-  selective   KL 0.117 (0.083, 0.240, 0.029) 15.7    KL 0.138 (0.107, 0.272, 0.033) 15.7 (16, 16, 15)
-  cacheblend  KL 0.074 (0.082, 0.110, 0.029) 18.7    KL 0.101 (0.091, 0.176, 0.037) 18.7 (16, 16, 24)
+blocks through engine.block_forward, int16 activations; the same to three digits):
+  none        KL 0.124 (0.120, 0.147, 0.103)  common prefix 14.7 (16, 10, 18)
+  selective   KL 0.117 (0.083, 0.240, 0.029)  common prefix 15.7 (16, 16, 15)
+  cacheblend  KL 0.074 (0.082, 0.110, 0.029)  common prefix 18.7 (16, 16, 24)
+With int8 activations in the blocks (llama.cpp's rounding) every mode moved (none 0.149, selective 0.138,
+cacheblend 0.101), so each mode is held against no repair's numbers in the same run, not against fixed floors.
 The first answer token agrees with full prefill on every prompt in every mode (no repair included), so it is
-no floor. The weights' rounding moves every mode's KL alike, so each mode is held against no repair's numbers
-in the same run: selective's margin is thin on these prompts (5-8% in mean KL, one token in mean prefix; on the
-second prompt its KL is worse than no repair's), cacheblend's is wide."""
+no floor. Selective's margin over no repair is thin on these prompts (5% in mean KL, one token in mean prefix;
+on the second prompt its KL is worse than no repair's), cacheblend's is wide."""
 
 from __future__ import annotations
 
