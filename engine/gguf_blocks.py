@@ -209,6 +209,13 @@ def vector_path() -> str:
     return VECTOR_PATHS[_library().kvb_vector_path()]
 
 
+def numerics() -> str:
+    """Which float sums this build's outputs come from: "avx2" (with or without VNNI: the integer sums are exact,
+    the float ones the same) or "portable" (its float sums run in another order: other bits). Part of a model's
+    fingerprint, so that a shared store never hands KV of one to the other."""
+    return "portable" if _library().kvb_vector_path() == 0 else "avx2"
+
+
 def row_bytes(type_name: str, columns: int) -> int:
     """Bytes of one row of `columns` values in `type_name`'s blocks; ValueError when the row is not whole blocks
     or the kernel cannot take it."""

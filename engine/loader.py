@@ -19,6 +19,7 @@ from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
 from .gguf_blocks import BlockEmbedding, BlockLinear
+from .gguf_blocks import numerics as block_numerics
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import INT4_TYPES, GGUFBlocks, memoized_name_maps
@@ -572,6 +573,8 @@ def fingerprint(model) -> str:
             h.update(f"{name}:{type(module).__name__}".encode())
         if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding, BlockLinear, BlockEmbedding)):
             continue
+        if isinstance(module, BlockLinear):  # the kernel's float sums: the same on every machine of one path
+            h.update(f"blocks:{block_numerics()}".encode())
         h.update(f"{name}:{type(module).__name__}:g{getattr(module, 'group_size', 0)}:"
                  f"{getattr(module, 'kernel', 'rows')}:{getattr(module, 'type_name', '')}".encode())
         for buffer_name, buffer in module.named_buffers():
