@@ -124,6 +124,8 @@ def unsupported(model) -> str | None:
         return "not a Llama-shaped module tree"
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for layer in layers:
+        if layer._forward_pre_hooks or layer._forward_hooks:  # layer streaming swaps a layer's bytes in its hooks
+            return "decoder layers with forward hooks (layer streaming)"
         attention = layer.self_attn
         head_dim = getattr(attention, "head_dim", 0)
         if not 0 < head_dim <= MAX_HEAD_DIM or head_dim % 2 or heads % kv_heads:

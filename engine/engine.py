@@ -433,9 +433,14 @@ class KVBoost:
             "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             "disk_error": self.disk_error,
             "awq_unavailable": awq_streaming_unavailable(
-                self.model.config, self.device, "int4" if self._weights()["num_int4_linears"] else "float"),
+                self.model.config, self.device, "int4" if self._quantized() else "float"),
             "weights": dict(self._weights()),
         }
+
+    def _quantized(self) -> bool:
+        """Whether the decoder's linears are int4 layers or a GGUF's blocks (what layer streaming can stream)."""
+        report = self._weights()
+        return bool(report["num_int4_linears"]) or report.get("kernel") == "gguf_blocks"
 
     def _weights(self) -> dict:
         """loader.weights_report of the model, made once (the weights never change under an engine)."""

@@ -351,3 +351,21 @@ def test_a_model_streamed_from_pinned_memory_on_cuda_gives_the_resident_logits(a
     assert streamer.resident_bytes() == plan.always_resident_bytes + plan.resident_bytes + num_slots * plan.slot_bytes
     streamer.disable()
     assert all(torch.equal(g, w) for g, w in zip(greedy_logits(model, ids, 4, cuda), want))
+
+
+def test_the_default_load_streamed_runs_its_layers_through_the_slots(smollm, tmp_path):
+    """The embedded model as auto loads it (int4 layers, or the file's blocks, whose one-call forward would read
+    every layer in place): streamed under a budget that keeps some layers out, every pass copies them in, and the
+    answer is the resident one."""
+    from engine import KVBoost
+
+    streamed = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, awq_streaming=True,
+                                       weight_budget_bytes=270_000_000)
+    plan = streamed.streaming.plan
+    assert plan.streams and 0 < len(plan.streamed_layers) < 30
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    want = smollm.with_options(speculative=None).chat(question, max_new_tokens=8)
+    got = streamed.with_options(speculative=None).chat(question, max_new_tokens=8)
+    assert got.token_ids == want.token_ids
+    assert got.stats.weight_passes == got.stats.decode_forwards + 1  # the prompt's pass, then one per token
+    assert streamed.info()["awq_unavailable"] is None  # a quantized load can stream

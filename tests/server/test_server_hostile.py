@@ -244,7 +244,8 @@ def test_slow_but_timely_clients_and_long_answers_are_served(impatient):
         sock.sendall(REQUEST_HEAD[20:])
         received, _ = read_until_closed(sock, KEEP_ALIVE_S + 4)
     assert received.startswith(b"HTTP/1.1 200 ")
-    body = {"model": "smollm2", "prompt": COUNT, "max_tokens": 200, "temperature": 0, "stream": True}
+    # long enough to outlast every timeout on a fast machine too (200 tokens took 2.8 s at 70 tok/s)
+    body = {"model": "smollm2", "prompt": COUNT, "max_tokens": 600, "temperature": 0, "stream": True}
     start = time.monotonic()
     with httpx.stream("POST", impatient.url + "/v1/completions", json=body, timeout=120) as resp:
         data = [line for line in resp.iter_lines() if line.startswith("data: ")]
