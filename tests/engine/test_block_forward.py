@@ -179,3 +179,25 @@ def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_t
     second = engine.generate("the same words " * 6, max_new_tokens=6)
     assert second.stats.reused_tokens > 0 and second.token_ids == first.token_ids
     assert engine.model.forward.one_call_forwards > 0
+
+
+@pytest.mark.slow
+def test_reused_turns_of_the_embedded_model_give_the_uncached_logits_bit_for_bit(smollm):
+    """The default load (the file's blocks on this CPU, or int4 layers): multi-turn chats answered with their
+    earlier turns reused (PREFIX/EXACT hits) give the first token's logits and the greedy answer of an uncached
+    run bit for bit, whatever the cut of the prompt into forwards."""
+    cached = smollm.with_options(speculative=None)
+    plain = smollm.with_options(reuse="off", speculative=None)
+    topics = ["a lighthouse keeper", "the water cycle", "sorting a list in Python", "a recipe for bread"]
+    compared, reused = 0, 0
+    for topic in topics:
+        messages = [{"role": "system", "content": f"You are a helpful assistant. The user asks about {topic}."}]
+        for turn in ("Tell me about it in two sentences.", "Why does that matter?", "Say it again, shorter."):
+            messages.append({"role": "user", "content": turn})
+            got = cached.chat(messages, max_new_tokens=16, return_logits=True)
+            want = plain.chat(messages, max_new_tokens=16, return_logits=True)
+            assert got.token_ids == want.token_ids and torch.equal(got.first_logits, want.first_logits)
+            compared += 1
+            reused += got.stats.reused_tokens
+            messages.append({"role": "assistant", "content": got.text})
+    assert compared == 12 and reused > 0
