@@ -170,22 +170,31 @@ def check_decode(shape: Shape, kernel: str, device: torch.device, steps: int, co
     return report
 
 
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def tables(result: dict) -> str:
     lines = ["| model | linear | in | out | max abs err | err / bound | fast us (M=1) | reference us (M=1) | fast us (M=16) |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["correctness"]:
+    for r in result.get("correctness", []):
         lines.append(f"| {r['model']} | {r['linear']} | {r['in']} | {r['out']} | {r['max_abs_err']:.3g} | "
                      f"{r['err_over_bound']:.3f} | {r['fast_us_m1']:.1f} | {r['reference_us_m1']:.1f} | {r['fast_us_m16']:.1f} |")
-    d = result["decode"]
-    lines += ["", "| stack | kernel | MB/token | bandwidth GB/s | tok/s eager | bound tok/s | share | tok/s compiled |",
+    d = result.get("decode")
+    lines += [] if d is None else ["", "| stack | kernel | MB/token | bandwidth GB/s | tok/s eager | bound tok/s | share | tok/s compiled |",
               "|---|---|---|---|---|---|---|---|",
               f"| {d['model']} x{result['decode_layers']} | {d['kernel']} | {d['weight_bytes_per_token'] / 2**20:.1f} | "
               f"{d['bandwidth_gb_s']:.1f} | {d['tokens_per_s']:.1f} | {d['bandwidth_bound_tokens_per_s']:.1f} | "
               f"{d['share_of_bound']:.2f} | {d.get('compiled_tokens_per_s', d['compiled'])} |"]
+    if "engine" in result:
+        from bench.gpu_engine import table as engine_table
+
+        lines += ["", engine_table(result["engine"], result["engine_bandwidth_gb_s"] * 1e9)]
     if "streaming" in result:
         from bench.gpu_streaming import table
 
         lines += ["", table(result["streaming"])]
+    lines += [f"\n**{name} failed**: {why}" for name, why in result.get("failed", {}).items()]
     return "\n".join(lines)
 
 
@@ -194,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, end to end")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile / CUDA graphs step")
     parser.add_argument("--no-streaming", action="store_true", help="skip the layer-streaming part")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine's own decode rows")
+    parser.add_argument("--json", metavar="PATH", help="also write the raw numbers to PATH, after every part")
     args = parser.parse_args(argv)
     if args.dry_run:
         device = torch.device("cpu")
@@ -212,20 +223,46 @@ def main(argv=None) -> int:
         kernel, shapes, iters, steps = "tinygemm", list(MODELS), 50, 20
     torch.manual_seed(0)
     result = {"dry_run": args.dry_run, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "group_size": GROUP_SIZE}
-    result["correctness"] = check_correctness(shapes, kernel, device, iters)
-    result["decode"] = check_decode(shapes[0], kernel, device, steps, compile_=not (args.dry_run or args.no_compile))
+              "torch": torch.__version__, "group_size": GROUP_SIZE, "failed": {}}
+
+    def part(name: str, fn) -> None:
+        """Runs one part; a part that raises is recorded and the others still run (a first run on a new card
+        should bring back every number it can)."""
+        log(f"{name}...")
+        start = time.perf_counter()
+        try:
+            result[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - reported in the output and the exit code
+            result["failed"][name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            log(f"{name} failed: {result['failed'][name]}")
+        log(f"{name}: {time.perf_counter() - start:.1f} s")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f)
+
+    part("correctness", lambda: check_correctness(shapes, kernel, device, iters))
+    part("decode", lambda: check_decode(shapes[0], kernel, device, steps, compile_=not (args.dry_run or args.no_compile)))
     result["decode_layers"] = shapes[0].num_layers
+    if not args.no_engine:
+        from bench.gpu_engine import BODIES, engine_rows
+
+        bodies = [b.tiny() for b in BODIES] if args.dry_run else list(BODIES)
+        contexts, new_tokens = ((32, 96), 8) if args.dry_run else ((128, 1024), 64)
+        bandwidth = result.get("decode", {}).get("bandwidth_gb_s", 0) * 1e9 or measured_bandwidth(device, 1 << 28)
+        result["engine_bandwidth_gb_s"] = bandwidth / 1e9
+        part("engine", lambda: [row for body in bodies
+                                for row in engine_rows(body, kernel, device, bandwidth, contexts, new_tokens, log)])
     if not args.no_streaming:
         from bench.gpu_streaming import check_streaming
 
         stream_shape = MODELS[2] if not args.dry_run else dataclasses.replace(MODELS[2].tiny(), num_layers=6)
-        result["streaming"] = check_streaming(stream_shape, kernel, device, random_layer, dry_run=args.dry_run,
-                                              iters=max(3, iters // 10))
+        part("streaming", lambda: check_streaming(stream_shape, kernel, device, random_layer, dry_run=args.dry_run,
+                                                  iters=max(3, iters // 10)))
     print(tables(result))
     print(json.dumps(result))
     within = result.get("streaming", {}).get("within_cap", True)
-    return 0 if all(r["within_bound"] for r in result["correctness"]) and within else 1
+    correct = all(r["within_bound"] for r in result.get("correctness", []))
+    return 0 if correct and within and not result["failed"] else 1
 
 
 if __name__ == "__main__":

@@ -362,3 +362,13 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_shapes():
     assert streaming["decode_tokens_per_s"] > 0 and streaming["bound_tokens_per_s"] > 0
     assert streaming["pinned_one_copy_gb_s"] > 0 and streaming["prefill_tokens_per_s"] > 0
     assert streaming["tokens_per_pass"] > 1  # the prefill and the 8-token passes spread each weight pass
+    assert report["failed"] == {}
+    engine = report["engine"]  # the engine's own decode, float and int4, per body and context, against the limit
+    assert {(r["body"], r["weights"], r["context"]) for r in engine} == {
+        (body, weights, context) for body in ("1.5b-qwen2", "7b-mistral") for weights in ("float", "int4")
+        for context in (32, 96)}
+    for row in engine:
+        assert row["new_tokens"] == 8 and row["decode_tps"] > 0 and 0 < row["share"] < 1
+        assert row["bytes_per_token"] > 0 and row["limit_tps"] > row["decode_tps"]
+    int4 = {(r["body"], r["context"]): r["bytes_per_token"] for r in engine if r["weights"] == "int4"}
+    assert all(int4[r["body"], r["context"]] < r["bytes_per_token"] for r in engine if r["weights"] == "float")
