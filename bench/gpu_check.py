@@ -22,6 +22,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile / CUDA graphs step")
     parser.add_argument("--no-streaming", action="store_true", help="skip the layer-streaming part")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine's own decode rows")
+    parser.add_argument("--profile", metavar="FOLDER", help="profile the engine's decode (1.5B body) into FOLDER")
     parser.add_argument("--json", metavar="PATH", help="also write the raw numbers to PATH, after every part")
     args = parser.parse_args(argv)
     if args.dry_run:
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             print("no CUDA device: run with --dry-run to check the script on the CPU", file=sys.stderr)
             return 2
-        device = torch.device("cuda")
+        device = torch.device("cuda", torch.cuda.current_device())  # an index: the memory cap needs one
         reason = kernel_unavailable("tinygemm", "cuda")
         if reason is not None:
             print(f"tinygemm unavailable: {reason}", file=sys.stderr)
@@ -233,7 +235,8 @@ def main(argv=None) -> int:
         try:
             result[name] = fn()
         except Exception as exc:  # noqa: BLE001 - reported in the output and the exit code
-            result["failed"][name] = f"{type(exc).__name__}: {str(exc)[:500]}"
+            where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(exc.__traceback__)[-4:]))
+            result["failed"][name] = f"{type(exc).__name__}: {str(exc)[:300]} (at {where})"
             log(f"{name} failed: {result['failed'][name]}")
         log(f"{name}: {time.perf_counter() - start:.1f} s")
         if args.json:
@@ -241,6 +244,12 @@ def main(argv=None) -> int:
                 json.dump(result, f)
 
     part("correctness", lambda: check_correctness(shapes, kernel, device, iters))
+    if not args.no_streaming:  # first: its 8 GiB cap counts what the other parts leave allocated
+        from bench.gpu_streaming import check_streaming
+
+        stream_shape = MODELS[2] if not args.dry_run else dataclasses.replace(MODELS[2].tiny(), num_layers=6)
+        part("streaming", lambda: check_streaming(stream_shape, kernel, device, random_layer, dry_run=args.dry_run,
+                                                  iters=max(3, iters // 10)))
     part("decode", lambda: check_decode(shapes[0], kernel, device, steps, compile_=not (args.dry_run or args.no_compile)))
     result["decode_layers"] = shapes[0].num_layers
     if not args.no_engine:
@@ -252,12 +261,11 @@ def main(argv=None) -> int:
         result["engine_bandwidth_gb_s"] = bandwidth / 1e9
         part("engine", lambda: [row for body in bodies
                                 for row in engine_rows(body, kernel, device, bandwidth, contexts, new_tokens, log)])
-    if not args.no_streaming:
-        from bench.gpu_streaming import check_streaming
+    if args.profile:
+        from bench.gpu_engine import BODIES, profile_rows
 
-        stream_shape = MODELS[2] if not args.dry_run else dataclasses.replace(MODELS[2].tiny(), num_layers=6)
-        part("streaming", lambda: check_streaming(stream_shape, kernel, device, random_layer, dry_run=args.dry_run,
-                                                  iters=max(3, iters // 10)))
+        body = BODIES[0].tiny() if args.dry_run else BODIES[0]
+        part("profile", lambda: profile_rows(body, kernel, device, 128, 8 if args.dry_run else 32, args.profile, log))
     print(tables(result))
     print(json.dumps(result))
     within = result.get("streaming", {}).get("within_cap", True)

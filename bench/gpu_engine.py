@@ -95,7 +95,8 @@ def step_bytes(model, context: int) -> int:
 
 def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float, contexts: tuple[int, ...],
                 new_tokens: int, log=print) -> list[dict]:
-    """bfloat16 / float32 (CPU dry run) and int4 rows of one body at each context."""
+    """bfloat16 / float32 (CPU dry run) and int4 rows of one body at each context, with transformers' own greedy
+    loop over the same model beside each (what the engine's own work per token costs)."""
     from engine import EngineConfig, KVBoost
     from engine.int4 import quantize_model
 
@@ -117,16 +118,17 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             engine.generate(ids, max_new_tokens=4, temperature=0)  # warm-up: kernels, allocator, rotary tables
             result = engine.generate(ids, max_new_tokens=new_tokens, temperature=0)
             stats = result.stats
+            plain = plain_decode_tps(model, ids, new_tokens)
             nbytes = step_bytes(model, context + new_tokens // 2)
             limit = bandwidth / nbytes
             row = {"body": body.name, "weights": weights, "format": fmt, "kernel": kernel if weights == "int4" else "-",
                    "context": context, "new_tokens": stats.generated_tokens, "ttft_ms": stats.ttft_ms,
                    "prefill_tps": context / (stats.ttft_ms / 1e3) if stats.ttft_ms else float("nan"),
-                   "decode_tps": stats.decode_tokens_per_s, "bytes_per_token": nbytes,
+                   "decode_tps": stats.decode_tokens_per_s, "transformers_decode_tps": plain, "bytes_per_token": nbytes,
                    "limit_tps": limit, "share": stats.decode_tokens_per_s / limit, "built_s": built_s}
             rows.append(row)
             log(f"  {body.name} {weights} @{context}: decode {row['decode_tps']:.1f} tok/s "
-                f"(limit {limit:.0f}, share {row['share']:.0%}), TTFT {stats.ttft_ms:.1f} ms")
+                f"(transformers' loop {plain:.1f}; limit {limit:.0f}, share {row['share']:.0%}), TTFT {stats.ttft_ms:.1f} ms")
         del engine, model
         gc.collect()
         if device.type == "cuda":
@@ -137,11 +139,74 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"Engine decode on the device (copy bandwidth {bandwidth / 1e9:.0f} GB/s; greedy, reuse off, no drafts)",
              "",
-             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | MB read / token | "
-             "limit tok/s | share of the limit |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | transformers' loop tok/s | "
+             "MB read / token | limit tok/s | share of the limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['body']} | {r['weights']} | {r['format']} | {r['context']} | {r['ttft_ms']:.1f} | "
-                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['bytes_per_token'] / 2**20:.0f} | "
+                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} | {r['bytes_per_token'] / 2**20:.0f} | "
                      f"{r['limit_tps']:.0f} | {r['share']:.0%} |")
     return "\n".join(lines)
+
+
+def plain_decode_tps(model, ids: list[int], new_tokens: int) -> float:
+    """transformers' own greedy loop on the same model (a DynamicCache, one forward a token): the reference row."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        def run(n: int) -> float:
+            cache = DynamicCache()
+            out = model(input_ids=torch.tensor([ids], device=device), past_key_values=cache, use_cache=True)
+            token = out.logits[0, -1].argmax()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            for _ in range(n):
+                out = model(input_ids=token.view(1, 1), past_key_values=cache, use_cache=True)
+                token = out.logits[0, -1].argmax()
+            int(token)
+            return time.perf_counter() - start
+        run(2)
+        return new_tokens / run(new_tokens)
+
+
+def profile_rows(body: Body, kernel: str, device: torch.device, context: int, new_tokens: int, folder: str,
+                 log=print) -> list[dict]:
+    """Where a decode step's time goes, float and int4: the engine's decode tok/s against transformers' own loop
+    on the same model, and a torch.profiler table of `new_tokens` engine steps written to `folder`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import EngineConfig, KVBoost
+    from engine.int4 import quantize_model
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    tokenizer = word_tokenizer(body.vocab)
+    ids = torch.randint(3, body.vocab, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    rows = []
+    for weights in ("float", "int4"):
+        model = build_model(body, device, dtype)
+        if weights == "int4":
+            quantize_model(model, group_size=128 if device.type == "cuda" else 32, kernel=kernel)
+        engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
+                         name=body.name)
+        engine.generate(ids, max_new_tokens=4, temperature=0)
+        ours = engine.generate(ids, max_new_tokens=new_tokens, temperature=0).stats.decode_tokens_per_s
+        plain = plain_decode_tps(model, ids, new_tokens)
+        with profile(activities=activities) as prof:
+            engine.generate(ids, max_new_tokens=new_tokens, temperature=0)
+        averages = prof.key_averages()
+        with open(f"{folder}/profile-{body.name}-{weights}.txt", "w") as f:
+            f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30))
+            f.write("\n\n")
+            f.write(averages.table(sort_by=sort, row_limit=30))
+        rows.append({"body": body.name, "weights": weights, "context": context, "engine_decode_tps": ours,
+                     "transformers_decode_tps": plain})
+        log(f"  profile {body.name} {weights} @{context}: engine {ours:.1f} tok/s, transformers' loop {plain:.1f}")
+        del engine, model, prof
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows

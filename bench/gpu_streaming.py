@@ -13,6 +13,7 @@ allows. `dry_run`: tiny shapes on the CPU with the CPU copy engine, end to end.
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 
@@ -86,12 +87,29 @@ def _copy_bandwidth(image: torch.Tensor, layout, device: torch.device, iters: in
 
 
 def check_streaming(shape, kernel: str, device: torch.device, make_layer, *, dry_run: bool, iters: int) -> dict:
-    with torch.inference_mode():
-        return _check(shape, kernel, device, make_layer, dry_run=dry_run, iters=iters)
+    """Run it before anything else holds device memory: the cap counts everything this process has allocated.
+    The cap is lifted again when it returns."""
+    try:
+        with torch.inference_mode():
+            return _check(shape, kernel, device, make_layer, dry_run=dry_run, iters=iters)
+    finally:
+        if device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+            torch.cuda.empty_cache()
+
+
+def _allocated(device: torch.device, stages: dict, stage: str) -> None:
+    """Device bytes allocated at `stage` (a run that hits the cap says where the memory went)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        stages[stage] = torch.cuda.memory_allocated(device) / 2**30
+        print(f"  streaming, {stage}: {stages[stage]:.2f} GiB allocated", file=sys.stderr, flush=True)
 
 
 def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     cap = None
+    stages: dict[str, float] = {}
+    _allocated(device, stages, "before")
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         cap = min(CAP_BYTES, total)
@@ -101,6 +119,7 @@ def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     for index in range(shape.num_layers):  # built on the device, kept on the host until the plan says where
         layers.append(StreamLayer(shape, kernel, device, 1000 * index, make_layer).to("cpu"))
     model = Decoder(layers).eval()
+    _allocated(device, stages, "layers built, on the host")
     layer_bytes = layer_layout(layers[0]).tensor_bytes
     kv, activations = (0, 0) if dry_run else (KV_BYTES, ACTIVATION_BYTES)
     minimum = plan_streaming(model, 1 << 62, num_slots=NUM_SLOTS, kv_bytes=kv,
@@ -110,10 +129,14 @@ def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     plan = plan_streaming(model, budget, num_slots=NUM_SLOTS, kv_bytes=kv, activation_bytes=activations)
     for index in plan.resident_layers:
         layers[index].to(device)
+    _allocated(device, stages, f"{len(plan.resident_layers)} resident layers on the device")
     folder = tempfile.TemporaryDirectory(prefix="kvboost-gpu-check-")
     engine = CudaCopyEngine(device, NUM_SLOTS) if device.type == "cuda" else CpuCopyEngine(folder.name, NUM_SLOTS)
     streamer = enable_streaming(model, plan, engine)
-    report = {"model": shape.name, "num_layers": shape.num_layers, "layer_mb": layer_bytes / 2**20,
+    _allocated(device, stages, "streaming enabled (slots)")
+    report = {"allocated_gb_by_stage": stages, "plan_budget_gb": plan.budget_bytes / 2**30,
+              "plan_reserved_gb": plan.reserved_bytes / 2**30, "slot_gb": plan.slot_bytes / 2**30,
+              "resident_gb": plan.resident_bytes / 2**30,"model": shape.name, "num_layers": shape.num_layers, "layer_mb": layer_bytes / 2**20,
               "cap_gb": cap / 2**30 if cap else None, "budget_gb": budget / 2**30,
               "resident_layers": len(plan.resident_layers), "streamed_layers": len(plan.streamed_layers)}
     if not plan.streams:
@@ -122,11 +145,13 @@ def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     first = plan.streamed_layers[0]
     image, layout = engine.host(first), streamer.layouts[first]
     one_copy, per_tensor = _copy_bandwidth(image, layout, device, iters)
+    _allocated(device, stages, "copy bandwidth measured")
     x1 = torch.randn(1, 1, shape.hidden, device=device, dtype=torch.bfloat16)
     resident_one = plan.resident_layers[0] if plan.resident_layers else None
     copy_s = _timed(lambda: (engine.issue(first, 0), engine.wait(0), engine.release(0)), device, iters)
     compute_s = _timed(lambda: layers[resident_one](x1), device, iters) if resident_one is not None else float("nan")
     pass_1 = _timed(lambda: model(x1), device, iters)
+    _allocated(device, stages, "one-token passes")
     x8 = torch.randn(1, 8, shape.hidden, device=device, dtype=torch.bfloat16)
     pass_8 = _timed(lambda: model(x8), device, iters)
     x512 = torch.randn(1, 512 if not dry_run else 64, shape.hidden, device=device, dtype=torch.bfloat16)
@@ -145,6 +170,8 @@ def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
         report.update({"vram_peak_gb": peak / 2**30, "within_cap": peak <= cap})
+    if device.type == "cuda":  # disable() makes every layer resident again: the capped card never holds them all
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
     streamer.disable()
     folder.cleanup()
     return report

@@ -360,7 +360,8 @@ class LayerStreamer:
 
     def disable(self) -> None:
         """Every streamed layer resident again (fresh device tensors with the same values), hooks removed, the
-        copy engine closed."""
+        copy engine closed. The device must have room for the whole model (streaming was there because it had not:
+        measured on a card capped at 8 GiB, a 32B-shaped model's disable() runs out of memory)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
