@@ -368,7 +368,8 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_shapes():
         (body, weights, context) for body in ("1.5b-qwen2", "7b-mistral") for weights in ("float", "int4")
         for context in (32, 96)}
     for row in engine:
-        assert row["new_tokens"] == 8 and row["decode_tps"] > 0 and 0 < row["share"] < 1
-        assert row["bytes_per_token"] > 0 and row["limit_tps"] > row["decode_tps"]
+        # (no bound on the share here: a tiny model's bytes sit in the CPU's caches, faster than the copy measured)
+        assert row["new_tokens"] == 8 and row["decode_tps"] > 0 and row["share"] > 0 and row["limit_tps"] > 0
+        assert row["bytes_per_token"] > 0 and row["transformers_decode_tps"] > 0
     int4 = {(r["body"], r["context"]): r["bytes_per_token"] for r in engine if r["weights"] == "int4"}
     assert all(int4[r["body"], r["context"]] < r["bytes_per_token"] for r in engine if r["weights"] == "float")
