@@ -49,6 +49,8 @@ from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
 from engine.live_cache import GrowingCache
 from engine.loader import load_model, pick_device, resolve_source, weights_report
 
+from .roofline import read_bandwidth, step_bytes
+
 MB = 1 << 20
 
 
@@ -231,8 +233,6 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         use_exact_attention(m)
         use_block_forward(m)
     reports = {name: weights_report(m) for name, m in models.items()}
-    from bench.shapes import read_bandwidth
-
     bandwidth = read_bandwidth(torch.get_num_threads())
     few = {name for name, r in reports.items() if r["kernel"] == "reference"}
     interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs
@@ -249,7 +249,7 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     for name, m in models.items():
         r = reports[name]
         agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
-        read = step_bytes(m, r, len(short))
+        read = step_bytes(m, r["resident_bytes"], len(short))
         rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "head": r["head"],
                      "attention": m.config._attn_implementation,
                      "forward": "one call" if uses_block_forward(m) else "modules",
@@ -282,18 +282,6 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
                          "decode_tps_long": result["long"][1], "agree": agree, "kl": kl, "needle": nan})
     print(f"  done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return rows
-
-
-def step_bytes(model, report: dict, context: int) -> int:
-    """Bytes one decode step at `context` tokens reads: every weight held but the input table (one row of it is
-    read; a table the head shares is read whole) and the float32 KV of the context."""
-    table, head = model.get_input_embeddings(), model.get_output_embeddings()
-    shared = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]}
-    table_bytes = sum(t.numel() * t.element_size() for t in [*table.parameters(), *table.buffers()]
-                      if t.data_ptr() not in shared)
-    cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return report["resident_bytes"] - table_bytes + 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4 * context
 
 
 def table(rows: list[dict], long_tokens: int, bandwidth: float | None = None) -> str:

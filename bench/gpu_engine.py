@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from bench.roofline import step_bytes
+
 EOS = 2  # the tokenizer's end token; its output row is zeroed so greedy decoding runs to max_new_tokens
 
 
@@ -75,24 +77,6 @@ def build_model(body: Body, device: torch.device, dtype: torch.dtype):
     return model
 
 
-def step_bytes(model, context: int) -> int:
-    """Bytes one decode step at `context` tokens reads: every parameter and buffer but the input table's unshared
-    rows, plus the KV of the context in the model's dtype."""
-    table, head = model.get_input_embeddings(), model.get_output_embeddings()
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    shared = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]}
-    total -= sum(t.numel() * t.element_size() for t in table.parameters() if t.data_ptr() not in shared)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * model.dtype.itemsize * context
-    return total + kv
-
-
 def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float, contexts: tuple[int, ...],
                 new_tokens: int, log=print) -> list[dict]:
     """bfloat16 / float32 (CPU dry run) and int4 rows of one body at each context, with transformers' own greedy
@@ -119,7 +103,8 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             result = engine.generate(ids, max_new_tokens=new_tokens, temperature=0)
             stats = result.stats
             plain = plain_decode_tps(model, ids, new_tokens)
-            nbytes = step_bytes(model, context + new_tokens // 2)
+            nbytes = step_bytes(model, engine.info()["weights"]["resident_bytes"], context + new_tokens // 2,
+                                kv_element_bytes=model.dtype.itemsize)
             limit = bandwidth / nbytes
             row = {"body": body.name, "weights": weights, "format": fmt, "kernel": kernel if weights == "int4" else "-",
                    "context": context, "new_tokens": stats.generated_tokens, "ttft_ms": stats.ttft_ms,

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 SECTIONS = ("restart", "trace", "memory", "quality")
 NUM_DOCS = 5
-DOC_TOKENS = 380  # the rag workload's documents (bench.reuse.FULL)
+DOC_TOKENS = 380  # the rag workload's documents (bench.text.FULL)
 RESTART_PROCESSES = 3
 
 

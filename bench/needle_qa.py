@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import needle
 from .results import REFERENCE, Target, Workload
-from .reuse import add_approx_targets, measure
+from .steps import add_approx_targets, measure
 
 ACCURACY_SLACK_POINTS = 2.0
 

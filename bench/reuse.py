@@ -18,14 +18,16 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable, Sequence, TextIO
+from dataclasses import asdict
+from typing import Sequence, TextIO
 
 import torch
 
 from .modes import PEER, engine_for, mode_options
-from .results import REFERENCE, Request, Step, Target, Workload, step_table, summary_table, workload_dict
-from .text import Corpus, Texts, cut_texts, permutations
+from .needle_qa import run_needle
+from .results import REFERENCE, Target, Workload, step_table, summary_table, workload_dict
+from .steps import Progress, add_approx_targets, measure
+from .text import FULL, QUICK, Corpus, Sizes, Texts, cut_texts, permutations
 from engine.config import REUSE_MODES
 
 DEFAULT_MODES = ("off", "prefix", "chunk")
@@ -34,27 +36,6 @@ WORKLOADS = ("multiturn", "sysprompt", "rag", "needle")
 SPEEDUP_TARGET = 5.0
 FLAT_TTFT_TARGET = 1.3  # chunk TTFT of the last turn over that of turn 2
 
-
-@dataclass(frozen=True)
-class Sizes:
-    num_turns: int = 8
-    turn_tokens: int = 150
-    system_tokens: int = 1000
-    num_questions: int = 8
-    num_docs: int = 5
-    doc_tokens: int = 380
-    num_queries: int = 6
-    max_new_tokens: int = 32
-    needle_docs: int = 8
-    needle_docs_per_prompt: int = 5
-    needle_questions: int = 24
-    needle_chars: int = 1300
-
-
-FULL = Sizes()
-QUICK = Sizes(num_turns=3, turn_tokens=60, system_tokens=300, num_questions=3, num_docs=3, doc_tokens=100,
-              num_queries=3, max_new_tokens=8, needle_docs=4, needle_docs_per_prompt=3, needle_questions=3,
-              needle_chars=600)
 
 TURN_QUESTIONS = (
     "What is this passage about, in one sentence?",
@@ -78,38 +59,11 @@ SYSTEM_QUESTIONS = (
 )
 
 
-# -- measuring ----------------------------------------------------------------------------------------------
-def measure(engines: dict, label: str, messages: list[dict], max_new_tokens: int) -> Step:
-    """Sends `messages` to every engine in order (the reference first)."""
-    requests = {}
-    logits = {}
-    for mode, engine in engines.items():
-        result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=0.0, return_logits=True)
-        if result.first_logits is not None:  # the peer row has none
-            logits[mode] = torch.log_softmax(result.first_logits.double(), dim=-1)
-        stats = result.stats
-        requests[mode] = Request(mode, stats.ttft_ms, stats.total_ms, stats.prompt_tokens, stats.reused_tokens,
-                                 stats.generated_tokens, stats.repaired_tokens, stats.store_ms, result.finish_reason,
-                                 list(result.token_ids), result.text, [tuple(c) for c in stats.chunks])
-    reference = requests[REFERENCE].token_ids
-    for request in requests.values():
-        # Both empty (EOS first) counts as agreeing.
-        request.first_token_agree = request.token_ids[:1] == reference[:1]
-        request.all_tokens_agree = request.token_ids == reference
-        ref = logits[REFERENCE]
-        mine = logits.get(request.mode)
-        request.kl = float((ref.exp() * (ref - mine)).sum()) if mine is not None else float("nan")
-    return Step(label, requests)
-
-
 def warm_up(engines: dict) -> None:
     """One tiny request per engine, so the first measured request pays no one-time costs; then empty stores."""
     for engine in engines.values():
         engine.chat([{"role": "user", "content": "Say hi."}], max_new_tokens=2)
         engine.clear_cache()
-
-
-Progress = Callable[[str], None]
 
 
 def run_multiturn(engines, texts: Texts, corpus: Corpus, sizes: Sizes, progress: Progress) -> Workload:
@@ -197,26 +151,7 @@ def doc_hit_pct(engine, ids: list[int], doc_texts: list[str], chunks) -> float:
     return 100 * covered / total if total else 0.0
 
 
-def add_approx_targets(wl: Workload) -> None:
-    """The targets of approximate reuse on reordered documents, for every approx mode that ran."""
-    summary = wl.summary()
-    prefix = summary.get("prefix")
-    for mode in wl.modes:
-        if not mode.startswith("approx"):
-            continue
-        s = summary[mode]
-        wl.targets.append(Target(wl.name, mode, "median TTFT speedup vs off", s["speedup"], 4.5, True))
-        if prefix is not None:
-            wl.targets.append(Target(wl.name, mode, "median TTFT speedup vs prefix",
-                                     prefix["median_ttft_ms"] / s["median_ttft_ms"], 2.0, True))
-        wl.targets.append(Target(wl.name, mode, "mean KL vs off", s["mean_kl"], 0.05, False, unit=""))
-        wl.targets.append(Target(wl.name, mode, "first-token agreement %", s["first_token_agree_pct"], 95, True,
-                                 unit="%"))
-
-
 def runners() -> dict:
-    from .needle_qa import run_needle
-
     return {"multiturn": run_multiturn, "sysprompt": run_sysprompt, "rag": run_rag, "needle": run_needle}
 
 

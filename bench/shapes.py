@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.roofline import read_bandwidth
+
 # Bodies of real models (the tensors of their decoder; llama architecture, so every engine reads it alike).
 SHAPES = {
     # Qwen2.5-1.5B: 28 x 1536, ffn 8960, 12 heads, 2 KV heads, vocabulary 151936, tied embeddings.
@@ -238,7 +240,7 @@ import json, resource, sys, time
 job = json.loads(sys.argv[1])
 import torch
 torch.set_num_threads(job["threads"])
-from bench.decode import step_bytes  # what one decode step reads: weights but the input table, a float32 KV
+from bench.roofline import step_bytes  # what one decode step reads: weights but the input table, a float32 KV
 from engine import KVBoost
 before = rss_now()
 t0 = time.perf_counter()
@@ -263,7 +265,7 @@ for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
 print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before,
                   "resident_bytes": weights["resident_bytes"], "format": weights["format"], "ttft_s": first,
                   "decode_tok_s": len(steps) / sum(steps),
-                  "bytes_per_token": step_bytes(model, weights, job["prompt"] + job["new"] // 2)}))
+                  "bytes_per_token": step_bytes(model, weights["resident_bytes"], job["prompt"] + job["new"] // 2)}))
 """
 
 LLAMA_CHILD = RSS_NOW + r"""
@@ -314,25 +316,6 @@ def child(code: str, job: dict, python: str | None = None) -> dict:
 def median(rows: list[dict], key: str):
     values = [r[key] for r in rows if key in r]
     return statistics.median(values) if values else None
-
-
-def read_bandwidth(threads: int, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """This machine's memory read bandwidth in bytes/s: the best of `repeats` sums over a tensor far larger than
-    the caches, on `threads` threads (what a decode step does with its weights: read each once)."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        data = torch.ones(size_bytes // 4)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - start)
-        return size_bytes / best
-    finally:
-        torch.set_num_threads(previous)
 
 
 def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str,

@@ -5,10 +5,30 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .reuse import Sizes
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much text and how many requests each reuse workload (bench.reuse) sends."""
+
+    num_turns: int = 8
+    turn_tokens: int = 150
+    system_tokens: int = 1000
+    num_questions: int = 8
+    num_docs: int = 5
+    doc_tokens: int = 380
+    num_queries: int = 6
+    max_new_tokens: int = 32
+    needle_docs: int = 8
+    needle_docs_per_prompt: int = 5
+    needle_questions: int = 24
+    needle_chars: int = 1300
+
+
+FULL = Sizes()
+QUICK = Sizes(num_turns=3, turn_tokens=60, system_tokens=300, num_questions=3, num_docs=3, doc_tokens=100,
+              num_queries=3, max_new_tokens=8, needle_docs=4, needle_docs_per_prompt=3, needle_questions=3,
+              needle_chars=600)
 
 
 class Corpus:

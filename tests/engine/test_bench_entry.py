@@ -1,0 +1,61 @@
+"""`python -m bench` is the one entry to every benchmark, and `kvboost bench` reaches it without the engine
+importing the bench package (the benchmarks themselves are run by hand, not by the suite)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import COMMANDS, main, usage
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_benchmark_with_a_main_is_a_command_and_every_command_has_a_main():
+    with_main = set()
+    for path in (REPO / "bench").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        if path.stem != "__main__" and any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
+            with_main.add(f"bench.{path.stem}")
+    listed = {module for module, _ in COMMANDS.values()}
+    assert with_main - {"bench.run"} == listed  # bench/run.py only puts the checkout on the path for `reuse`
+    for module in listed:
+        assert callable(importlib.import_module(module).main)
+
+
+def test_help_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    shown = capsys.readouterr().out
+    assert shown == usage() + "\n"
+    for name, (_, about) in COMMANDS.items():
+        assert f"  {name}" in shown and about in shown
+
+
+def test_an_unknown_command_is_an_error_that_lists_the_commands(capsys):
+    assert main(["no-such-bench"]) == 2
+    assert "unknown command 'no-such-bench'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, module", [(["decode", "--help"], "bench.decode"),
+                                          (["gpu", "--help"], "bench.gpu_check"),
+                                          (["--help-me"], "bench.reuse"), (["multiturn", "--help"], "bench.reuse")])
+def test_commands_and_reuse_workloads_reach_their_module(argv, module, capsys):
+    with pytest.raises(SystemExit) as done:  # argparse's --help (or its error) exits from the module's main
+        main(argv)
+    out = capsys.readouterr()
+    prog = "kvboost bench" if module == "bench.reuse" else ""
+    assert done.value.code in (0, 2) and prog in out.out + out.err
+    if argv[-1] == "--help":
+        assert done.value.code == 0 and out.out.startswith("usage:")
+
+
+def test_kvboost_bench_runs_the_bench_entry_in_a_child_process():
+    code = "import sys; from engine.cli import main; sys.exit(main(['bench', '--help']))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == usage() + "\n"
