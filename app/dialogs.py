@@ -205,11 +205,11 @@ class ModelDialog(QDialog):
 
     weight_sizes_wanted = Signal(object)  # source (None: built in): the window asks the engine client
 
-    def __init__(self, parent: QWidget | None = None, *, current: dict | None, awq_unavailable: str | None):
+    def __init__(self, parent: QWidget | None = None, *, current: dict | None, streaming_refusal: str | None):
         super().__init__(parent)
         self.setWindowTitle("Model")
         current = current or {}
-        self._awq_unavailable = awq_unavailable
+        self._streaming_refusal = streaming_refusal
 
         self._radios = {
             "default": QRadioButton(f"Built-in {DEFAULT_MODEL_NAME}"),
@@ -244,7 +244,7 @@ class ModelDialog(QDialog):
         self._awq_reason.setObjectName("awqReason")
         self._awq_reason.setProperty("disabledReason", True)
         self._awq_reason.setWordWrap(True)
-        self._awq_check.setChecked(bool(current.get("awq_streaming", False)))
+        self._awq_check.setChecked(bool(current.get("layer_streaming", False)))
 
         # The shared KV tier: a Redis/Valkey store other machines (and kvboost-servers) read and write too.
         self._remote_cache_edit = QLineEdit(current.get("remote_cache") or "")
@@ -360,8 +360,8 @@ class ModelDialog(QDialog):
 
     def streaming_unavailable(self) -> str | None:
         """Why streaming cannot be chosen for the chosen model and weight format, or None."""
-        if self._awq_unavailable is not None:
-            return self._awq_unavailable
+        if self._streaming_refusal is not None:
+            return self._streaming_refusal
         if self._streaming is None:
             return None  # not known yet: the engine says so at load if it cannot
         return self._streaming["unavailable"].get(self._weights_combo.currentData())
@@ -390,7 +390,7 @@ class ModelDialog(QDialog):
         return {
             "source": None if self._kind == "default" else os.path.expanduser(text),
             "reuse": self._reuse_combo.currentData(),
-            "awq_streaming": self.streaming_unavailable() is None and self._awq_check.isChecked(),
+            "layer_streaming": self.streaming_unavailable() is None and self._awq_check.isChecked(),
             "weights": self._weights_combo.currentData(),
             "remote_cache": self._remote_cache_edit.text().strip() or None,
         }

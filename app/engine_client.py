@@ -87,7 +87,7 @@ class EngineClient(QObject):
         return self._info
 
     def load_model(self, source: str | None = None, **options) -> int:
-        """Loads `source` (None: the embedded default) with engine options (reuse, awq_streaming, ...)."""
+        """Loads `source` (None: the embedded default) with engine options (reuse, layer_streaming, ...)."""
         self._remote = None  # answers come from the engine again (chats sent from now on queue behind the load)
         return self._submit("load", {"source": source, "options": {**self._engine_options, **options},
                                      "what": source or "SmolLM2-135M-Instruct (built in)"})

@@ -275,11 +275,13 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
         window.open_files(paths)
 
     instance.files_received.connect(handed_over)
-    model = db.get_setting("model", {"source": None, "reuse": "chunk", "awq_streaming": False})
+    from .model_menu import DEFAULT_MODEL, model_setting
+
+    model = model_setting(db.get_setting("model", DEFAULT_MODEL))
     source = args.model if args.model is not None else model.get("source")
     options = {"reuse": model.get("reuse", "chunk")}
-    if model.get("awq_streaming"):
-        options["awq_streaming"] = True
+    if model["layer_streaming"]:
+        options["layer_streaming"] = True
     if model.get("weights", "auto") != "auto":
         options["weights"] = model["weights"]
     if model.get("remote_cache"):  # the shared KV store (its password from the OS keyring: app.model_menu)

@@ -18,7 +18,17 @@ from PySide6.QtGui import QAction
 from . import dialogs
 
 RECENT_MAX = 8
-DEFAULT_MODEL = {"source": None, "reuse": "chunk", "awq_streaming": False}
+DEFAULT_MODEL = {"source": None, "reuse": "chunk", "layer_streaming": False}
+
+
+def model_setting(stored: dict | None) -> dict:
+    """The "model" setting (or a recent-models entry) as this version reads it: the defaults under what was stored,
+    and the key earlier versions wrote for layer streaming ("awq_streaming") under its name now."""
+    stored = dict(stored or {})
+    old = stored.pop("awq_streaming", None)
+    if old is not None and "layer_streaming" not in stored:
+        stored["layer_streaming"] = bool(old)
+    return {**DEFAULT_MODEL, **stored}
 DEFAULT_REMOTE = {"base_url": "http://127.0.0.1:8000/v1", "model": "", "active": False}
 
 
@@ -116,7 +126,7 @@ class ModelMenu:
     def load(self, values: dict) -> int:
         """Loads a model with its options, makes it the model to load at start and the newest recent one; answers
         come from the engine again (not a remote server)."""
-        values = {**DEFAULT_MODEL, "weights": "auto", **values}
+        values = {"weights": "auto", **model_setting(values)}
         remote_cache = remote_cache_url(values.get("remote_cache"))
         values["remote_cache"] = keep_remote_cache_password(remote_cache)
         self.db.set_setting("model", values)
@@ -124,7 +134,7 @@ class ModelMenu:
         remote = self.db.get_setting("remote", DEFAULT_REMOTE)
         if remote.get("active"):
             self.db.set_setting("remote", {**remote, "active": False})
-        return self.window.load_model(values["source"], reuse=values["reuse"], awq_streaming=values["awq_streaming"],
+        return self.window.load_model(values["source"], reuse=values["reuse"], layer_streaming=values["layer_streaming"],
                                       weights=values["weights"], remote_cache=remote_cache)
 
     def start(self, source, *, explicit: bool, **options) -> None:
@@ -142,10 +152,10 @@ class ModelMenu:
         self.window.load_model(source, **options)
 
     def choose_model(self) -> None:
-        current = self.db.get_setting("model", DEFAULT_MODEL)
+        current = model_setting(self.db.get_setting("model", DEFAULT_MODEL))
         # Whether layer streaming can run depends on the chosen model and weight format: the dialog learns it from
         # the engine's estimate for that model (weights_estimated), not from the model loaded now.
-        dialog = dialogs.ModelDialog(self.window, current=current, awq_unavailable=None)
+        dialog = dialogs.ModelDialog(self.window, current=current, streaming_refusal=None)
         # The memory each weight format would take, read from the chosen model's config off the UI thread.
         dialog.weight_sizes_wanted.connect(self.client.estimate_weights)
         self.client.weights_estimated.connect(dialog.show_weight_sizes)

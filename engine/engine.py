@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import threading
 import time
+import warnings
 from typing import Iterator, Sequence
 
 import torch
@@ -40,10 +41,17 @@ class UnsupportedModelError(ValueError):
     """A model this engine cannot serve correctly (no RoPE, ...)."""
 
 
-def awq_streaming_unavailable(model_config, device: torch.device, weights: str = "auto") -> str | None:
+def layer_streaming_unavailable(model_config, device: torch.device, weights: str = "auto") -> str | None:
     """Why layer streaming cannot run for a model of `model_config` loaded with `weights` on `device`, or None
     when it can (engine.stream_setup.streaming_refusal)."""
     return streaming_refusal(model_config, device, weights)
+
+
+def awq_streaming_unavailable(model_config, device: torch.device, weights: str = "auto") -> str | None:
+    """The old name of layer_streaming_unavailable (streaming was first built for AWQ checkpoints; it streams
+    any int4 or GGUF-block layers). Kept for one release."""
+    warnings.warn("awq_streaming_unavailable is now layer_streaming_unavailable", DeprecationWarning, stacklevel=2)
+    return layer_streaming_unavailable(model_config, device, weights)
 
 
 def _load_steps(progress, cancel: threading.Event | None):
@@ -126,14 +134,14 @@ class KVBoost:
                         chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
                         cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
                         eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
-                        repair_options: dict | None = None, awq_streaming: bool = False, quiet: bool = False,
+                        repair_options: dict | None = None, layer_streaming: bool = False, quiet: bool = False,
                         cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
                         head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
                         stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
                         remote_timeout_s: float = 0.25, remote_max_wait_s: float = 10.0, remote_retry_s: float = 5.0,
                         remote_max_value_bytes: int | None = None, draft_model: str | None = None,
-                        progress=None) -> "KVBoost":
+                        progress=None, awq_streaming: bool | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
         `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -144,8 +152,8 @@ class KVBoost:
         `remote_max_value_bytes` (None: one chunk's KV and header) are refused unread. `kv_quant`:
         "none" | "int8" | "int4" for host and disk, or a dict per tier. `eviction`: "lru" | "importance-lru".
         `live_kv_bytes`: device bytes for the KV of the request being generated, beyond which cold pages of
-        `live_page_tokens` spill to host RAM (attention stays exact). `awq_streaming`: layer streaming
-        (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or weights="int4") that do not fit in
+        `live_page_tokens` spill to host RAM (attention stays exact). `layer_streaming` (`awq_streaming`, its old
+        name, is taken for one release with a DeprecationWarning): layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or weights="int4") that do not fit in
         `weight_budget_bytes` of device memory (None: 90% of free VRAM on CUDA, of available RAM on the CPU)
         live off the device and are copied, one layer at a time, into `stream_slots` slots before they run; a
         budget below the plan's minimum is a ValueError naming it. `speculative` "prompt-lookup" (the default;
@@ -169,6 +177,12 @@ class KVBoost:
         head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
         `kernel` the matmul path ("auto", "gguf_blocks", or an int4 one: "reference", "cpu_int4pack",
         "tinygemm"). info()["weights"] says what was loaded."""
+        if awq_streaming is not None:
+            warnings.warn("from_pretrained(awq_streaming=...) is now layer_streaming=... (it streams any int4 or "
+                          "GGUF-block layers, not only AWQ ones)", DeprecationWarning, stacklevel=2)
+            if layer_streaming and not awq_streaming:
+                raise ValueError("layer_streaming=True and awq_streaming=False disagree; pass layer_streaming only")
+            layer_streaming = layer_streaming or awq_streaming
         if quiet:
             loader.quiet_transformers()
         if draft_model is not None and speculative == "prompt-lookup":  # the default: a draft model replaces it
@@ -191,15 +205,15 @@ class KVBoost:
         _check_cancel(cancel)
         dev = loader.pick_device(device)
         dt = loader.pick_dtype(dtype, dev)
-        if awq_streaming:
+        if layer_streaming:
             # Checked before loading the weights, from the config and headers alone, so a wrong choice fails in
             # seconds; "auto" is checked as what it will load (a 4-bit GGUF: int4).
             resolved = loader.resolve_weights(src, dev, dt, weights)[0]
-            reason = awq_streaming_unavailable(loader.read_config(src), dev, resolved)
+            reason = layer_streaming_unavailable(loader.read_config(src), dev, resolved)
             if reason is not None:
                 raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)
-        load = load_for_streaming if awq_streaming and dev.type == "cuda" else loader.load_model
+        load = load_for_streaming if layer_streaming and dev.type == "cuda" else loader.load_model
         # A GGUF's converted tokenizer is cached in the engine's cache folder (disk_cache_dir when given).
         model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head,
                                 cache_dir=disk_cache_dir, progress=_load_steps(progress, cancel))
@@ -210,7 +224,7 @@ class KVBoost:
                 "(RoPE); KVBoost reuses KV only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
             )
         streaming = None
-        if awq_streaming:
+        if layer_streaming:
             _check_cancel(cancel)
             streaming = start_streaming(model, dev, budget_bytes=weight_budget_bytes, num_slots=stream_slots,
                                         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
@@ -229,7 +243,7 @@ class KVBoost:
     def with_options(self, **changes) -> "KVBoost":
         """Another engine over the same loaded model, with its own empty memory tiers (e.g. reuse="off"); with
         the same disk folder it sees the disk entries. Takes every from_pretrained option but the model's own
-        (source, device, dtype, awq_streaming), and the RepairConfig fields."""
+        (source, device, dtype, layer_streaming), and the RepairConfig fields."""
         chunking = self.config.chunking
         if "chunk_size" in changes or "chunking" in changes:
             chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
@@ -432,10 +446,14 @@ class KVBoost:
             "reuse": self.config.reuse,
             "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             "disk_error": self.disk_error,
-            "awq_unavailable": awq_streaming_unavailable(
-                self.model.config, self.device, "int4" if self._quantized() else "float"),
             "weights": dict(self._weights()),
-        }
+        } | self._streaming_refusal()
+
+    def _streaming_refusal(self) -> dict:
+        """Why layer streaming cannot run for this model (None: it can), under its name and, for one release, the
+        old "awq_unavailable" that clients of the API read."""
+        reason = layer_streaming_unavailable(self.model.config, self.device, "int4" if self._quantized() else "float")
+        return {"layer_streaming_unavailable": reason, "awq_unavailable": reason}
 
     def _quantized(self) -> bool:
         """Whether the decoder's linears are int4 layers or a GGUF's blocks (what layer streaming can stream)."""

@@ -40,8 +40,8 @@ def settings_dialog(qtbot):
     return dialog
 
 
-def model_dialog(qtbot, current=None, awq_unavailable=None) -> ModelDialog:
-    dialog = ModelDialog(None, current=current, awq_unavailable=awq_unavailable)
+def model_dialog(qtbot, current=None, streaming_refusal=None) -> ModelDialog:
+    dialog = ModelDialog(None, current=current, streaming_refusal=streaming_refusal)
     qtbot.addWidget(dialog)
     dialog.show()
     return dialog
@@ -112,7 +112,7 @@ def test_model_dialog_defaults_to_the_built_in_model(qtbot):
     assert not dialog.findChild(QLineEdit, "sourceEdit").isEnabled()
     assert not dialog.findChild(QPushButton, "browseButton").isEnabled()
     assert ok_button(dialog).isEnabled()
-    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": False,
+    assert dialog.values() == {"source": None, "reuse": "chunk", "layer_streaming": False,
                                "weights": "auto", "remote_cache": None}
 
 
@@ -219,22 +219,22 @@ def test_switching_source_kind_keeps_each_kinds_text(qtbot, tmp_path):
 
 def test_current_settings_are_preselected(qtbot, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    dialog = model_dialog(qtbot, current={"source": str(tmp_path), "reuse": "approx", "awq_streaming": True})
+    dialog = model_dialog(qtbot, current={"source": str(tmp_path), "reuse": "approx", "layer_streaming": True})
 
     assert dialog.findChild(QRadioButton, "folderRadio").isChecked()
     assert dialog.findChild(QCheckBox, "awqCheck").isChecked()
-    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "awq_streaming": True, "weights": "auto",
+    assert dialog.values() == {"source": str(tmp_path), "reuse": "approx", "layer_streaming": True, "weights": "auto",
                                "remote_cache": None}
 
-    hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "awq_streaming": False})
+    hub = model_dialog(qtbot, current={"source": "owner/name", "reuse": "off", "layer_streaming": False})
     assert hub.findChild(QRadioButton, "hubRadio").isChecked()
-    assert hub.values() == {"source": "owner/name", "reuse": "off", "awq_streaming": False, "weights": "auto",
+    assert hub.values() == {"source": "owner/name", "reuse": "off", "layer_streaming": False, "weights": "auto",
                             "remote_cache": None}
 
 
 def test_unknown_reuse_mode_is_rejected(qtbot):
     with pytest.raises(ValueError, match="sometimes"):
-        ModelDialog(None, current={"source": None, "reuse": "sometimes", "awq_streaming": False}, awq_unavailable=None)
+        ModelDialog(None, current={"source": None, "reuse": "sometimes", "layer_streaming": False}, streaming_refusal=None)
 
 
 def test_source_expands_home(qtbot, tmp_path, monkeypatch):
@@ -285,7 +285,7 @@ def test_browse_for_gguf_filters_gguf_files(qtbot, tmp_path, monkeypatch):
 
 def test_awq_is_disabled_with_its_reason_when_unavailable(qtbot):
     reason = "needs a CUDA GPU and the autoawq package"
-    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "awq_streaming": True}, awq_unavailable=reason)
+    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "layer_streaming": True}, streaming_refusal=reason)
     check = dialog.findChild(QCheckBox, "awqCheck")
     label = dialog.findChild(QLabel, "awqReason")
 
@@ -293,17 +293,17 @@ def test_awq_is_disabled_with_its_reason_when_unavailable(qtbot):
     assert check.toolTip() == reason
     assert label.isVisible()
     assert label.text() == reason
-    assert dialog.values()["awq_streaming"] is False
+    assert dialog.values()["layer_streaming"] is False
 
 
 def test_awq_is_enabled_when_available(qtbot):
-    dialog = model_dialog(qtbot, awq_unavailable=None)
+    dialog = model_dialog(qtbot, streaming_refusal=None)
     check = dialog.findChild(QCheckBox, "awqCheck")
 
     assert check.isEnabled()
     assert not dialog.findChild(QLabel, "awqReason").isVisible()
     check.click()
-    assert dialog.values()["awq_streaming"] is True
+    assert dialog.values()["layer_streaming"] is True
 
 
 # -- rename -------------------------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def test_the_model_dialog_returns_the_chosen_weight_format(qtbot):
     combo.setCurrentIndex(combo.findData("float"))
     assert dialog.values()["weights"] == "float"
     with pytest.raises(ValueError, match="weights must be one of"):
-        ModelDialog(None, current={"source": None, "weights": "int3"}, awq_unavailable=None)
+        ModelDialog(None, current={"source": None, "weights": "int3"}, streaming_refusal=None)
 
 
 def test_the_model_dialog_shows_each_formats_memory_for_the_chosen_model_only(qtbot, tmp_path):

@@ -71,3 +71,25 @@ def test_the_remote_server_answers_again_at_start_unless_a_model_is_named(qtbot,
     with qtbot.waitSignal(window.client.model_loaded, timeout=WAIT_MS):
         window.model_menu.load({"source": tiny_folders[1]})  # choosing a model turns the remote off for good
     assert window.db.get_setting("remote")["active"] is False
+
+
+def test_a_settings_file_written_before_the_rename_keeps_its_layer_streaming_choice(tmp_path):
+    """Earlier versions stored the streaming choice as "awq_streaming" (in the model setting and in every recent
+    model): this version reads it as "layer_streaming", from the same SQLite file."""
+    from app.db import Database
+    from app.model_menu import model_setting
+
+    path = tmp_path / "kvboost.sqlite3"
+    old = Database(path)
+    old.set_setting("model", {"source": "m.gguf", "reuse": "approx", "awq_streaming": True, "weights": "int4"})
+    old.set_setting("recent_models", [{"source": "a.gguf", "reuse": "chunk", "awq_streaming": False}])
+    old.close()
+    db = Database(path)
+    assert model_setting(db.get_setting("model")) == {"source": "m.gguf", "reuse": "approx", "layer_streaming": True,
+                                                      "weights": "int4"}
+    assert model_setting(db.get_setting("recent_models")[0]) == {"source": "a.gguf", "reuse": "chunk",
+                                                                 "layer_streaming": False}
+    assert model_setting(None) == {"source": None, "reuse": "chunk", "layer_streaming": False}
+    both = {"source": None, "reuse": "chunk", "awq_streaming": True, "layer_streaming": False}
+    assert model_setting(both)["layer_streaming"] is False and "awq_streaming" not in model_setting(both)
+    db.close()

@@ -25,8 +25,8 @@ def estimate(**changes) -> dict:
 
 @pytest.fixture
 def dialog(qtbot):
-    dialog = ModelDialog(None, current={"source": None, "reuse": "chunk", "awq_streaming": True, "weights": "auto"},
-                         awq_unavailable=None)
+    dialog = ModelDialog(None, current={"source": None, "reuse": "chunk", "layer_streaming": True, "weights": "auto"},
+                         streaming_refusal=None)
     qtbot.addWidget(dialog)
     dialog.show()
     return dialog
@@ -41,10 +41,10 @@ def test_the_switch_follows_the_engines_reason_for_each_weight_format(dialog):
     check, reason = dialog.findChild(QCheckBox, "awqCheck"), dialog.findChild(QLabel, "awqReason")
     dialog.show_weight_sizes("", estimate())
     assert not check.isEnabled() and reason.isVisible() and reason.text() == NEEDS_INT4
-    assert dialog.values()["awq_streaming"] is False  # it was on in the settings, but cannot run with auto here
+    assert dialog.values()["layer_streaming"] is False  # it was on in the settings, but cannot run with auto here
     choose_weights(dialog, "int4")
     assert check.isEnabled() and not reason.isVisible()
-    assert dialog.values() == {"source": None, "reuse": "chunk", "awq_streaming": True, "weights": "int4",
+    assert dialog.values() == {"source": None, "reuse": "chunk", "layer_streaming": True, "weights": "int4",
                                "remote_cache": None}
     choose_weights(dialog, "float")
     assert not check.isEnabled() and reason.text() == "needs int4 weights"

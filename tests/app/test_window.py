@@ -237,18 +237,18 @@ def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
 
 def test_awq_toggle_is_enabled_for_the_int4_default_and_disabled_with_the_reason_for_float(qtbot, window, smollm):
     from app.dialogs import ModelDialog
-    from engine.engine import awq_streaming_unavailable
+    from engine.engine import layer_streaming_unavailable
 
     info = window.client.model_info
     # its 4-bit GGUF as 4-bit layers: int4 on an AVX-512 CPU, the file's blocks elsewhere
-    assert info["weights"]["format"].startswith("gguf-q4_1") and info["awq_unavailable"] is None
-    dialog = ModelDialog(window, current=None, awq_unavailable=info["awq_unavailable"])
+    assert info["weights"]["format"].startswith("gguf-q4_1") and info["layer_streaming_unavailable"] is None
+    dialog = ModelDialog(window, current=None, streaming_refusal=info["layer_streaming_unavailable"])
     qtbot.addWidget(dialog)
     assert dialog.findChild(QCheckBox, "awqCheck").isEnabled()
 
-    reason = awq_streaming_unavailable(smollm.model.config, torch.device("cpu"), "float")
+    reason = layer_streaming_unavailable(smollm.model.config, torch.device("cpu"), "float")
     assert reason
-    dialog = ModelDialog(window, current=None, awq_unavailable=reason)
+    dialog = ModelDialog(window, current=None, streaming_refusal=reason)
     qtbot.addWidget(dialog)
     assert not dialog.findChild(QCheckBox, "awqCheck").isEnabled()
     assert reason in dialog.findChild(QLabel, "awqReason").text()

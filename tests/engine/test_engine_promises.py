@@ -1,6 +1,6 @@
 """What the README promises of the engine's options and stats, each checked where it could break: timing stats
 present and consistent, the fingerprint following weights, dtype and RoPE config, from_pretrained's eviction and
-gpu_cache_bytes options over a model folder, awq_streaming refused with the reason, default tier budgets at the
+gpu_cache_bytes options over a model folder, layer_streaming refused with the reason, default tier budgets at the
 documented fractions."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_
 def test_layer_streaming_is_refused_with_the_reason_where_it_cannot_run(model_folder):
     t0 = time.perf_counter()  # a float checkpoint under weights="auto" stays float: nothing int4 to stream
     with pytest.raises(UnsupportedModelError, match="layer streaming: needs int4 weights"):
-        KVBoost.from_pretrained(model_folder, device="cpu", awq_streaming=True)
+        KVBoost.from_pretrained(model_folder, device="cpu", layer_streaming=True)
     assert time.perf_counter() - t0 < 10  # refused from the config, before the weights load
 
 
@@ -171,7 +171,7 @@ def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
     assert info["model_type"] == "llama" and info["max_context"] == 2048
     assert info["device"] == "cpu" and info["dtype"] == "float32" and info["reuse"] == "chunk"
     assert info["cache_folder"] == (tmp_path / "kv").as_posix() and info["disk_error"] is None
-    assert "needs int4 weights" in info["awq_unavailable"]  # a float model: nothing to stream
+    assert "needs int4 weights" in info["layer_streaming_unavailable"]  # a float model: nothing to stream
     assert engine.decode(engine.encode("w5 w6 w7")) == "w5 w6 w7"
     off = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_bytes=0)
     assert off.info()["cache_folder"] is None

@@ -1,4 +1,4 @@
-"""Layer streaming through the engine facade: from_pretrained(awq_streaming=True) on a tiny AWQ checkpoint
+"""Layer streaming through the engine facade: from_pretrained(layer_streaming=True) on a tiny AWQ checkpoint
 answers with the resident engine's tokens and logits, reports its plan, bandwidth and prediction, counts tokens
 per weight pass, holds fewer bytes on the device; refusals (float weights, a budget below the minimum) come
 before or instead of a load, with the reason."""
@@ -35,14 +35,14 @@ def load(folder, tmp_path, **options) -> KVBoost:
 
 def smallest_budget(folder, tmp_path) -> int:
     """The minimum of the plan for this model (read from a plan made with a budget that holds everything)."""
-    probe = load(folder, tmp_path, awq_streaming=True, weight_budget_bytes=1 << 40)
+    probe = load(folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
     return probe.info()["weights"]["streaming"]["min_budget_bytes"]
 
 
 def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_folder, tmp_path, one_thread):
     resident = load(awq_folder, tmp_path)
     minimum = smallest_budget(awq_folder, tmp_path)
-    streamed = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=minimum)
+    streamed = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=minimum)
     want = resident.generate(PROMPT, max_new_tokens=8, return_logits=True)
     got = streamed.generate(PROMPT, max_new_tokens=8, return_logits=True)
     assert got.token_ids == want.token_ids
@@ -71,7 +71,7 @@ def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_
 
 
 def test_a_budget_that_holds_everything_streams_nothing_and_answers_the_same(awq_folder, tmp_path, one_thread):
-    engine = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=1 << 40)
+    engine = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
     report = engine.info()["weights"]["streaming"]
     assert report["streamed_layers"] == [] and report["predicted_decode_tokens_per_s"] is None
     assert engine.generate(PROMPT, max_new_tokens=4).token_ids == \
@@ -81,7 +81,7 @@ def test_a_budget_that_holds_everything_streams_nothing_and_answers_the_same(awq
 def test_a_budget_below_the_minimum_is_an_error_naming_it(awq_folder, tmp_path, one_thread):
     minimum = smallest_budget(awq_folder, tmp_path)
     with pytest.raises(ValueError, match=f"minimum of {minimum} bytes"):
-        load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=minimum - 1)
+        load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=minimum - 1)
 
 
 def test_streaming_float_weights_is_refused_before_loading(tmp_path):
@@ -89,12 +89,12 @@ def test_streaming_float_weights_is_refused_before_loading(tmp_path):
     write_awq_checkpoint(tmp_path / "m", "llama", 32)
     (tmp_path / "m" / "model.safetensors").unlink()
     with pytest.raises(UnsupportedModelError, match="needs int4 weights"):
-        load(tmp_path / "m", tmp_path, awq_streaming=True, weights="float")
+        load(tmp_path / "m", tmp_path, layer_streaming=True, weights="float")
 
 
 def test_the_info_of_an_int4_engine_says_streaming_can_run_and_of_a_float_one_why_not(awq_folder, tmp_path):
-    assert load(awq_folder, tmp_path).info()["awq_unavailable"] is None
-    assert "needs int4 weights" in load(awq_folder, tmp_path, weights="float").info()["awq_unavailable"]
+    assert load(awq_folder, tmp_path).info()["layer_streaming_unavailable"] is None
+    assert "needs int4 weights" in load(awq_folder, tmp_path, weights="float").info()["layer_streaming_unavailable"]
 
 
 def test_the_bandwidth_probe_measures_a_real_copy():
@@ -128,7 +128,7 @@ def test_batched_requests_share_each_weight_pass_of_a_streamed_model(awq_folder,
     every request in it (and their drafted tokens)."""
     from engine import EngineWorker, Result
 
-    streamed = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=smallest_budget(awq_folder, tmp_path))
+    streamed = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=smallest_budget(awq_folder, tmp_path))
     prompts = [PROMPT, random_ids(40, seed=4), random_ids(33, seed=5)]
     alone = [streamed.generate(p, max_new_tokens=12) for p in prompts]
     worker = EngineWorker(name="test-stream-batch")
@@ -144,3 +144,18 @@ def test_batched_requests_share_each_weight_pass_of_a_streamed_model(awq_folder,
     forwards_alone = sum(r.stats.decode_forwards + 1 for r in alone)  # + 1: each prompt's prefill pass
     assert passes < forwards_alone * 0.6  # batched: most passes served all three
     assert tokens / passes > 1.5
+
+
+def test_the_old_option_name_still_streams_with_a_deprecation_warning(awq_folder, tmp_path):
+    """`awq_streaming` (the name before streaming took any int4 or GGUF-block layers) works for one release."""
+    with pytest.warns(DeprecationWarning, match="layer_streaming"):
+        engine = load(awq_folder, tmp_path, awq_streaming=True, weight_budget_bytes=1 << 40)
+    assert engine.streaming is not None
+    with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
+        load(awq_folder, tmp_path, layer_streaming=True, awq_streaming=False)
+    info = engine.info()
+    assert info["awq_unavailable"] == info["layer_streaming_unavailable"] is None  # the old key, for API clients
+    from engine import awq_streaming_unavailable
+
+    with pytest.warns(DeprecationWarning):
+        assert awq_streaming_unavailable(engine.model.config, torch.device("cpu"), "float") is not None

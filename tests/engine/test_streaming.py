@@ -359,7 +359,7 @@ def test_the_default_load_streamed_runs_its_layers_through_the_slots(smollm, tmp
     answer is the resident one."""
     from engine import KVBoost
 
-    streamed = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, awq_streaming=True,
+    streamed = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, layer_streaming=True,
                                        weight_budget_bytes=270_000_000)
     plan = streamed.streaming.plan
     assert plan.streams and 0 < len(plan.streamed_layers) < 30
@@ -368,4 +368,4 @@ def test_the_default_load_streamed_runs_its_layers_through_the_slots(smollm, tmp
     got = streamed.with_options(speculative=None).chat(question, max_new_tokens=8)
     assert got.token_ids == want.token_ids
     assert got.stats.weight_passes == got.stats.decode_forwards + 1  # the prompt's pass, then one per token
-    assert streamed.info()["awq_unavailable"] is None  # a quantized load can stream
+    assert streamed.info()["layer_streaming_unavailable"] is None  # a quantized load can stream
