@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import html
 
-from PySide6.QtCore import QTimer, QUrl, Qt, Signal
+from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QTextOption
 from PySide6.QtWidgets import (
-    QFrame, QHBoxLayout, QLabel, QPushButton, QScrollArea, QSizePolicy, QTextBrowser, QVBoxLayout, QWidget,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QVBoxLayout,
+    QWidget,
 )
 
 from .theme import KIND_COLORS
@@ -78,7 +86,8 @@ def cache_map_html(answer: dict, theme: str) -> str:
                f"({100.0 * reused / prompt if prompt else 0:.0f}%{from_disk}), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
                f"{saved_text}. Reuse mode: {html.escape(str(stats.get('reuse', '?')))}.")
     body = "".join(
-        f'<span style="background:{colors.get(seg["kind"], "transparent")}" title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
+        f'<span style="background:{colors.get(seg["kind"], "transparent")}" '
+        f'title="{seg["kind"]} tokens {seg["start"]}-{seg["end"]}">'
         f"{html.escape(seg['text'])}</span>"
         for seg in answer.get("segments", [])
     )

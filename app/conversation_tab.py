@@ -21,13 +21,20 @@ from pathlib import Path
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
-    QFileDialog, QHBoxLayout, QInputDialog, QLabel, QPlainTextEdit, QProgressBar, QPushButton, QVBoxLayout,
+    QFileDialog,
+    QHBoxLayout,
+    QInputDialog,
+    QLabel,
+    QPlainTextEdit,
+    QProgressBar,
+    QPushButton,
+    QVBoxLayout,
     QWidget,
 )
 
 from . import document_worker, documents, rag
-from .db import DEFAULT_TITLE, DatabaseError
 from .chat_view import ChatView
+from .db import DEFAULT_TITLE, DatabaseError
 
 log = logging.getLogger(__name__)
 

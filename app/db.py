@@ -23,11 +23,20 @@ from typing import Any
 
 from sqlite_utils.db import NotFoundError
 
-from .db_documents import DocumentTables
 from .db_connection import DEFAULT_BUSY_TIMEOUT, Connection, DatabaseError, DatabaseLocked, file_identity, write_error
+from .db_documents import DocumentTables
 from .db_schema import MIGRATIONS
-from .db_values import (DEFAULT_SAMPLING, ROLES, STATUSES, check_role, check_status, decoded,  # noqa: F401
-                        encode_json, fts_string, merged_sampling)
+from .db_values import (  # noqa: F401
+    DEFAULT_SAMPLING,
+    ROLES,
+    STATUSES,
+    check_role,
+    check_status,
+    decoded,
+    encode_json,
+    fts_string,
+    merged_sampling,
+)
 
 __all__ = ["Database", "DatabaseError", "DatabaseLocked", "DEFAULT_BUSY_TIMEOUT"]
 

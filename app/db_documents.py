@@ -43,7 +43,8 @@ class DocumentTables:
         """Add a document, or re-index the one at `path`: its id (and so its attachments) and added_at stay,
         its passages are replaced. Passages are dicts with text, page, section, start, end; seq = list order.
 
-        Any path the OS gives is stored, also one whose name is not valid UTF-8 (see app.db_values.stored_path); `name` is
+        Any path the OS gives is stored, also one whose name is not valid UTF-8 (see app.db_values.stored_path); `name`
+        is
         for display, so bytes of it that are not text are kept as U+FFFD.
         """
         passage_rows = [validated_passage(index, passage) for index, passage in enumerate(passages)]

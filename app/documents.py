@@ -17,8 +17,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .document_formats import (MAX_COMPRESSION_RATIO, MAX_UNPACKED_BYTES, LONE_SURROGATES, DocumentError, check_zip,
-                               docx_text, human_size, normalize_newlines, pdf_text)
+from .document_formats import (
+    LONE_SURROGATES,
+    MAX_COMPRESSION_RATIO,
+    MAX_UNPACKED_BYTES,
+    DocumentError,
+    check_zip,
+    docx_text,
+    human_size,
+    normalize_newlines,
+    pdf_text,
+)
 from .passages import Passage, markdown_headings, split_passages
 
 MARKDOWN_SUFFIXES = frozenset({".md", ".markdown"})

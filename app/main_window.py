@@ -17,11 +17,24 @@ from pathlib import Path
 from PySide6.QtCore import Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
-    QApplication, QDockWidget, QFileDialog, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
-    QMainWindow, QProgressBar, QPushButton, QTabWidget, QVBoxLayout, QWidget,
+    QApplication,
+    QDockWidget,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QListWidget,
+    QListWidgetItem,
+    QMainWindow,
+    QProgressBar,
+    QPushButton,
+    QTabWidget,
+    QVBoxLayout,
+    QWidget,
 )
 
-from . import conversation_export, dialogs, theme as themes
+from . import conversation_export, dialogs
+from . import theme as themes
 from .conversation_tab import ConversationTab
 from .memory_meter import MemoryMeter
 from .model_menu import ModelMenu
@@ -334,7 +347,8 @@ class MainWindow(QMainWindow):
                 return None
         try:
             if fmt == "md":
-                Path(path).write_text(conversation_export.export_markdown(self.db, tab.conversation_id), encoding="utf-8")
+                text = conversation_export.export_markdown(self.db, tab.conversation_id)
+                Path(path).write_text(text, encoding="utf-8")
             else:
                 exported = conversation_export.export_json(self.db, tab.conversation_id)
                 Path(path).write_text(json.dumps(exported, indent=2, ensure_ascii=False), encoding="utf-8")

@@ -2,7 +2,8 @@
 which of the engine or a remote server answers at start.
 
 Settings it keeps (the app's SQLite settings): "model" (what to load at start: source, reuse, weights,
-layer streaming, the shared KV cache's URL without its password, which lives in the OS keyring), "recent_models" (the last RECENT_MAX loads, newest first, each with its options), "remote"
+layer streaming, the shared KV cache's URL without its password, which lives in the OS keyring), "recent_models" (the
+last RECENT_MAX loads, newest first, each with its options), "remote"
 (base URL, model id, and "active": whether answers came from that server when the app last chose; the API key
 lives in the OS keyring only).
 """
@@ -134,8 +135,9 @@ class ModelMenu:
         remote = self.db.get_setting("remote", DEFAULT_REMOTE)
         if remote.get("active"):
             self.db.set_setting("remote", {**remote, "active": False})
-        return self.window.load_model(values["source"], reuse=values["reuse"], layer_streaming=values["layer_streaming"],
-                                      weights=values["weights"], remote_cache=remote_cache)
+        return self.window.load_model(values["source"], reuse=values["reuse"],
+                                      layer_streaming=values["layer_streaming"], weights=values["weights"],
+                                      remote_cache=remote_cache)
 
     def start(self, source, *, explicit: bool, **options) -> None:
         """At start: the remote server the app last used (unless a model was named on the command line), else

@@ -293,7 +293,8 @@ def table(rows: list[dict], long_tokens: int, bandwidth: float | None = None) ->
     nan = float("nan")
     for r in rows:
         share = r["decode_tps_128"] / r["limit_128"] if r.get("limit_128") else nan
-        lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r.get('head', '?')} | {r.get('embedding', '?')} | "
+        lines.append(f"| {r['row']} | {r['format']} | {r['kernel']} | {r.get('head', '?')} | "
+                     f"{r.get('embedding', '?')} | "
                      f"{r.get('attention', '?')} | {r.get('forward', '?')} | "
                      f"{r['linear_mb']:.1f} | {r['linear_vs_f32']:.3f} | "
                      f"{r['resident_mb']:.1f} | {r['prefill_tps']:.0f} | {r['decode_tps_128']:.1f} | "

@@ -33,7 +33,6 @@ FOLLOW_UP = "Explain that in simpler words."
 def q8_0_copy() -> Path | None:
     """The embedded model requantized to Q8_0 by llama.cpp's quantizer (cached), or None without llama.cpp."""
     from bench.shapes import LLAMA_QUANTIZE, cache_folder, llama_python
-
     from engine.loader import default_model_path
 
     target = cache_folder() / "SmolLM2-135M-Instruct.Q8_0.gguf"

@@ -102,7 +102,7 @@ def check_correctness(shapes, kernel: str, device: torch.device, iters: int) -> 
                          "fast_us_m1": 1e6 * seconds_per_call(lambda: fast(x1), device, iters),
                          "reference_us_m1": 1e6 * seconds_per_call(lambda: reference(x1), device, max(1, iters // 4)),
                          "fast_us_m16": 1e6 * seconds_per_call(lambda: fast(x), device, iters)})
-            del fast, reference, weight, s
+            fast = reference = weight = s = None  # freed before the next shape's layers are made
     return rows
 
 
@@ -126,7 +126,8 @@ class Stack(torch.nn.Module):
                     "gate": (shape.hidden, shape.intermediate), "up": (shape.hidden, shape.intermediate),
                     "down": (shape.intermediate, shape.hidden)}
             self.layers.append(torch.nn.ModuleDict({
-                name: random_layer(k, n, kernel, device, seed=100 * layer + i) for i, (name, (k, n)) in enumerate(dims.items())
+                name: random_layer(k, n, kernel, device, seed=100 * layer + i)
+                for i, (name, (k, n)) in enumerate(dims.items())
             }))
 
     def forward(self, x):  # x: [1, hidden]
@@ -176,15 +177,19 @@ def log(message: str) -> None:
 
 
 def tables(result: dict) -> str:
-    lines = ["| model | linear | in | out | max abs err | err / bound | fast us (M=1) | reference us (M=1) | fast us (M=16) |",
+    lines = ["| model | linear | in | out | max abs err | err / bound | fast us (M=1) | reference us (M=1) | "
+             "fast us (M=16) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result.get("correctness", []):
         lines.append(f"| {r['model']} | {r['linear']} | {r['in']} | {r['out']} | {r['max_abs_err']:.3g} | "
-                     f"{r['err_over_bound']:.3f} | {r['fast_us_m1']:.1f} | {r['reference_us_m1']:.1f} | {r['fast_us_m16']:.1f} |")
+                     f"{r['err_over_bound']:.3f} | {r['fast_us_m1']:.1f} | {r['reference_us_m1']:.1f} | "
+                     f"{r['fast_us_m16']:.1f} |")
     d = result.get("decode")
-    lines += [] if d is None else ["", "| stack | kernel | MB/token | bandwidth GB/s | tok/s eager | bound tok/s | share | tok/s compiled |",
+    lines += [] if d is None else [
+              "", "| stack | kernel | MB/token | bandwidth GB/s | tok/s eager | bound tok/s | share | tok/s compiled |",
               "|---|---|---|---|---|---|---|---|",
-              f"| {d['model']} x{result['decode_layers']} | {d['kernel']} | {d['weight_bytes_per_token'] / 2**20:.1f} | "
+              f"| {d['model']} x{result['decode_layers']} | {d['kernel']} | "
+              f"{d['weight_bytes_per_token'] / 2**20:.1f} | "
               f"{d['bandwidth_gb_s']:.1f} | {d['tokens_per_s']:.1f} | {d['bandwidth_bound_tokens_per_s']:.1f} | "
               f"{d['share_of_bound']:.2f} | {d.get('compiled_tokens_per_s', d['compiled'])} |"]
     if "engine" in result:
@@ -250,7 +255,8 @@ def main(argv=None) -> int:
         stream_shape = MODELS[2] if not args.dry_run else dataclasses.replace(MODELS[2].tiny(), num_layers=6)
         part("streaming", lambda: check_streaming(stream_shape, kernel, device, random_layer, dry_run=args.dry_run,
                                                   iters=max(3, iters // 10)))
-    part("decode", lambda: check_decode(shapes[0], kernel, device, steps, compile_=not (args.dry_run or args.no_compile)))
+    compile_ = not (args.dry_run or args.no_compile)
+    part("decode", lambda: check_decode(shapes[0], kernel, device, steps, compile_=compile_))
     result["decode_layers"] = shapes[0].num_layers
     if not args.no_engine:
         from bench.gpu_engine import BODIES, engine_rows

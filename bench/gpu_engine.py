@@ -113,7 +113,8 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
                    "limit_tps": limit, "share": stats.decode_tokens_per_s / limit, "built_s": built_s}
             rows.append(row)
             log(f"  {body.name} {weights} @{context}: decode {row['decode_tps']:.1f} tok/s "
-                f"(transformers' loop {plain:.1f}; limit {limit:.0f}, share {row['share']:.0%}), TTFT {stats.ttft_ms:.1f} ms")
+                f"(transformers' loop {plain:.1f}; limit {limit:.0f}, share {row['share']:.0%}), "
+                f"TTFT {stats.ttft_ms:.1f} ms")
         del engine, model
         gc.collect()
         if device.type == "cuda":
@@ -124,12 +125,13 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"Engine decode on the device (copy bandwidth {bandwidth / 1e9:.0f} GB/s; greedy, reuse off, no drafts)",
              "",
-             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | transformers' loop tok/s | "
-             "MB read / token | limit tok/s | share of the limit |",
+             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | "
+             "transformers' loop tok/s | MB read / token | limit tok/s | share of the limit |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['body']} | {r['weights']} | {r['format']} | {r['context']} | {r['ttft_ms']:.1f} | "
-                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} | {r['bytes_per_token'] / 2**20:.0f} | "
+                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} | "
+                     f"{r['bytes_per_token'] / 2**20:.0f} | "
                      f"{r['limit_tps']:.0f} | {r['share']:.0%} |")
     return "\n".join(lines)
 

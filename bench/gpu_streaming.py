@@ -136,7 +136,8 @@ def _check(shape, kernel, device, make_layer, *, dry_run, iters) -> dict:
     _allocated(device, stages, "streaming enabled (slots)")
     report = {"allocated_gb_by_stage": stages, "plan_budget_gb": plan.budget_bytes / 2**30,
               "plan_reserved_gb": plan.reserved_bytes / 2**30, "slot_gb": plan.slot_bytes / 2**30,
-              "resident_gb": plan.resident_bytes / 2**30,"model": shape.name, "num_layers": shape.num_layers, "layer_mb": layer_bytes / 2**20,
+              "resident_gb": plan.resident_bytes / 2**30, "model": shape.name, "num_layers": shape.num_layers,
+              "layer_mb": layer_bytes / 2**20,
               "cap_gb": cap / 2**30 if cap else None, "budget_gb": budget / 2**30,
               "resident_layers": len(plan.resident_layers), "streamed_layers": len(plan.streamed_layers)}
     if not plan.streams:

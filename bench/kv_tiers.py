@@ -99,7 +99,8 @@ def bench_restart(print_) -> dict:
            "with plain prefill, after one tiny warm-up request). Bandwidth: payload bytes read and checked / "
            "time in the disk tier's reads. The files are in the OS page cache (written just before), as after "
            "a quick app restart.\n")
-    print_("| disk kv_quant | prompt tokens | from disk | cold TTFT | restore TTFT | speedup | read | read bandwidth | same greedy tokens |")
+    print_("| disk kv_quant | prompt tokens | from disk | cold TTFT | restore TTFT | speedup | read | read bandwidth | "
+           "same greedy tokens |")
     print_("|---|---|---|---|---|---|---|---|---|")
     for quant, r in results.items():
         run = r["runs"][0]
@@ -133,11 +134,11 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     """Replays the trace against the real chunk store (device tier only) under a tight budget, with real KV
     (each document's chunks computed once by the model): a request looks up its document's chunks by chained
     key, counts hits, and stores the misses, as the engine does."""
-    from engine.plan import chain_keys
-    from engine.prefill import slice_kv
     from engine.chunking import chunk_spans
     from engine.eviction import POLICIES
     from engine.keys import content_key
+    from engine.plan import chain_keys
+    from engine.prefill import slice_kv
     from engine.store import ChunkStore, kv_nbytes
 
     num_hot, num_cold, doc_tokens = 6, 60, 256

@@ -13,7 +13,8 @@ PEER = "peer"  # the PyPI `kvboost` library as a peer row (bench.peer), when it 
 def mode_options(mode: str) -> dict:
     """Engine options of a mode name: a reuse mode ("off", "prefix", "chunk", "approx"), or
     "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
-    recomputed after each seam, or "A/B": A after and B before it; cacheblend: share of reused tokens recomputed, then "+N" to also recompute the
+    recomputed after each seam, or "A/B": A after and B before it; cacheblend: share of reused tokens recomputed, then
+    "+N" to also recompute the
     N tokens after each seam), e.g. "approx:cacheblend@0.3" or "approx:cacheblend@0.15+16"."""
     if mode == PEER:
         return {}

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     for layout in ("pinned", "retrieved"):
         off, chunk = results[("off", layout)], results[("chunk", layout)]
         print(f"\nlayout: {layout}   (pre-warm at drop time: {chunk['warm_ms']:.0f} ms)")
-        print("| question | prompt tokens | off TTFT ms | chunk TTFT ms | speed-up | reused (chunk) | correct off/chunk |")
+        print("| question | prompt tokens | off TTFT ms | chunk TTFT ms | speed-up | reused (chunk) | "
+              "correct off/chunk |")
         print("|---|---|---|---|---|---|---|")
         for i, (a, b) in enumerate(zip(off["rows"], chunk["rows"]), 1):
             print(f"| {i} | {b['prompt_tokens']} | {a['ttft_ms']:.0f} | {b['ttft_ms']:.0f} | "

@@ -23,12 +23,13 @@ from typing import Sequence, TextIO
 
 import torch
 
+from engine.config import REUSE_MODES
+
 from .modes import PEER, engine_for, mode_options
 from .needle_qa import run_needle
 from .results import REFERENCE, Target, Workload, step_table, summary_table, workload_dict
 from .steps import Progress, add_approx_targets, measure
 from .text import FULL, QUICK, Corpus, Sizes, Texts, cut_texts, permutations
-from engine.config import REUSE_MODES
 
 DEFAULT_MODES = ("off", "prefix", "chunk")
 WORKLOADS = ("multiturn", "sysprompt", "rag", "needle")

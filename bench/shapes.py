@@ -373,9 +373,11 @@ def table(summary: dict) -> str:
             return "-" if value is None else fmt.format(value)
         engine = f"ours (kernel={summary.get('kernel', 'auto')})" if name == "ours" else name
         rows.append(f"| {summary['shape']} ({size / 2**20:.0f} MiB) | {engine} | {num(s['load_s'], '{:.1f} s')} | "
-                    f"{num(s['cold_load_s'], '{:.1f} s')} | {num(s['peak_load_rss'] and s['peak_load_rss'] / 2**30, '{:.2f} GiB')} | "
+                    f"{num(s['cold_load_s'], '{:.1f} s')} | "
+                    f"{num(s['peak_load_rss'] and s['peak_load_rss'] / 2**30, '{:.2f} GiB')} | "
                     f"{num(s['peak_load_rss'] and s['peak_load_rss'] / size, '{:.2f}x')} | "
-                    f"{num(grown(s) and grown(s) / 2**30, '{:.2f} GiB')} | {num(grown(s) and grown(s) / size, '{:.2f}x')} | "
+                    f"{num(grown(s) and grown(s) / 2**30, '{:.2f} GiB')} | "
+                    f"{num(grown(s) and grown(s) / size, '{:.2f}x')} | "
                     f"{num(s['resident_bytes'] and s['resident_bytes'] / 2**20, '{:.0f} MiB')} | "
                     f"{num(s['ttft_s'], '{:.2f} s')} | {num(s['decode_tok_s'], '{:.2f}')} |")
     ours, theirs = summary["ours"].get("decode_tok_s"), summary["llama.cpp"].get("decode_tok_s")

@@ -129,7 +129,8 @@ def table(rows: list[dict], decode_context: int, prefill_tokens: int) -> str:
             f"decode tok/s @{decode_context} | same tokens | same logits |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        lines.append(f"| {r['row']} | {r['format']} {r['kernel']} | {r['budget_mib']:.1f} | {r['min_budget_mib']:.1f} | "
+        lines.append(f"| {r['row']} | {r['format']} {r['kernel']} | {r['budget_mib']:.1f} | "
+                     f"{r['min_budget_mib']:.1f} | "
                      f"{r['weights_mib']:.1f} | {r['planned_mib']:.1f} | {r['copied_mib_per_pass']:.1f} | "
                      f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {'yes' if r['same_tokens'] else 'NO'} | "
                      f"{'yes' if r['same_logits'] else 'NO'} |")

@@ -12,4 +12,5 @@ __all__ = [
 ]
 
 from .worker import MAX_BATCH, EngineWorker, WorkerStopped  # noqa: E402  (the engine thread, its queue, its batch)
+
 __all__ += ["EngineWorker", "WorkerStopped", "MAX_BATCH"]

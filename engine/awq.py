@@ -112,7 +112,8 @@ def _awq_layer(tensors: _Tensors, name: str, linear: nn.Linear, group_size: int,
     if tuple(codes.shape) != expected or tuple(scales.shape) != (expected[0], expected[1] // group_size) \
             or zeros.shape != scales.shape:
         raise AWQFormatError(f"{name}: qweight/scales/qzeros shapes {tuple(codes.shape)}/{tuple(scales.shape)}/"
-                             f"{tuple(zeros.shape)} do not fit a [{expected[0]}, {expected[1]}] linear, group {group_size}")
+                             f"{tuple(zeros.shape)} do not fit a [{expected[0]}, {expected[1]}] linear, "
+                             f"group {group_size}")
     if kernel is None:
         dense = nn.Linear(linear.in_features, linear.out_features, bias=bias is not None, device=device, dtype=dtype)
         with torch.no_grad():

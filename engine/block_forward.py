@@ -277,7 +277,8 @@ class OneCallForward:
             entry.keys, entry.values, entry.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
         inter = inner.layers[0].mlp.gate_proj.out_features
         status = gguf_blocks.library().kvb_decoder(
-            ctypes.addressof(self._layers), len(self._layers), hidden.data_ptr(), m, cfg.hidden_size, cfg.num_attention_heads,
+            ctypes.addressof(self._layers), len(self._layers), hidden.data_ptr(), m, cfg.hidden_size,
+            cfg.num_attention_heads,
             cfg.num_key_value_heads, head_dim, inter, start, cos.data_ptr(), sin.data_ptr(),
             ctypes.c_float(inner.norm.variance_epsilon), ctypes.c_float(attention.scaling),
             max(1, torch.get_num_threads()))

@@ -41,7 +41,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS",
                    help="the most a read of the shared store may take, however much prefill it saves")
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
-                   help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as QUANTIZED)")
+                   help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as "
+                        "QUANTIZED)")
     p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
     p.add_argument("--live-kv-bytes", type=int, default=None,
                    help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")

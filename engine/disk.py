@@ -22,7 +22,8 @@ Safety, in the order things happen:
   writes a good file.
 - Rows are data from a file anyone may edit: each one is checked before use (types, lengths, its key recomputed
   from its parent and tokens, its file name of the pattern the tier itself writes). A bad row is dropped without
-  touching the path it names (engine.disk_rows); files are only ever opened or removed under payloads/ and tmp/, regular files only,
+  touching the path it names (engine.disk_rows); files are only ever opened or removed under payloads/ and tmp/,
+  regular files only,
   never through a symbolic link.
 - Rows carry the namespace of the engine that wrote them (model fingerprint, chunking, kv_quant, format
   version); a store only ever loads rows of its own namespace.
@@ -40,9 +41,9 @@ import json
 import logging
 import os
 import secrets
-import stat
 import shutil
 import sqlite3
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -349,7 +350,8 @@ class DiskTier:
 
     # -- writing ------------------------------------------------------------------------------------------
     @_degrades(None)
-    def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset(), lossy: bool = False) -> list[bytes] | None:
+    def put(self, record, stored: StoredKV, in_use: set[bytes] = frozenset(),
+            lossy: bool = False) -> list[bytes] | None:
         """Writes `record`'s payload and indexes it, evicting by the policy to stay within the budget (never
         an entry of this process in use). `lossy`: the payload's values are not the computed ones (quantized,
         or computed over quantized KV); its hits are then reported as QUANTIZED, never EXACT. Returns the keys

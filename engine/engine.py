@@ -19,11 +19,13 @@ from typing import Iterator, Sequence
 import torch
 
 from . import loader
+from .batching import Forward, RequestStream, batching_unavailable
 from .blend import BLEND_MODEL_TYPES, blend_unavailable
+from .block_forward import use_block_forward
 from .chunking import TokenBreaks
 from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
-from .batching import Forward, RequestStream, batching_unavailable
 from .draft_model import draft_model_mismatch
+from .exact_attention import use_exact_attention
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .keys import root_key
 from .paged import make_cache, spill_unsupported
@@ -31,8 +33,6 @@ from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
-from .block_forward import use_block_forward
-from .exact_attention import use_exact_attention
 from .stream_setup import DEFAULT_SLOTS, Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .tiered_store import build_store
 
@@ -153,14 +153,16 @@ class KVBoost:
         "none" | "int8" | "int4" for host and disk, or a dict per tier. `eviction`: "lru" | "importance-lru".
         `live_kv_bytes`: device bytes for the KV of the request being generated, beyond which cold pages of
         `live_page_tokens` spill to host RAM (attention stays exact). `layer_streaming` (`awq_streaming`, its old
-        name, is taken for one release with a DeprecationWarning): layer streaming (engine.stream_setup): int4 decoder layers (an AWQ checkpoint, or weights="int4") that do not fit in
+        name, is taken for one release with a DeprecationWarning): layer streaming (engine.stream_setup): int4 decoder
+        layers (an AWQ checkpoint, or weights="int4") that do not fit in
         `weight_budget_bytes` of device memory (None: 90% of free VRAM on CUDA, of available RAM on the CPU)
         live off the device and are copied, one layer at a time, into `stream_slots` slots before they run; a
         budget below the plan's minimum is a ValueError naming it. `speculative` "prompt-lookup" (the default;
         None: one token per forward): up to `num_draft` tokens drafted from the context (prompt, documents,
         answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
         that of one token per forward, sampling keeps its distribution; `draft_model` (a source like `source`,
-        of the same tokenizer: a smaller model of the family) drafts instead (speculative="draft-model"). `prefill_piece_tokens`: computed prompt
+        of the same tokenizer: a smaller model of the family) drafts instead (speculative="draft-model").
+        `prefill_piece_tokens`: computed prompt
         runs are forwarded in pieces ending at its multiples, so a request joining a batch holds the others up
         for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress bars),
         for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
@@ -169,7 +171,8 @@ class KVBoost:
         GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
         Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0
         tensors as the file's own blocks where the block kernel runs (engine.gguf_blocks: the CPU, with a C
-        compiler), elsewhere its 4-bit codes as int4 and its 5-8-bit ones as int8 rows, AWQ/GPTQ as int4, a float model as float unless it would
+        compiler), elsewhere its 4-bit codes as int4 and its 5-8-bit ones as int8 rows, AWQ/GPTQ as int4, a float model
+        as float unless it would
         not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in
         groups of `group_size`; a GGUF's Q4_0/Q4_1/Q4_K tensors taken as they are); `head` "auto" | "float" |
         "int8" | "int8+embedding" | "int4" | "int4+embedding" (the output head, and with "+embedding" the input

@@ -30,8 +30,16 @@ from torch import nn
 
 from .awq import _layer_index, _Tensors
 from .gguf_loader import Progress, meta_model, release_freed_memory
-from .int4 import Int4Linear, check_group_size, decoder_linears, padded_features, pick_kernel, quantize_rtn, \
-    replace_module, shape_problem
+from .int4 import (
+    Int4Linear,
+    check_group_size,
+    decoder_linears,
+    padded_features,
+    pick_kernel,
+    quantize_rtn,
+    replace_module,
+    shape_problem,
+)
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import ClassVar, Generator, Sequence
 import torch
 from transformers import DynamicCache
 
-from .config import SamplingConfig
-from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
 from .batching import Forward
+from .config import SamplingConfig
 from .draft_model import DraftModel
+from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 

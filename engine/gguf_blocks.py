@@ -326,8 +326,8 @@ class BlockLinear(nn.Module):
             raise RuntimeError(f"the GGUF block kernel runs on the CPU, not on {x2.device} / {self.blocks.device}")
         type_id, row_bytes = self._call
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        status = _state["lib"].kvb_linear(type_id, self.blocks.data_ptr(), self.out_features, self.in_features, row_bytes,
-                      x2.data_ptr(), x2.shape[0], y.data_ptr(), _threads())
+        status = _state["lib"].kvb_linear(type_id, self.blocks.data_ptr(), self.out_features, self.in_features,
+                                          row_bytes, x2.data_ptr(), x2.shape[0], y.data_ptr(), _threads())
         if status != 0:
             raise MemoryError(f"no scratch memory for {x2.shape[0]} rows of activations") if status == -2 else \
                 RuntimeError(f"the block kernel does not multiply {self.type_name}")

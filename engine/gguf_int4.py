@@ -86,8 +86,7 @@ class GGUFBlocks:
             log.info("GGUF %s: int4 from the dequantized weights (%s)", self.architecture, reason)
             self.refused["*"] = reason
             return
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map)
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(config=_processor_config(model))
         names = get_gguf_hf_weights_map(model, processor)

@@ -48,8 +48,15 @@ from .gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
 from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord
 from .gguf_int4 import INT4_TYPES, memoized_name_maps, processor_config, row_order, unmappable_architecture
 from .gguf_tensors import float_weight, int4_codes, int8_rows, rtn_rows
-from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head_for, pick_int8_kernel, \
-    quantize_rows_int8
+from .head import (
+    HEAD_CHOICES,
+    Int4Embedding,
+    Int8Embedding,
+    Int8Linear,
+    auto_head_for,
+    pick_int8_kernel,
+    quantize_rows_int8,
+)
 from .int4 import Int4Linear, decoder_linears, pick_kernel, quantize_rtn, replace_module, shape_problem
 
 log = logging.getLogger(__name__)
@@ -105,7 +112,8 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
     in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
     at load; `kernel` the matmul path: "gguf_blocks" (engine.gguf_blocks, every type it holds), one of
     engine.int4's, or "auto" (AUTO_BLOCK_TYPES as blocks where the block kernel runs, the fastest int4 kernel for
-    the rest); `head` one of engine.head.HEAD_CHOICES. `progress` (done, total, what) after each decoder layer and once more when the head and table are in place; each
+    the rest); `head` one of engine.head.HEAD_CHOICES. `progress` (done, total, what) after each decoder layer and once
+    more when the head and table are in place; each
     converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time.
     `cache_dir`: the engine's cache folder, where the block kernel is built (engine.gguf_blocks.kernel_dir)."""
     assert weights in ("int4", "float") and head in HEAD_CHOICES, (weights, head)

@@ -39,11 +39,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .float_int4 import CheckpointError, FLOAT_DTYPES, SafetensorsFolder, check_tensors, fill_floats, \
-    float_parameters, model_names, read_float, report_layers
+from .float_int4 import (
+    FLOAT_DTYPES,
+    CheckpointError,
+    SafetensorsFolder,
+    check_tensors,
+    fill_floats,
+    float_parameters,
+    model_names,
+    read_float,
+    report_layers,
+)
 from .gguf_loader import Progress, meta_model, release_freed_memory
-from .int4 import GROUP_SIZES, KERNELS, Int4Linear, decoder_linears, dequantize_codes, pick_kernel, replace_module, \
-    shape_problem
+from .int4 import (
+    GROUP_SIZES,
+    KERNELS,
+    Int4Linear,
+    decoder_linears,
+    dequantize_codes,
+    pick_kernel,
+    replace_module,
+    shape_problem,
+)
 
 log = logging.getLogger(__name__)
 

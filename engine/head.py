@@ -25,8 +25,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .gguf_blocks import BlockEmbedding, BlockLinear
-from .int4 import FAST_DTYPE, Int4Linear, check_group_size, dequantize_codes, layer_format, pack_nibbles, \
-    padded_features, pick_kernel, quantize_rtn, replace_module, shape_problem, unpack_nibbles
+from .int4 import (
+    FAST_DTYPE,
+    Int4Linear,
+    check_group_size,
+    dequantize_codes,
+    layer_format,
+    pack_nibbles,
+    padded_features,
+    pick_kernel,
+    quantize_rtn,
+    replace_module,
+    shape_problem,
+    unpack_nibbles,
+)
 
 HEAD_FORMATS = ("float", "int8", "int8+embedding", "int4", "int4+embedding")
 HEAD_CHOICES = ("auto", *HEAD_FORMATS)  # "auto": auto_head
@@ -235,7 +247,8 @@ def quantize_head(model, head: str = "int4", group_size: int = 32, kernel: str =
 
 
 def head_format(module: nn.Module) -> str:
-    """ "int4-g32" for an int4 head or table, "int8" for an int8 one, "gguf-q6_k" for a GGUF tensor's blocks, else the dtype of its first tensor
+    """ "int4-g32" for an int4 head or table, "int8" for an int8 one, "gguf-q6_k" for a GGUF tensor's blocks, else the
+    dtype of its first tensor
     ("float32", "bfloat16")."""
     if isinstance(module, (Int4Linear, Int4Embedding)):
         return layer_format(module)

@@ -15,7 +15,8 @@ Matmul paths, chosen once per layer at load (`pick_kernel`):
 - "reference": dequantize to the activation dtype, then F.linear. Runs everywhere; it defines the numerics.
 - "cpu_int4pack": torch's `_weight_int4pack_mm_for_cpu`; "tinygemm": torch's `_weight_int4pack_mm` (CUDA,
   compute capability >= 8.0). Both take per group [scale, offset] with w = (q - 8) * scale + offset, so the
-  canonical zero and offset become the kernel's offset (8 - zero) * scale + offset once, at load. Both compute in bfloat16 (the CPU
+  canonical zero and offset become the kernel's offset (8 - zero) * scale + offset once, at load. Both compute in
+  bfloat16 (the CPU
   kernel's float32 variant is a scalar loop, ~20x slower than its bfloat16 one on AVX-512 machines; tinygemm
   has bfloat16 only): activations are cast to bfloat16 and the result back to the activation dtype.
 """

@@ -334,7 +334,8 @@ def load_model(source: ModelSource, device: torch.device, dtype: torch.dtype, *,
     Q4_K tensors as they are (group 32), its Q5/Q6/Q8 ones as int8 rows where the int8 kernel runs, every other
     linear round-to-nearest at `group_size` (32/64/128); where the block kernel runs (engine.gguf_blocks) the
     Q4_0 / Q4_1 / Q4_K / Q6_K / Q8_0 tensors are kept as the file's blocks instead. `kernel`: the matmul path
-    ("auto", "gguf_blocks" (GGUF files), or an int4 one: "reference", "cpu_int4pack", "tinygemm"; engine.int4). `head` (engine.head.HEAD_CHOICES): the output head
+    ("auto", "gguf_blocks" (GGUF files), or an int4 one: "reference", "cpu_int4pack", "tinygemm"; engine.int4). `head`
+    (engine.head.HEAD_CHOICES): the output head
     in int8 rows or int4 (RTN at `group_size`), with "+embedding" the embedding table too; "auto": int8 head and
     table under int4 decoder layers where the int8 kernel runs, else as loaded (engine.head.auto_head).
     """
@@ -516,7 +517,8 @@ def weights_report(model) -> dict:
     if int4 or int8 or blocks:
         block_formats = [label for label, _ in Counter(head_format(m) for _, m in blocks).most_common()]
         fmt = "+".join(block_formats + ([weights_format(model)] if int4 else []) + (["int8"] if int8 else []))
-        kernel = "+".join(sorted({m.kernel for m in int4} | {m.kernel for _, m in int8} | {m.kernel for _, m in blocks}))
+        kernels = {m.kernel for m in int4} | {m.kernel for _, m in int8} | {m.kernel for _, m in blocks}
+        kernel = "+".join(sorted(kernels))
         reason = "; ".join(sorted({m.fallback_reason for m in int4 if m.fallback_reason})) or None
     else:
         fmt = str(floating).replace("torch.", "")

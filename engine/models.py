@@ -190,7 +190,8 @@ def _support(architecture: str | None, formats) -> str | None:
     if architecture is None:
         return "the hub does not say its architecture"
     if architecture not in SUPPORTED_ARCHITECTURES:
-        return f"architecture {architecture!r} is not one this engine runs ({', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        runs = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        return f"architecture {architecture!r} is not one this engine runs ({runs})"
     return None
 
 

@@ -283,7 +283,8 @@ def spill_unsupported(model) -> str | None:
 
 def make_cache(model, device_budget_bytes: int | None, page_tokens: int = PAGE_TOKENS,
                host_device: str | torch.device = "cpu") -> DynamicCache:
-    """A GrowingCache (a DynamicCache that grows in blocks) without a budget, else a SpillingCache for `model` (ValueError, with the reason,
+    """A GrowingCache (a DynamicCache that grows in blocks) without a budget, else a SpillingCache for `model`
+    (ValueError, with the reason,
     for a model whose attention cannot be paged exactly)."""
     if device_budget_bytes is None:
         return GrowingCache()

@@ -210,7 +210,8 @@ def start_streaming(model, device: torch.device, *, budget_bytes: int | None, nu
                     max_context: int = PLANNED_CONTEXT, context_bytes: int = 0,
                     folder: str | os.PathLike | None = None) -> Streaming:
     """Plans `model` (int4, on `device` or staged for it by stage_for_streaming) under `budget_bytes` (None:
-    default_budget) and streams what does not fit. ValueError naming the minimum when the budget is too small for any plan."""
+    default_budget) and streams what does not fit. ValueError naming the minimum when the budget is too small for any
+    plan."""
     budget = default_budget(device) if budget_bytes is None else int(budget_bytes)
     kv = kv_cache_bytes(model, min(max_context, PLANNED_CONTEXT))
     plan = plan_streaming(model, budget, num_slots=num_slots, kv_bytes=kv, context_bytes=context_bytes)

@@ -54,8 +54,8 @@ async def shoot(window, out: Path) -> None:
 def main() -> int:
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "resources/screenshots")
     out.mkdir(parents=True, exist_ok=True)
-    from PySide6.QtWidgets import QApplication
     import qasync
+    from PySide6.QtWidgets import QApplication
 
     from app.db import Database
     from app.engine_client import EngineClient

@@ -24,6 +24,8 @@ if [ -z "${KVBOOST_LLAMA_PYTHON:-}" ]; then
     fi
 fi
 export QT_QPA_PLATFORM=offscreen
-# engine/ never imports Qt (contract in pyproject.toml).
+# Lint and import order (ruff, configured in pyproject.toml), then the import contracts (engine/ never imports
+# Qt, nothing imports bench/, ...: pyproject.toml).
+.venv/bin/ruff check .
 .venv/bin/lint-imports
 exec .venv/bin/python -m pytest "$@"

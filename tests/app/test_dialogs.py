@@ -23,7 +23,8 @@ from PySide6.QtWidgets import (
 from app.dialogs import ConversationSettingsDialog, ModelDialog, ask_rename
 
 SAMPLING = {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 512}
-DEFAULTS = {"system_prompt": "You are a helpful assistant.", "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128}}
+DEFAULTS = {"system_prompt": "You are a helpful assistant.",
+            "sampling": {"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 128}}
 
 
 def ok_button(dialog) -> QPushButton:
@@ -234,7 +235,8 @@ def test_current_settings_are_preselected(qtbot, tmp_path):
 
 def test_unknown_reuse_mode_is_rejected(qtbot):
     with pytest.raises(ValueError, match="sometimes"):
-        ModelDialog(None, current={"source": None, "reuse": "sometimes", "layer_streaming": False}, streaming_refusal=None)
+        ModelDialog(None, current={"source": None, "reuse": "sometimes", "layer_streaming": False},
+                    streaming_refusal=None)
 
 
 def test_source_expands_home(qtbot, tmp_path, monkeypatch):
@@ -285,7 +287,8 @@ def test_browse_for_gguf_filters_gguf_files(qtbot, tmp_path, monkeypatch):
 
 def test_awq_is_disabled_with_its_reason_when_unavailable(qtbot):
     reason = "needs a CUDA GPU and the autoawq package"
-    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "layer_streaming": True}, streaming_refusal=reason)
+    dialog = model_dialog(qtbot, current={"source": None, "reuse": "chunk", "layer_streaming": True},
+                          streaming_refusal=reason)
     check = dialog.findChild(QCheckBox, "awqCheck")
     label = dialog.findChild(QLabel, "awqReason")
 

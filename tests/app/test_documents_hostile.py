@@ -11,7 +11,6 @@ import pytest
 
 from app.documents import collect_files, extract
 
-
 # --- links in a dropped folder ---------------------------------------------------------------------------
 
 

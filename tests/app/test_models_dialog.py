@@ -141,8 +141,9 @@ def test_an_unreachable_hub_shows_the_reason_and_the_downloaded_list_stays(qtbot
 
 
 def test_model_menu_opens_the_dialog_and_load_loads_the_download_and_saves_it(qtbot, db, client, hub, tmp_path):
-    from app.main_window import MainWindow
     from tiny_models import build_model, build_tokenizer
+
+    from app.main_window import MainWindow
 
     folder = tmp_path / "tiny"
     build_model("llama").save_pretrained(folder)

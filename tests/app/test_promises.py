@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import QObject, QTimer, QUrl, Qt, Slot
+from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QDesktopServices, QFont, QTextFormat
 from PySide6.QtWidgets import QApplication, QInputDialog, QLineEdit, QPushButton
 from qt_helpers import WAIT_MS

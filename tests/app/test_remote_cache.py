@@ -57,7 +57,6 @@ def test_an_answer_restored_from_the_shared_cache_says_so_in_its_cache_map(qtbot
     """One machine's answer fills the store; a second engine with empty memory and disk tiers (another machine)
     answers the same long question from it: the same text, and the cache map counts the shared tokens."""
     from PySide6.QtCore import Qt
-
     from qt_helpers import send
 
     server = RedisServer(tmp_path).start()

@@ -7,10 +7,9 @@ import time
 
 import pytest
 import torch
-from PySide6.QtCore import QTimer, Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QCheckBox, QLabel
-
 from qt_helpers import WAIT_MS, send
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}

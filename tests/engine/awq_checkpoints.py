@@ -9,9 +9,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-
 from tiny_models import ARCHS, EOS, build_tokenizer
+from transformers import AutoModelForCausalLM
 
 # Nibble j of every int32 word holds output column PACK_ORDER[j] of its 8 (AutoAWQ's GEMM order).
 PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

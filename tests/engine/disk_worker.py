@@ -16,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
+
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 DOC_TOKENS = 10 * CHUNK
 QUESTION = random_ids(7, seed=999)

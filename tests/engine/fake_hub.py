@@ -114,8 +114,8 @@ class FakeHub:
         return repo.commit if repo is not None else "0" * 40
 
     def summary(self, repo: _Repo, with_files: bool) -> dict:
-        item = {"id": repo.id, "modelId": repo.id, "sha": self.commit_of(repo), "tags": repo.tags, "downloads": repo.downloads,
-                "likes": 0, "pipeline_tag": "text-generation", "private": False}
+        item = {"id": repo.id, "modelId": repo.id, "sha": self.commit_of(repo), "tags": repo.tags,
+                "downloads": repo.downloads, "likes": 0, "pipeline_tag": "text-generation", "private": False}
         for key in ("config", "gguf", "safetensors"):
             if getattr(repo, key) is not None:
                 item[key] = getattr(repo, key)

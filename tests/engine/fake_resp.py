@@ -3,7 +3,8 @@ each as its script says, so a test can be a store that is not Redis, or a broken
 
 The script is a function of the command (a list of bytes, the name upper-cased) returning what to send: bytes (sent
 as they are), Drip (a few bytes at a time), Endless (a head, then bytes until the client hangs up), Silence (never a
-reply), CLOSE (hang up) or a list of these in turn, or None for the default: a small store that keeps SET values in a dict and answers
+reply), CLOSE (hang up) or a list of these in turn, or None for the default: a small store that keeps SET values in a
+dict and answers
 AUTH/SELECT/CLIENT/PING/HELLO/GET/SET/DEL/HSETNX as Redis 7 does.
 """
 

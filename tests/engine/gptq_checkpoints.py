@@ -11,9 +11,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
-
 from tiny_models import ARCHS, EOS, build_tokenizer
+from transformers import AutoModelForCausalLM
 
 DECODER_LINEAR = re.compile(r"layers\.\d+\.")
 

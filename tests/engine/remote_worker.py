@@ -15,11 +15,11 @@ import json
 import sys
 
 import torch
-
 from disk_worker import NEW_TOKENS, QUESTION, document
+from tiny_models import COMMON, build_model, build_tokenizer, random_ids
+
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
-from tiny_models import COMMON, build_model, build_tokenizer, random_ids
 
 WIDE_CHUNK = 64
 WIDE_DOC_TOKENS = 6 * WIDE_CHUNK  # 48 MB of float32 KV

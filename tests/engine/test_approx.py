@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ATOL, build_model, build_tokenizer, random_ids
 from transformers import DynamicCache
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.config import RepairConfig
 from engine.prefill import prefill
-from tiny_models import ATOL, build_model, build_tokenizer, random_ids
 
 CHUNK = 32
 

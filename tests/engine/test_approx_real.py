@@ -17,9 +17,9 @@ on the second prompt its KL is worse than no repair's), cacheblend's is wide."""
 from __future__ import annotations
 
 import pytest
+from quality import common_prefix, kl
 
 from bench import needle
-from quality import common_prefix, kl
 
 ORDERS = [(2, 0, 3, 1), (1, 3, 0, 2), (3, 2, 1, 0)]
 NEW_TOKENS = 32

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import ARCHS, ATOL, CHUNK, EOS, SLIDING_ARCHS, VOCAB, WINDOW, build_model, build_tokenizer, random_ids
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -17,7 +18,6 @@ from transformers import (
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.prefill import prefill
-from tiny_models import ARCHS, ATOL, CHUNK, EOS, SLIDING_ARCHS, VOCAB, WINDOW, build_model, build_tokenizer, random_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

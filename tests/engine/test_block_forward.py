@@ -16,7 +16,6 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from engine import gguf_blocks
 from engine.block_forward import RowNorm, RowSiLU, unsupported, use_block_forward, uses_block_forward
 from engine.exact_attention import ROWS, use_exact_attention
-from engine.gguf_blocks import BlockLinear
 from engine.live_cache import GrowingCache
 from engine.loader import fingerprint, load_model, quiet_transformers, resolve_source
 

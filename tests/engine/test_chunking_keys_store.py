@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from engine.chunking import PARAGRAPH_BREAK, SENTENCE_BREAK, NO_BREAK, chunk_spans, classify_token_text
+from engine.chunking import NO_BREAK, PARAGRAPH_BREAK, SENTENCE_BREAK, chunk_spans, classify_token_text
 from engine.config import ChunkingConfig
 from engine.eviction import LRU, ImportanceLRU
 from engine.keys import chain_key, content_key, root_key
@@ -221,4 +221,4 @@ def test_engine_package_never_imports_qt():
             elif isinstance(node, ast.ImportFrom) and node.module:
                 names = [node.module]
             for name in names:
-                assert not name.split(".")[0] in ("PySide6", "PyQt5", "PyQt6", "qasync"), f"{path} imports {name}"
+                assert name.split(".")[0] not in ("PySide6", "PyQt5", "PyQt6", "qasync"), f"{path} imports {name}"

@@ -11,13 +11,13 @@ import threading
 import numpy as np
 import pytest
 import torch
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.disk import INDEX_FILENAME, DiskTier
 from engine.eviction import LRU
 from engine.store import ChunkStore
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 DOC = random_ids(6 * CHUNK + 5, seed=41)
 OTHER_DOC = random_ids(6 * CHUNK + 5, seed=42)

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny_models import build_model, build_tokenizer
 
 from engine.disk import DiskTier
-from tiny_models import build_model, build_tokenizer
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 from tiny_models import build_model, build_tokenizer, random_ids
-from transformers import PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from engine import EngineConfig, KVBoost, UnsupportedModelError
 from engine.draft_model import DraftModel
@@ -76,7 +76,8 @@ def test_from_pretrained_loads_a_draft_model_and_refuses_one_of_another_vocabula
     assert engine.config.speculative == "draft-model" and engine.draft_model is not None
     plain = engine.with_options(speculative=None)
     for prompt in PROMPTS[:2]:
-        assert engine.generate(prompt, max_new_tokens=12).token_ids == plain.generate(prompt, max_new_tokens=12).token_ids
+        want = plain.generate(prompt, max_new_tokens=12).token_ids
+        assert engine.generate(prompt, max_new_tokens=12).token_ids == want
 
     other_vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"v{i}": i for i in range(3, 512)}}
     backend = Tokenizer(models.WordLevel(other_vocab, unk_token="<pad>"))

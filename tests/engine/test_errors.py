@@ -61,8 +61,8 @@ def test_corrupt_gguf_is_a_clear_error(tmp_path):
 
 
 def test_non_rope_model_is_refused(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
     from tokenizers import Tokenizer, models
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     folder = tmp_path / "tiny-gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(folder)

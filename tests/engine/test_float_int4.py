@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_kernels import needs_cpu_kernel
 from safetensors.torch import load_file, save_file
 from tiny_models import ARCHS, build_model, random_ids
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cpu_kernels import needs_cpu_kernel
 from engine.float_int4 import CheckpointError, load_float_as_int4
 from engine.int4 import Int4Linear, quantize_model
 
@@ -100,7 +100,8 @@ def registered_float_weights(load) -> list[str]:
     seen = []
 
     def hook(module, name, tensor):
-        if tensor is not None and not tensor.is_meta and tensor.is_floating_point() and tensor.numel() >= DECODER_WEIGHT:
+        if (tensor is not None and not tensor.is_meta and tensor.is_floating_point()
+                and tensor.numel() >= DECODER_WEIGHT):
             seen.append(f"{type(module).__name__}.{name} {list(tensor.shape)}")
 
     handles = [nn.modules.module.register_module_parameter_registration_hook(hook),

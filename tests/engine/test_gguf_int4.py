@@ -9,16 +9,14 @@ import copy
 import numpy as np
 import pytest
 import torch
+from cpu_kernels import needs_cpu_kernel  # noqa: E402
 from gguf import GGMLQuantizationType, quants
-
 from gguf_files import encode
 from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
 from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
 from engine.loader import default_model_path, fingerprint, load_model, resolve_source, weights_report
-
-from cpu_kernels import needs_cpu_kernel  # noqa: E402
 
 
 def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,20 @@ from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
 from engine.gguf_tokenizer import load_gguf_tokenizer, tokenizer_folder
 from engine.head import Int4Embedding, Int8Embedding, Int8Linear
 from engine.int4 import Int4Linear, decoder_linears
-from engine.loader import default_model_path, fingerprint, load_model, quiet_transformers, resolve_source, \
-    weights_report
+from engine.loader import (
+    default_model_path,
+    fingerprint,
+    load_model,
+    quiet_transformers,
+    resolve_source,
+    weights_report,
+)
 
 CPU = torch.device("cpu")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 ALL_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
 from cpu_kernels import needs_cpu_kernel  # noqa: E402
+
 IDS = torch.tensor([[5, 70, 300, 12, 400, 9, 33, 200, 201, 202, 17, 18]])
 # The int4pack and int8pack kernels compute in bfloat16 (activations, and the kernel's scale/offset): their
 # logits on these files are 1.2-2.8% of the largest logit from the float model's (measured), bounded at 5%.
@@ -472,7 +479,8 @@ def test_the_torch_dequantizers_give_gguf_pys_values_bit_for_bit(kind):
     ("Q8_0", "float", "auto"), ("F16", "int4", "auto")])
 def test_reuse_over_every_weight_form_gives_the_uncached_greedy_tokens(files, kind, weights, kernel, one_thread):
     """EXACT and PREFIX hits over the file's blocks (Q6_K / Q8_0 with kernel "auto" where the block kernel runs,
-    every type with "gguf_blocks"), int4 codes and int8 rows (the int4pack kernels), RTN int4 and float: 12 prompts sharing prefixes of whole chunks, each
+    every type with "gguf_blocks"), int4 codes and int8 rows (the int4pack kernels), RTN int4 and float: 12 prompts
+    sharing prefixes of whole chunks, each
     answered after the others filled the cache: the first token's logits (bit for bit over the quantized forms;
     under float32 attention Q4_0's moved) and the greedy tokens those of an uncached run. Divergences: none of 24."""
     from engine import ChunkingConfig, EngineConfig, KVBoost

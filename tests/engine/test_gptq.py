@@ -10,14 +10,14 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from awq_checkpoints import write_awq_checkpoint
+from cpu_kernels import needs_cpu_kernel
 from gptq_checkpoints import pack_columns, pack_rows, rewritten, write_gptq_checkpoint
 from safetensors.torch import load_file
 from tiny_models import random_ids
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from awq_checkpoints import write_awq_checkpoint
-from cpu_kernels import needs_cpu_kernel
 from engine.gptq import GPTQFormatError, is_gptq_folder, load_gptq_model, unpack_columns, unpack_rows
 from engine.int4 import Int4Linear, weights_format
 

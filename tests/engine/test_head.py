@@ -8,12 +8,17 @@ import copy
 
 import pytest
 import torch
+from tiny_models import build_model, random_ids
 from torch import nn
 
-from tiny_models import build_model, random_ids
-
-from engine.head import Int4Embedding, Int8Embedding, Int8Linear, int8_kernel_unavailable, quantize_head, \
-    quantize_rows_int8
+from engine.head import (
+    Int4Embedding,
+    Int8Embedding,
+    Int8Linear,
+    int8_kernel_unavailable,
+    quantize_head,
+    quantize_rows_int8,
+)
 from engine.int4 import Int4Linear, dequantize_codes, quantize_rtn
 from engine.loader import fingerprint, load_model, resolve_source, weights_report
 

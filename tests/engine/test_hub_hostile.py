@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub
 
 from engine.models import DiskFull, ModelHub, ModelHubError, OutsideCache, RefusedHubAnswer
-from fake_hub import FakeHub
 
 SMALL_REPO = "test-org/small-GGUF"
 SMALL_NAME = "small.Q4_0.gguf"

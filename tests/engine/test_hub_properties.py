@@ -13,12 +13,12 @@ import string
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub, Faults
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from engine import hub_names
 from engine.models import ModelHub, ModelHubError, RefusedHubAnswer
-from fake_hub import FakeHub, Faults
 
 REPO = "test-org/fuzzed"
 CLIMB = 8  # the most `../` a generated name holds; the cache sits deeper than that below the test's folder
@@ -34,7 +34,8 @@ ANY_GIT_SHA1 = hashlib.sha1(b"blob 4096\0" + ANY_BYTES).hexdigest()
     (hub_names.commit, "0123456789abcdef0123456789abcdef01234567", "0123456789abcdef0123456789abcdef01234567"),
     (hub_names.file_name, "Q4_K_M/model-Q4_K_M-00001-of-00002.gguf", "Q4_K_M/model-Q4_K_M-00001-of-00002.gguf"),
     (hub_names.file_name, "nötes ...txt", "nötes ...txt"), (hub_names.revision, "refs/pr/1", "refs/pr/1"),
-    (hub_names.repo_id, "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"), (hub_names.repo_id, "gpt2", "gpt2"),
+    (hub_names.repo_id, "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    (hub_names.repo_id, "gpt2", "gpt2"),
 ])
 def test_names_in_the_shapes_the_hub_sends_pass(check, value, expected):
     assert (check(value, "x") if check is hub_names.etag else check(value)) == expected
@@ -168,9 +169,11 @@ def model_info(absolute: Path, hostile: set):
         "siblings": pick("siblings", hostile, st.lists(sibling, min_size=1, max_size=4), JUNK),
         "tags": pick("tags", hostile, st.lists(st.sampled_from(["gguf", "llama", "safetensors"]), max_size=3),
                      st.lists(JUNK, max_size=2), JUNK),
-        "config": pick("config", hostile, st.fixed_dictionaries({"model_type": st.just("llama")}), st.fixed_dictionaries(
-            {}, optional={"model_type": JUNK, "quantization_config": st.fixed_dictionaries(
-                {"quant_method": st.just("awq") | JUNK}) | JUNK}), JUNK),
+        "config": pick("config", hostile, st.fixed_dictionaries({"model_type": st.just("llama")}),
+                       st.fixed_dictionaries({}, optional={
+                           "model_type": JUNK,
+                           "quantization_config": st.fixed_dictionaries({"quant_method": st.just("awq") | JUNK}) | JUNK,
+                       }), JUNK),
         "gguf": pick("gguf", hostile, st.fixed_dictionaries({"architecture": st.just("llama"), "total": size}),
                      st.fixed_dictionaries({}, optional={"architecture": JUNK, "total": st.one_of(*bad_sizes)}), JUNK),
         "safetensors": pick("safetensors", hostile, st.just({"parameters": {"F32": 10}, "total": 10}),

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from awq_checkpoints import PACK_ORDER, pack_awq, write_awq_checkpoint
 from tiny_models import FIRST_WORD, VOCAB, build_model, build_tokenizer, random_ids
+from torch import nn
 
 from engine import KVBoost
-from engine.exact_attention import EXACT
 from engine.awq import unpack_awq
 from engine.config import ChunkingConfig, EngineConfig
+from engine.exact_attention import EXACT
 from engine.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
 from engine.loader import fingerprint, load_model, resolve_source, weights_report
 

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from tiny_models import ARCHS, CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
@@ -19,7 +20,6 @@ from engine.payload_file import encode_file
 from engine.store import ChunkStore
 from engine.tiered_store import _max_value_bytes
 from engine.tiers import KVLayout, encode_kv
-from tiny_models import ARCHS, CHUNK, build_model, build_tokenizer, random_ids
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 

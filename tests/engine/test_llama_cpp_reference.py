@@ -24,9 +24,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from gguf_files import VOCAB, tiny_gguf
 
 from engine.loader import default_model_path, load_model, resolve_source
-from gguf_files import VOCAB, tiny_gguf
 
 CPU = torch.device("cpu")
 REL_RMS_BOUND = 0.10

@@ -15,11 +15,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiny_models import build_model, build_tokenizer
 
 from engine import KVBoost, ModelLoadError, UnsupportedModelError
 from engine.model_checks import CONFIG_LIMITS
-
-from tiny_models import build_model, build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 

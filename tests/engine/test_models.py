@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub
+from tiny_models import build_model, build_tokenizer
 
 from engine import loader, model_fit
 from engine.models import (
@@ -23,8 +25,6 @@ from engine.models import (
     ModelHub,
     gguf_quant,
 )
-from fake_hub import FakeHub
-from tiny_models import build_model, build_tokenizer
 
 GGUF_REPO = "test-org/SmolLM2-135M-Instruct-GGUF"
 TINY_REPO = "test-org/tiny-llama"

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from redis_server import NEEDS_REDIS, running_redis
+from tiny_models import CHUNK, build_model, build_tokenizer
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.generate import Result
-from redis_server import NEEDS_REDIS, running_redis
-from tiny_models import CHUNK, build_model, build_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import disk_worker  # noqa: E402
@@ -102,8 +102,9 @@ def test_a_killed_or_hung_store_changes_no_answer_and_slows_no_request(redis_ser
         run("killed", seed)
         time.sleep(RETRY_S / 2)
     print(f"\nrequest without the shared tier: median {statistics.median(baseline) * 1000:.0f} ms; with it, "
-          "slower by at most " + ", ".join(f"{phase} {max(t) * 1000:+.0f} ms (median {statistics.median(t) * 1000:+.0f})"
-                                         for phase, t in extra.items()))
+          "slower by at most " + ", ".join(
+              f"{phase} {max(t) * 1000:+.0f} ms (median {statistics.median(t) * 1000:+.0f})"
+              for phase, t in extra.items()))
     for phase, seconds in extra.items():
         assert max(seconds) < SLOWER_BOUND_S, (phase, seconds, baseline)
     # one warning per outage (hung, then gone), not one per call

@@ -12,6 +12,9 @@ import tracemalloc
 
 import pytest
 import torch
+from fake_resp import CLOSE, Drip, Endless, FakeResp, Silence, bulk
+from redis_server import NEEDS_REDIS, running_redis
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
@@ -21,9 +24,6 @@ from engine.payload_file import decode_bytes, encode_file, read_header
 from engine.remote_tier import RemoteEntry, RemoteTier
 from engine.store import ChunkRecord
 from engine.tiers import StoredKV, decode_kv, encode_kv
-from fake_resp import CLOSE, Drip, Endless, FakeResp, Silence, bulk
-from redis_server import NEEDS_REDIS, running_redis
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 DOC_CHUNKS = 10
 DOC = random_ids(DOC_CHUNKS * CHUNK, seed=61)

@@ -4,12 +4,12 @@ lines, a password never shown, a namespace per setting."""
 from __future__ import annotations
 
 import pytest
+from tiny_models import build_model, build_tokenizer
 
 from engine import EngineConfig, KVBoost
 from engine.cli import build_parser
 from engine.remote_tier import remote_namespace, shown_url
 from server.cli import build_server_parser
-from tiny_models import build_model, build_tokenizer
 
 
 def test_the_namespace_follows_kv_quant_device_and_dtype():

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_server import NEEDS_REDIS, running_redis
+from tiny_models import CHUNK, build_model, build_tokenizer
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
@@ -20,8 +22,6 @@ from engine.keys import chain_key
 from engine.remote_tier import RemoteEntry, RemoteTier
 from engine.store import ChunkRecord
 from engine.tiers import encode_kv
-from redis_server import NEEDS_REDIS, running_redis
-from tiny_models import CHUNK, build_model, build_tokenizer
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent.parent

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_resp import Drip, FakeResp, bulk
+from redis_server import NEEDS_REDIS, running_redis
+from remote_worker import WIDE_CHUNK, WIDE_DOC_TOKENS
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.keys import chain_key
 from engine.payload_file import encode_file
 from engine.remote_tier import DEFAULT_PREFILL_TOKENS_PER_S, RemoteEntry, RemoteTier
 from engine.tiers import encode_kv
-from fake_resp import Drip, FakeResp, bulk
-from redis_server import NEEDS_REDIS, running_redis
-from remote_worker import WIDE_CHUNK, WIDE_DOC_TOKENS
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 HERE = Path(__file__).parent
 ROOT_DIR = HERE.parent.parent

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from redis_server import BINARY, RedisServer, make_certificates
+from tiny_models import CHUNK
 
 from engine.keys import chain_key
 from engine.remote_tier import RemoteEntry, RemoteTier
 from engine.store import ChunkRecord
 from engine.tiers import encode_kv
-from redis_server import BINARY, RedisServer, make_certificates
-from tiny_models import CHUNK
 
 pytestmark = pytest.mark.skipif(BINARY is None, reason="redis-server is not installed")
 ROOT = b"\0" * 16

@@ -12,8 +12,8 @@ from tiny_models import EOS, FIRST_WORD, VOCAB, build_model, build_tokenizer, ra
 from torch import nn
 
 from engine import EngineConfig, KVBoost
-from engine.config import ChunkingConfig, SamplingConfig
 from engine.batching import drive_alone
+from engine.config import ChunkingConfig, SamplingConfig
 from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify

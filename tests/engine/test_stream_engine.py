@@ -128,7 +128,8 @@ def test_batched_requests_share_each_weight_pass_of_a_streamed_model(awq_folder,
     every request in it (and their drafted tokens)."""
     from engine import EngineWorker, Result
 
-    streamed = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=smallest_budget(awq_folder, tmp_path))
+    budget = smallest_budget(awq_folder, tmp_path)
+    streamed = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=budget)
     prompts = [PROMPT, random_ids(40, seed=4), random_ids(33, seed=5)]
     alone = [streamed.generate(p, max_new_tokens=12) for p in prompts]
     worker = EngineWorker(name="test-stream-batch")
@@ -138,7 +139,8 @@ def test_batched_requests_share_each_weight_pass_of_a_streamed_model(awq_folder,
     passes_before, tokens_before = streamed.streaming.counters()
     gate.set()
     together = [[e for e in job if isinstance(e, Result)][0] for job in jobs]
-    passes, tokens = (now - before for now, before in zip(streamed.streaming.counters(), (passes_before, tokens_before)))
+    passes, tokens = (now - before
+                      for now, before in zip(streamed.streaming.counters(), (passes_before, tokens_before)))
     assert worker.stop(5)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     forwards_alone = sum(r.stats.decode_forwards + 1 for r in alone)  # + 1: each prompt's prefill pass

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
-
 from awq_checkpoints import write_awq_checkpoint
 from tiny_models import ARCHS, COMMON, random_ids
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
 from engine.copy_engines import CpuCopyEngine, CudaCopyEngine
 from engine.int4 import Int4Linear, quantize_model

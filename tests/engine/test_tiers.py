@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine.disk import DiskTier
-from engine.payload_file import PayloadError, decode_file, encode_file
 from engine.eviction import LRU
 from engine.keys import chain_key
+from engine.payload_file import PayloadError, decode_file, encode_file
 from engine.store import ChunkStore, kv_nbytes
 from engine.tiers import MemoryTier, decode_kv, encode_kv
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from awq_checkpoints import write_awq_checkpoint
+from tiny_models import build_model, build_tokenizer
+
 from engine import gguf_blocks, weight_sizes
 from engine.gguf_loader import auto_block_types
 from engine.head import int8_kernel_unavailable
 from engine.loader import load_model, resolve_source, weights_report
-from tiny_models import build_model, build_tokenizer
 
 CPU = torch.device("cpu")
 

@@ -7,10 +7,10 @@ import threading
 import time
 
 import pytest
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, Result, TokenEvent
 from engine.worker import FAILED, FINISHED, SKIPPED, EngineWorker, WorkerStopped
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 WAIT_S = 30
 

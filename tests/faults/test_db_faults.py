@@ -7,7 +7,6 @@ a DatabaseError naming the file and left nothing of itself behind, and the file 
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import sqlite3

@@ -22,9 +22,10 @@ ENGINE_TESTS = HERE.parent / "engine"
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ENGINE_TESTS))
 
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
+
 from engine import ChunkingConfig, EngineConfig, KVBoost  # noqa: E402
 from engine.disk import INDEX_FILENAME, DiskTier  # noqa: E402
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
 DOCS = [random_ids(4 * CHUNK + 3, seed=60 + i) for i in range(3)]
 QUESTION = random_ids(5, seed=70)

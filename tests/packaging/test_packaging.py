@@ -13,11 +13,11 @@ import shutil
 import struct
 import subprocess
 import sys
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGING = ROOT / "packaging"
@@ -45,9 +45,10 @@ def pyproject() -> dict:
 # -- the spec ----------------------------------------------------------------------------------------------------
 
 def test_every_model_type_the_engine_runs_has_its_transformers_family_bundled(contents):
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
     from engine.blend import BLEND_MODEL_TYPES
     from engine.rope import VERIFIED_MODEL_TYPES
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     families = contents.model_families(ROOT)
     assert contents.engine_model_types(ROOT) == set(VERIFIED_MODEL_TYPES) | set(BLEND_MODEL_TYPES)

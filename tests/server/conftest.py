@@ -4,7 +4,6 @@ module ends."""
 from __future__ import annotations
 
 import pytest
-
 from server_helpers import RunningServer
 
 

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
-from server.schema import APIError, ChatBody, CompletionBody, parse_body
 from server.app import sampling_kwargs
+from server.schema import APIError, ChatBody, CompletionBody, parse_body
 
 CHARS = st.characters() | st.characters(categories=["Cs"])  # lone surrogates too
 TEXT = st.lists(CHARS, max_size=12).map("".join)  # (st.text(CHARS) would drop them)

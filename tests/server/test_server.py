@@ -9,7 +9,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from server_helpers import EngineBusy, RunningServer, wait_until
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]

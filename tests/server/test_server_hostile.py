@@ -13,9 +13,9 @@ import time
 
 import httpx
 import pytest
+from server_helpers import RunningServer
 
 from server.app import Timeouts
-from server_helpers import RunningServer
 
 HI = [{"role": "user", "content": "What is the capital of France?"}]
 COUNT = "Count: one, two, three, four, five, six,"

@@ -11,7 +11,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from server_helpers import free_port, wait_healthy
 
 BIN = Path(sys.executable).parent

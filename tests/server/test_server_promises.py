@@ -16,7 +16,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from server_helpers import EngineBusy, RunningServer, free_port, wait_healthy, wait_until
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
