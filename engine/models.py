@@ -55,7 +55,7 @@ __all__ = ["ModelHub", "ModelHubError", "HubUnreachable", "HubNotFound", "Downlo
            "RepoFiles", "LocalModel", "gguf_quant", "SUPPORTED_ARCHITECTURES", "FORMATS"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-# config.json model_type / GGUF general.architecture values the engine is tested with (tests/engine/tiny_models.py,
+# config.json model_type / GGUF general.architecture values the engine is tested with (tests/support/tiny_models.py,
 # and transformers' GGUF loader for the GGUF names).
 SUPPORTED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
                                      "phi3"})

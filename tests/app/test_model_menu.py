@@ -3,16 +3,11 @@ Model > Recent models) and the remote server answering again after a restart unl
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from qt_helpers import WAIT_MS
+from tiny_models import build_model, build_tokenizer  # noqa: E402  (before an engine thread imports transformers)
 
 from app.model_menu import RECENT_MAX, recent_label, remembered
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from tiny_models import build_model, build_tokenizer  # noqa: E402  (before an engine thread imports transformers)
 
 
 def test_a_load_goes_first_once_and_the_list_stays_short():

@@ -1,20 +1,16 @@
-"""Model > Models… over the fake hub on 127.0.0.1 (tests/engine/fake_hub.py): search, files with fit colours,
+"""Model > Models… over the fake hub on 127.0.0.1 (tests/support/fake_hub.py): search, files with fit colours,
 download with progress, cancel and resume, the downloaded list, remove, load; real widgets offscreen, real HTTP,
 the cache in the test's own folder."""
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
+from fake_hub import FakeHub  # noqa: E402
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QMessageBox
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from fake_hub import FakeHub  # noqa: E402
 
 from app.models_dialog import ModelsDialog  # noqa: E402
 

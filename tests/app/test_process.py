@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from processes import app_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,11 +44,6 @@ CHILD = textwrap.dedent("""
     app.exec()
 """)
 
-
-def app_env(**extra) -> dict:
-    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT))
-    env.update(extra)
-    return env
 
 
 @pytest.mark.slow

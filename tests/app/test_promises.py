@@ -322,7 +322,6 @@ def test_kvboost_warm_prefills_a_file_into_the_disk_cache(tmp_path):
 
 
 def test_a_gguf_load_fills_the_bar_layer_by_layer_and_says_what_auto_chose(qtbot, idle_window, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
     from gguf_files import tiny_gguf
 
     window = idle_window

@@ -13,11 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
-from test_process import app_env  # noqa: E402
+from processes import ROOT, app_env
 
 # The real app's entry (app.main.main) on a home, with the default model; quitting while it is still loading.
 LOADING = [sys.executable, "-m", "app.main", "--home"]

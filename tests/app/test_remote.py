@@ -18,8 +18,6 @@ from PySide6.QtWidgets import QDialogButtonBox
 from qt_helpers import WAIT_MS, send
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "server"))
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 from server_helpers import RunningServer, free_port, wait_healthy  # noqa: E402
 

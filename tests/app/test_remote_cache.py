@@ -3,13 +3,8 @@ password), the password never reaches the settings database, and the memory mete
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from qt_helpers import WAIT_MS
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from redis_server import BINARY, RedisServer  # noqa: E402
 from tiny_models import build_model, build_tokenizer  # noqa: E402
 

@@ -4,26 +4,21 @@ writing, evicting and reading one folder at once never serve anything wrong."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
+import disk_worker  # the same document/question definitions as the worker processes
 import pytest
+from processes import SUPPORT, child_env
 from tiny_models import build_model, build_tokenizer
 
 from engine.disk import DiskTier
 
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
-WORKER = HERE / "disk_worker.py"
-
-sys.path.insert(0, str(HERE))
-import disk_worker  # noqa: E402  (the same document/question definitions as the worker processes)
+WORKER = SUPPORT / "disk_worker.py"
 
 
 def run_worker(folder, budget, quant, mode, *seeds, wait=True):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
+    env = child_env()
     args = [sys.executable, str(WORKER), str(folder), str(budget), quant, mode, *map(str, seeds)]
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return finish(proc) if wait else proc

@@ -1,4 +1,4 @@
-"""A hostile hub (tests/engine/fake_hub.py on 127.0.0.1, answering what it likes): ETags, file names and commits
+"""A hostile hub (tests/support/fake_hub.py on 127.0.0.1, answering what it likes): ETags, file names and commits
 that are paths, links in the cache that point out of it, a redirect loop, an empty file, a full disk. Each is one
 ModelHubError with a message that names the value, nothing is written outside the cache folder, and the command
 line prints one line and exits 1."""

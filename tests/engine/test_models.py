@@ -1,5 +1,5 @@
 """The model library (engine.models, engine.hub_cache, engine.model_fit, kvboost models) over a fake hub of our
-own on 127.0.0.1 (tests/engine/fake_hub.py) serving the embedded GGUF and a tiny safetensors llama built here.
+own on 127.0.0.1 (tests/support/fake_hub.py) serving the embedded GGUF and a tiny safetensors llama built here.
 Every cache folder is the test's own."""
 
 from __future__ import annotations

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import logging
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import disk_worker  # noqa: E402
 import pytest
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.generate import Result
-
-sys.path.insert(0, str(Path(__file__).parent))
-import disk_worker  # noqa: E402
 
 pytestmark = NEEDS_REDIS
 

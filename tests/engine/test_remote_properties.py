@@ -1,4 +1,4 @@
-"""The shared tier fuzzed with hypothesis, over a fake RESP server on 127.0.0.1 (tests/engine/fake_resp.py).
+"""The shared tier fuzzed with hypothesis, over a fake RESP server on 127.0.0.1 (tests/support/fake_resp.py).
 
 Values: payloads with valid checksums made by the project's own encoder, of any layer count, KV heads, head dim,
 token count, dtype and quantization, and with layers or k/v that differ from each other: the tier serves one

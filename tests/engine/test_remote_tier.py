@@ -5,14 +5,14 @@ deleted, entries the store evicts under its memory budget are misses, and a full
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+import disk_worker  # the documents and question the worker processes use
 import pytest
 import torch
+from processes import SUPPORT, child_env
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
@@ -22,11 +22,6 @@ from engine.keys import chain_key
 from engine.remote_tier import RemoteEntry, RemoteTier
 from engine.store import ChunkRecord
 from engine.tiers import encode_kv
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-import disk_worker  # noqa: E402  (the documents and question the worker processes use)
 
 pytestmark = NEEDS_REDIS
 
@@ -39,8 +34,9 @@ DOC_CHUNKS = disk_worker.DOC_TOKENS // CHUNK
 
 
 def run_worker(url, folder, mode, *seeds, chunk=CHUNK, quant="none"):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-    args = [sys.executable, str(HERE / "remote_worker.py"), url, str(folder), mode, str(chunk), quant, *map(str, seeds)]
+    env = child_env()
+    args = [sys.executable, str(SUPPORT / "remote_worker.py"), url, str(folder), mode, str(chunk), quant,
+            *map(str, seeds)]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

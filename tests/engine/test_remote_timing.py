@@ -10,11 +10,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from fake_resp import Drip, FakeResp, bulk
+from processes import SUPPORT, child_env
 from redis_server import NEEDS_REDIS, running_redis
 from remote_worker import WIDE_CHUNK, WIDE_DOC_TOKENS
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
@@ -25,8 +25,6 @@ from engine.payload_file import encode_file
 from engine.remote_tier import DEFAULT_PREFILL_TOKENS_PER_S, RemoteEntry, RemoteTier
 from engine.tiers import encode_kv
 
-HERE = Path(__file__).parent
-ROOT_DIR = HERE.parent.parent
 ROOT = b"\0" * 16
 TOKENS = tuple(range(3, 103))  # one entry of 100 tokens
 ENTRY = RemoteEntry(chain_key(ROOT, TOKENS), ROOT, 0, TOKENS)
@@ -97,8 +95,8 @@ def test_an_engine_measures_its_prefill_rate(one_thread):
 
 
 def run_worker(url, folder, mode, seed, env=None, silence_s=None):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT_DIR), str(HERE)]), **(env or {}))
-    args = [sys.executable, str(HERE / "remote_worker.py"), url, str(folder), mode, str(WIDE_CHUNK), "none",
+    env = child_env(**(env or {}))
+    args = [sys.executable, str(SUPPORT / "remote_worker.py"), url, str(folder), mode, str(WIDE_CHUNK), "none",
             str(seed), "--model", "wide", *([] if silence_s is None else ["--silence", str(silence_s)])]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

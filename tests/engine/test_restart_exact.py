@@ -5,22 +5,18 @@ disk tier, and its hits are EXACT/PREFIX (lossless), never QUANTIZED."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import chat_worker  # the same conversation as the worker processes
 import pytest
-
-HERE = Path(__file__).parent
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE))
-import chat_worker  # noqa: E402  (the same conversation as the worker processes)
+from processes import SUPPORT, child_env
 
 
 def run_chat(folder: Path) -> dict:
-    env = dict(os.environ, KVBOOST_CACHE_DIR=str(folder), PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE)]))
-    out = subprocess.run([sys.executable, str(HERE / "chat_worker.py")], env=env, capture_output=True, text=True,
+    env = child_env(KVBOOST_CACHE_DIR=str(folder))
+    out = subprocess.run([sys.executable, str(SUPPORT / "chat_worker.py")], env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

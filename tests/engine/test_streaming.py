@@ -27,7 +27,7 @@ HUGE = 1 << 50
 
 @pytest.fixture(scope="module")
 def awq_folders(tmp_path_factory):
-    """Tiny AWQ checkpoints of six-layer llama and qwen2, written by tests/engine/awq_checkpoints.py."""
+    """Tiny AWQ checkpoints of six-layer llama and qwen2, written by tests/support/awq_checkpoints.py."""
     root = tmp_path_factory.mktemp("awq-streaming")
     with pytest.MonkeyPatch.context() as patch:
         for arch, make_config in DEEP.items():

@@ -16,16 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import SUPPORT, child_env
+from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-HERE = Path(__file__).parent
-ENGINE_TESTS = HERE.parent / "engine"
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(ENGINE_TESTS))
-
-from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
-
-from engine import ChunkingConfig, EngineConfig, KVBoost  # noqa: E402
-from engine.disk import INDEX_FILENAME, DiskTier  # noqa: E402
+from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine.disk import INDEX_FILENAME, DiskTier
 
 DOCS = [random_ids(4 * CHUNK + 3, seed=60 + i) for i in range(3)]
 QUESTION = random_ids(5, seed=70)
@@ -210,9 +205,9 @@ def test_an_index_locked_past_the_timeout_degrades_without_a_wrong_answer(tiny, 
 
 def test_a_writer_killed_mid_write_leaves_a_folder_the_next_process_trusts(tmp_path):
     folder = tmp_path / "kv"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ENGINE_TESTS)]))
+    env = child_env()
     seeds = [str(s) for s in range(100, 140)]
-    proc = subprocess.Popen([sys.executable, str(ENGINE_TESTS / "disk_worker.py"), str(folder), str(1 << 30),
+    proc = subprocess.Popen([sys.executable, str(SUPPORT / "disk_worker.py"), str(folder), str(1 << 30),
                              "none", "warm", *seeds], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     rows = 0
@@ -236,13 +231,12 @@ def test_a_writer_killed_mid_write_leaves_a_folder_the_next_process_trusts(tmp_p
     assert report["bad"] == [] and report["checked"] >= 24
     disk.close()
     # the next process is served what the killed one wrote, with the cold answers
-    sys.path.insert(0, str(ENGINE_TESTS))
     import disk_worker
 
     from engine import EngineConfig, KVBoost
 
     cold = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
-    out = subprocess.run([sys.executable, str(ENGINE_TESTS / "disk_worker.py"), str(folder), str(1 << 30), "none",
+    out = subprocess.run([sys.executable, str(SUPPORT / "disk_worker.py"), str(folder), str(1 << 30), "none",
                           "ask", "100", "101"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     import json

@@ -4,13 +4,8 @@ pinned spill of long generations, and a restart from disk on the GPU equal to fu
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "engine"))
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
 from engine import ChunkingConfig, EngineConfig, KVBoost  # noqa: E402

@@ -4,15 +4,11 @@ HTTP on 127.0.0.1, a real tiny engine."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from server_helpers import free_port, wait_until  # noqa: E402
 from tiny_models import CHUNK, build_model, build_tokenizer  # noqa: E402
 
