@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "seconds")
     p.add_argument("--report-startup", action="store_true",
                    help="print how long the window took to come up (from process start) and exit")
+    p.add_argument("--check-window", action="store_true",
+                   help="say whether the window can open here (exit 0), or what the system lacks (exit 3)")
     return p
 
 
@@ -133,6 +135,9 @@ def fail(message: str) -> int:
     return 2
 
 
+WINDOW_UNAVAILABLE = 3  # the exit status when the window cannot open here (scripts/run.sh then starts the chat)
+
+
 def main(argv=None) -> int:
     # Documents are read in worker processes (app.document_worker); in a frozen build the spawned worker starts
     # this same executable, which must then run the worker instead of the app.
@@ -143,6 +148,18 @@ def main(argv=None) -> int:
         os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
         if args.home is None and "KVBOOST_HOME" not in os.environ:
             args.home = tempfile.mkdtemp(prefix="kvboost-smoke-")  # never touches the user's conversations
+    from .platform_check import no_display, window_problem
+
+    problem = window_problem()  # before Qt: a missing X11 library makes it abort the process
+    if problem is None and args.check_window and no_display():
+        problem = "no display (neither DISPLAY nor WAYLAND_DISPLAY is set)"
+    if problem is not None:
+        print(f"kvboost-desktop: cannot open the window: {problem}\nThe terminal chat needs no window: "
+              ".venv/bin/kvboost chat (bash scripts/run.sh starts it by itself).", file=sys.stderr)
+        return WINDOW_UNAVAILABLE
+    if args.check_window:
+        print("kvboost-desktop: the window can open here")
+        return 0
     from PySide6.QtWidgets import QApplication
 
     from .paths import FolderError, app_paths

@@ -9,7 +9,13 @@ case "$(uname -s)" in
     *) if [ -n "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ]; then has_display=1; else has_display=0; fi ;;
 esac
 if [ "$has_display" = 1 ] && [ "${KVBOOST_CLI:-0}" != 1 ]; then
-    exec .venv/bin/kvboost-desktop "$@"
+    # Where the window cannot open (a missing X11 library: it says which, and how to install it), the terminal
+    # chat starts instead of a crash.
+    if .venv/bin/kvboost-desktop --check-window >/dev/null; then
+        exec .venv/bin/kvboost-desktop "$@"
+    fi
+    echo "Starting the terminal chat instead (KVBOOST_CLI=1 always does)." >&2
+else
+    echo "No display found: starting the terminal chat (the desktop app needs a display; KVBOOST_CLI=1 forces this)." >&2
 fi
-echo "No display found: starting the terminal chat (the desktop app needs a display; KVBOOST_CLI=1 forces this)." >&2
 exec .venv/bin/kvboost chat "$@"
