@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import io
 import logging
 import logging.handlers
@@ -33,6 +34,14 @@ ICON_SIZES = (16, 32, 48, 64, 128, 256, 512)
 # Quitting gives the engine thread this long to end (a cancelled answer stops within a token, a cancelled model
 # load at its next stage); past it, the process leaves without waiting (see leave()).
 SHUTDOWN_DEADLINE_S = 3.0
+
+
+def app_version() -> str:
+    """The installed version (without importing the engine, which would load torch)."""
+    try:
+        return importlib.metadata.version("kvboost-desktop")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "seconds")
     p.add_argument("--report-startup", action="store_true",
                    help="print how long the window took to come up (from process start) and exit")
+    p.add_argument("--version", action="version", version=f"kvboost-desktop {app_version()}")
     p.add_argument("--check-window", action="store_true",
                    help="say whether the window can open here (exit 0), or what the system lacks (exit 3)")
     return p

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from .config import EngineConfig
+from .version import version
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -155,7 +156,8 @@ def cmd_chat(args) -> int:
     eng = load_engine(args)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
-    print("KVBoost chat. /reset clears the conversation, /stats shows the cache, /quit or Ctrl+D leaves.\n"
+    print("KVBoost chat. /reset clears the conversation, /stats shows the cache (/stats json: all of it), /quit or "
+          "Ctrl+D leaves.\n"
           "Ctrl+C stops an answer.", file=sys.stderr)
     while True:
         try:
@@ -163,6 +165,8 @@ def cmd_chat(args) -> int:
         except EOFError:
             print()
             return 0
+        if not sys.stdin.isatty():  # piped: the terminal did not echo the line, so the answer would share it
+            print(line)
         text = line.strip()
         if not text:
             continue
@@ -171,8 +175,9 @@ def cmd_chat(args) -> int:
         if text == "/reset":
             history.clear()
             continue
-        if text == "/stats":
-            print(json.dumps(eng.cache_stats(), indent=2))
+        if text in ("/stats", "/stats json"):
+            stats = eng.cache_stats()
+            print(json.dumps(stats, indent=2) if text.endswith("json") else stats_summary(stats))
             continue
         history.append({"role": "user", "content": line})
         cancel = threading.Event()
@@ -191,6 +196,24 @@ def cmd_chat(args) -> int:
         print()
         print(_badge(result.stats), file=sys.stderr)
         history.append({"role": "assistant", "content": result.text})
+
+
+def stats_summary(stats: dict) -> str:
+    """cache_stats() in a few lines: what is cached, where, and how often it was reused."""
+    hits = sum(stats.get("hits", {}).values())
+    lines = [f"cache: {stats['entries']} entries, {stats['tokens']} tokens, {_human(stats['bytes'])} in memory "
+             f"(reuse {stats.get('reuse', '?')}, chunks of {stats.get('chunking', {}).get('size', '?')} tokens)",
+             f"reused {hits} times, missed {stats.get('misses', 0)}, stored {stats.get('stored', 0)}, "
+             f"evicted {stats.get('evicted', 0)}"]
+    for name, tier in stats.get("tiers", {}).items():
+        if "entries" in tier and "bytes" in tier:
+            budget = tier.get("budget_bytes")
+            of = f" of {_human(budget)}" if budget else ""
+            lines.append(f"  {name}: {tier['entries']} entries, {_human(tier['bytes'])}{of}"
+                         f"{', kv ' + str(tier['kv_quant']) if tier.get('kv_quant') not in (None, 'none') else ''}")
+    if stats.get("disk_error"):
+        lines.append(f"  disk: {stats['disk_error']}")
+    return "\n".join(lines)
 
 
 def cmd_warm(args) -> int:
@@ -302,7 +325,8 @@ def cmd_bench(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvboost", description="Local LLM inference that never computes the "
                                      "same text twice.")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does (INFO)")
+    parser.add_argument("--version", action="version", version=f"kvboost {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")

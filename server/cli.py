@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 from engine.cli import add_engine_options, load_engine, quiet_transformers
+from engine.version import version
 
 
 def build_server_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvboost-server", description="OpenAI-compatible server over the "
                                      "KVBoost engine (GET /v1/models, POST /v1/chat/completions, "
                                      "POST /v1/completions, GET /health).")
+    parser.add_argument("--version", action="version", version=f"kvboost-server {version()}")
     add_engine_options(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")

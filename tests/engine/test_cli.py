@@ -23,13 +23,28 @@ def run(args, stdin=None, timeout=300):
 @pytest.mark.slow
 def test_chat_answers_and_reuses_the_conversation():
     proc = run(["chat", "--max-new-tokens", "24", "--threads", "2"],
-               stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n/quit\n")
+               stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n"
+                     "/stats json\n/quit\n")
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
+    # piped, nothing echoes the question: the chat does, so each answer starts a line of its own
+    assert "you> What is the capital of France?\nbot> " in proc.stdout
+    assert "you> And what language do people speak there?\nbot> " in proc.stdout
     reused = [int(m) for m in re.findall(r"(\d+)% reused", proc.stderr)]
     assert len(reused) == 2
     assert reused[0] == 0 and reused[1] >= 40  # the second turn reuses the first turn and its answer
-    assert '"hits"' in proc.stdout  # /stats printed the cache statistics
+    summary = re.search(r"cache: (\d+) entries, (\d+) tokens, .+\nreused (\d+) times", proc.stdout)
+    assert summary and int(summary[1]) > 0 and int(summary[3]) > 0  # /stats: a few lines, not the whole JSON
+    assert '"hits"' in proc.stdout  # /stats json: all of it
+
+
+@pytest.mark.parametrize("command, name", [(["-m", "engine.cli"], "kvboost"), (["-m", "server.cli"], "kvboost-server"),
+                                           (["-m", "app.main"], "kvboost-desktop")])
+def test_every_command_says_its_version(command, name):
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    done = subprocess.run([sys.executable, *command, "--version"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0 and done.stdout == f"{name} {version}\n", done.stderr
 
 
 def test_bad_model_path_is_a_clear_error_with_exit_code_2(tmp_path):
