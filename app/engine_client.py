@@ -26,7 +26,8 @@ from PySide6.QtCore import QObject, QTimer, Signal
 log = logging.getLogger(__name__)
 
 # Requests whose prefill computed at least this many tokens calibrate the "time saved" estimate.
-MIN_CALIBRATION_TOKENS = 32
+MIN_CALIBRATION_TOKENS = 32  # fewer computed tokens say little about a token's cost (a forward's fixed costs)
+CALIBRATION_WINDOW = 64  # prefills the median runs over
 SOURCE = "window"  # the worker's label for this client's jobs; the API server's are "api"
 
 
@@ -65,7 +66,7 @@ class EngineClient(QObject):
         self._ids = itertools.count(1)
         self._engine = None  # touched on the worker only, except the read-only memory()/is_loaded
         self._info: dict | None = None
-        self._ms_per_token: float | None = None  # measured prefill cost, for the time-saved estimate
+        self._prefill_rates: list[float] = []  # ms per computed prompt token, recent prefills: "time saved"
         self._server = None  # (server.thread.ServerThread, url) of the in-process API server
         self._lock = threading.Lock()  # guards the four below, which the starter thread sets
         self._worker = None  # engine.EngineWorker, once `engine` is imported
@@ -376,7 +377,7 @@ class EngineClient(QObject):
             engine = KVBoost.from_pretrained(source, quiet=True, cancel=job.cancel, progress=self.load_progressed.emit,
                                              **job.payload["options"])
         self._engine = engine
-        self._ms_per_token = None
+        self._prefill_rates = []  # another model: another rate
         info = engine.info()
         from engine.loader import describe_weights
 
@@ -408,8 +409,9 @@ class EngineClient(QObject):
         stats = result.stats
         segments = [{"start": s, "end": e, "kind": kind, "text": engine.decode(ids[s:e])}
                     for s, e, kind in stats.chunks]
-        self._calibrate(stats.ttft_ms, stats.recomputed_tokens, stats.prompt_tokens)
-        rate = self._ms_per_token
+        if stats.repair == "none":  # a blend pass computes tokens outside the timed forwards
+            self._calibrate(stats.prefill_ms, stats.recomputed_tokens)
+        rate = self.prefill_ms_per_token()
         self.generation_finished.emit(job.id, {
             "text": result.text,
             "finish_reason": result.finish_reason,
@@ -420,12 +422,25 @@ class EngineClient(QObject):
             "saved_ms": stats.reused_tokens * rate if rate else None,
         })
 
-    def _calibrate(self, ms: float, computed: int, total: int) -> None:
-        """Prefill cost per token, from work that was mostly computing: when most of a prompt is reused, its
-        time is dominated by fetching and attending to the reused KV, not by the few computed tokens."""
-        if computed >= MIN_CALIBRATION_TOKENS and computed >= total / 2:
-            rate = ms / computed
-            self._ms_per_token = rate if self._ms_per_token is None else 0.7 * self._ms_per_token + 0.3 * rate
+    def _calibrate(self, prefill_ms: float, computed: int) -> None:
+        """Records what a token of prefill cost: the engine's own timing of the computed forward passes (not the
+        request's TTFT, whose fixed costs would make a short prompt's tokens look dear)."""
+        if computed >= MIN_CALIBRATION_TOKENS and prefill_ms > 0:
+            self._prefill_rates.append((prefill_ms / computed, computed))
+            del self._prefill_rates[:-CALIBRATION_WINDOW]
+
+    def prefill_ms_per_token(self) -> float | None:
+        """What a prefill token costs, over this session's recent prefills: the median over their tokens (half of
+        the tokens computed cost at most this), so a few short prompts, whose forwards cost more a token, do not
+        move it. None before a prefill was timed. "Time saved" multiplies the reused tokens by it."""
+        if not self._prefill_rates:
+            return None
+        half, seen = sum(n for _, n in self._prefill_rates) / 2, 0
+        for rate, n in sorted(self._prefill_rates):
+            seen += n
+            if seen >= half:
+                return rate
+        return None
 
     def _run_warm(self, job: _Job) -> None:
         engine = self._require_engine()
@@ -436,8 +451,8 @@ class EngineClient(QObject):
                 totals["cancelled"] = True
                 break
             report = engine.warm(text)
-            self._calibrate(report["ms"], report["computed_tokens"], report["tokens"])
-            for key in ("tokens", "computed_tokens", "reused_tokens", "ms"):
+            self._calibrate(report["prefill_ms"], report["computed_tokens"])
+            for key in ("tokens", "computed_tokens", "reused_tokens", "ms", "prefill_ms"):
                 totals[key] += report[key]
             totals["done"] = i + 1
             self.warm_progressed.emit(job.id, i + 1, len(texts))
@@ -445,7 +460,8 @@ class EngineClient(QObject):
 
 
 def _warm_totals(cancelled: bool) -> dict:
-    return {"tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "ms": 0.0, "done": 0, "cancelled": cancelled}
+    return {"tokens": 0, "computed_tokens": 0, "reused_tokens": 0, "ms": 0.0, "prefill_ms": 0.0, "done": 0,
+            "cancelled": cancelled}
 
 
 def _describe(exc: BaseException) -> str:

@@ -20,11 +20,13 @@ def human_bytes(n: float) -> str:
 
 
 def tier_label(tier: str, engine: dict) -> str:
-    """The engine's tier names in the user's words: on a CPU-only machine device and host are both RAM (the
-    host tier keeps int8 KV by default)."""
+    """The engine's tier names in the user's words: on a CPU-only machine device and host are both RAM; a tier
+    that keeps its KV quantized (the engine's kv_quant for it: int8, int4) says so, a lossless one does not."""
     cuda = "device_total_bytes" in engine
-    return {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "compressed RAM",
-            "disk": "disk", "remote": "shared"}.get(tier, tier)
+    label = {"device": "GPU" if cuda else "RAM", "host": "host RAM" if cuda else "overflow RAM",
+             "disk": "disk", "remote": "shared"}.get(tier, tier)
+    quant = engine.get("kv_quant", {}).get(tier, "none")
+    return label if quant in (None, "none") else f"{label} ({quant})"
 
 
 def _model_bytes(engine: dict) -> str:

@@ -327,9 +327,11 @@ class KVBoost:
             passes_before = self.streaming.counters() if self.streaming is not None else None
             # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
             cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
+            timing: list[tuple[int, float]] = []
             logits, stats.repaired_tokens = yield from prefill_steps(
                 self.model, plan, self.store, cache, self.device, self._rope, repair, self._batch_repair,
-                self.config.prefill_piece_tokens)
+                self.config.prefill_piece_tokens, timing)
+            stats.prefill_ms = 1000 * sum(seconds for _, seconds in timing)
             # 3) decode. The new chunks are stored once the first token is out (time to first token does
             # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
             tokens = list(ids)  # the prompt, then every sampled token
@@ -422,7 +424,7 @@ class KVBoost:
             raise ValueError(f"text is {len(ids)} tokens; {self.name} holds at most {self.max_context}")
         if self.config.reuse == "off":  # nothing would be kept
             return {"tokens": len(ids), "reused_tokens": 0, "computed_tokens": 0, "entries_stored": 0,
-                    "ms": (time.perf_counter() - t_enter) * 1000}
+                    "ms": (time.perf_counter() - t_enter) * 1000, "prefill_ms": 0.0}
         before = self.store.counters.stored
         params = SamplingConfig(max_new_tokens=1)
         result = None
@@ -434,6 +436,7 @@ class KVBoost:
             "computed_tokens": result.stats.recomputed_tokens,
             "entries_stored": self.store.counters.stored - before,
             "ms": (time.perf_counter() - t_enter) * 1000,
+            "prefill_ms": result.stats.prefill_ms,  # the computed tokens' forward passes alone
         }
 
     def info(self) -> dict:
@@ -486,7 +489,7 @@ class KVBoost:
         streamed = self.streaming.plan.streamed_bytes if self.streaming is not None else 0
         report = {"device": str(self.device), "weights_bytes": weights, "streamed_weights_bytes": streamed,
                   "kv_bytes": self.store.tier_bytes(),
-                  "kv_budget_bytes": self.store.tier_budgets()}
+                  "kv_budget_bytes": self.store.tier_budgets(), "kv_quant": self.store.tier_quants()}
         if self.disk_error:
             report["disk_error"] = self.disk_error
         if self.store.remote is not None:

@@ -36,6 +36,7 @@ class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0
     recomputed_tokens: int = 0
+    prefill_ms: float = 0.0  # the computed prompt tokens' forward passes alone (no fetch, no overhead)
     generated_tokens: int = 0
     ttft_ms: float = 0.0
     total_ms: float = 0.0

@@ -9,6 +9,8 @@ one CacheBlend pass instead, and with "selective" one batched pass over every co
 
 from __future__ import annotations
 
+import time
+
 import torch
 from transformers import DynamicCache
 
@@ -36,11 +38,13 @@ def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, de
 
 @torch.inference_mode()
 def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
-                  batch_repair: bool = True, piece_tokens: int | None = None):
+                  batch_repair: bool = True, piece_tokens: int | None = None, timing: list | None = None):
     """prefill() as a generator that yields batching.PAUSE after each forward pass but the last, so that other
     requests can take a decode step in between; returns (logits, repaired). Computed runs are forwarded in pieces
     that end at multiples of `piece_tokens` (None: each run in one pass): the same cuts whether the request runs
-    alone or batched, so its KV is the same either way."""
+    alone or batched, so its KV is the same either way. `timing`, when given, receives (tokens, seconds) of each
+    computed forward (the work itself: no fetch, no overhead; on CUDA up to a synchronize), from which a front end
+    learns what a token of prefill costs on this machine."""
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
     batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
@@ -65,11 +69,18 @@ def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCac
             last_run = i == len(segments)
             for piece_start, piece_end in _pieces(start, end, piece_tokens):
                 input_ids = torch.tensor([plan.ids[piece_start:piece_end]], device=device)
-                if last_run and piece_end == end:
+                began = time.perf_counter()
+                final = last_run and piece_end == end
+                if final:
                     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     logits = out.logits[0, -1]
                 else:
                     decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+                if timing is not None:
+                    if input_ids.device.type == "cuda":
+                        torch.cuda.synchronize(input_ids.device)
+                    timing.append((piece_end - piece_start, time.perf_counter() - began))
+                if not final:
                     yield PAUSE
         if i < len(segments):
             rest = segments[i:]

@@ -471,6 +471,13 @@ class ChunkStore:
             sizes["disk"] = self.disk.used_bytes
         return sizes
 
+    def tier_quants(self) -> dict[str, str]:
+        """How each tier keeps KV: "none" (lossless), "int8" or "int4" (engine.kv_quant)."""
+        quants = {t.name: t.quant for t in self.memory_tiers}
+        if self.disk is not None:
+            quants["disk"] = self.disk.quant
+        return quants
+
     def tier_budgets(self) -> dict[str, int]:
         budgets = {t.name: t.budget_bytes for t in self.memory_tiers}
         if self.disk is not None:

@@ -72,3 +72,12 @@ def test_the_memory_meter_shows_streamed_weights_beside_resident_ones():
               "kv_bytes": {"device": 0}, "kv_budget_bytes": {"device": 1}}
     assert "model 120.0 MB + 50.0 MB streamed" in memory_text(300 * 2**20, engine)
     assert "streamed" not in memory_text(300 * 2**20, {**engine, "streamed_weights_bytes": 0})
+
+
+def test_a_tier_is_called_quantized_only_when_the_engine_keeps_it_so():
+    from app.memory_meter import tier_label
+
+    cpu = {"kv_quant": {"device": "none", "host": "int8", "disk": "int4"}}
+    assert [tier_label(t, cpu) for t in ("device", "host", "disk")] == ["RAM", "overflow RAM (int8)", "disk (int4)"]
+    gpu = {"device_total_bytes": 1, "kv_quant": {"device": "none", "host": "none"}}
+    assert [tier_label(t, gpu) for t in ("device", "host")] == ["GPU", "host RAM"]

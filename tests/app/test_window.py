@@ -230,8 +230,10 @@ def test_memory_meter_updates_every_second_with_weights_and_kv(qtbot, window):
     # 135M parameters, the default load's decoder in 4-bit codes, head and table in int8: over half a byte each
     assert report["rss"] > report["engine"]["weights_bytes"] > 0.5 * 134e6
     assert set(report["engine"]["kv_bytes"]) == {"device", "host"}  # the test engine has no disk tier
-    assert "KV cache: RAM " in meter.text() and "compressed RAM" in meter.text()
-    assert "compressed RAM: " in meter.toolTip() and " of " in meter.toolTip()  # budgets in the tooltip
+    # the tiers as the engine keeps them: lossless by default, so no tier is called compressed
+    assert report["engine"]["kv_quant"] == {"device": "none", "host": "none"}
+    assert "KV cache: RAM " in meter.text() and "overflow RAM " in meter.text() and "compressed" not in meter.text()
+    assert "overflow RAM: " in meter.toolTip() and " of " in meter.toolTip()  # budgets in the tooltip
 
 
 def test_awq_toggle_is_enabled_for_the_int4_default_and_disabled_with_the_reason_for_float(qtbot, window, smollm):

@@ -52,6 +52,9 @@ def test_timing_stats_are_present_and_consistent(tiny, tmp_path):
     # tokens after the first over the time after the first token (within what the stats themselves measure)
     assert s.decode_tokens_per_s == pytest.approx((NEW_TOKENS - 1) / decode_s, rel=0.25)
     assert s.prompt_tokens == len(prompt) == s.reused_tokens + s.recomputed_tokens
+    assert 0 < s.prefill_ms < s.ttft_ms  # the computed tokens' forwards alone, inside the time to first token
+    again = engine.generate(prompt, max_new_tokens=NEW_TOKENS).stats  # all but the last token reused
+    assert again.recomputed_tokens < CHUNK and 0 < again.prefill_ms < s.prefill_ms
 
 
 def test_the_fingerprint_follows_weights_dtype_and_rope_config(tiny):
