@@ -30,8 +30,8 @@ def smollm_int4_engine(smollm_float):
     quantize_model(model, group_size=64, kernel="cpu_int4pack")
     quantize_head(model, "int8+embedding")
     engine = KVBoost(model, smollm_float.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
-    # The first request of a process over these kernels on 2 threads has, now and then, given other logits
-    # than every later one (seen once in three processes, never reproduced on demand): the tests that
-    # compare two runs compare warmed ones.
+    # A process's first request once, now and then, gave other logits than every later one: torch's first
+    # vectorized cos() on fresh threads (engine.engine.settle_thread_math, tests/engine/test_first_request.py).
+    # The request below stays: these tests compare warmed runs either way.
     engine.generate("Hello", max_new_tokens=2)
     return engine
