@@ -25,7 +25,7 @@ DEFAULT_MODEL = {"source": None, "reuse": "chunk", "layer_streaming": False}
 def model_setting(stored: dict | None) -> dict:
     """The "model" setting (or a recent-models entry) as this version reads it: the defaults under what was stored,
     and the key earlier versions wrote for layer streaming ("awq_streaming") under its name now."""
-    stored = dict(stored or {})
+    stored = dict(stored) if isinstance(stored, dict) else {}  # a broken or edited row: the defaults
     old = stored.pop("awq_streaming", None)
     if old is not None and "layer_streaming" not in stored:
         stored["layer_streaming"] = bool(old)

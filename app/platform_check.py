@@ -100,7 +100,9 @@ def needed_libraries(path: Path) -> list[str]:
             if tag == 0:  # DT_NULL
                 break
             if tag == 1:  # DT_NEEDED
-                end = data.index(b"\0", strings_at + value)
+                end = data.find(b"\0", strings_at + value)
+                if end < 0:  # a name running off the file: not a shared object this can read
+                    return []
                 names.append(data[strings_at + value:end].decode("ascii", "replace"))
     return names
 

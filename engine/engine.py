@@ -34,6 +34,7 @@ from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
 from .stream_setup import DEFAULT_SLOTS, Streaming, load_for_streaming, start_streaming, streaming_refusal
+from .thread_math import settle_thread_math
 from .tiered_store import build_store
 
 
@@ -52,23 +53,6 @@ def awq_streaming_unavailable(model_config, device: torch.device, weights: str =
     any int4 or GGUF-block layers). Kept for one release."""
     warnings.warn("awq_streaming_unavailable is now layer_streaming_unavailable", DeprecationWarning, stacklevel=2)
     return layer_streaming_unavailable(model_config, device, weights)
-
-
-_thread_state = threading.local()
-
-
-def settle_thread_math() -> None:
-    """Runs torch's vectorized transcendental functions once on every worker of the calling thread's CPU thread
-    team, the first time this thread computes a request. Measured with torch 2.13 on a loaded 2-core machine: a
-    process's first forward, now and then, computed the rotary cosines 1.5e-4 off (its first vectorized cos()
-    on fresh threads; the sines after it were right), so that process's first answer could differ from every
-    later one. Settled first, every forward computes what the next one does."""
-    if getattr(_thread_state, "settled", False):
-        return
-    x = torch.linspace(-4.0, 4.0, max(1, torch.get_num_threads()) * 65536)
-    for op in (torch.cos, torch.sin, torch.exp, torch.tanh, torch.sigmoid, torch.rsqrt, torch.log1p):
-        op(x)
-    _thread_state.settled = True
 
 
 def _load_steps(progress, cancel: threading.Event | None):

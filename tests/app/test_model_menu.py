@@ -85,6 +85,7 @@ def test_a_settings_file_written_before_the_rename_keeps_its_layer_streaming_cho
     assert model_setting(db.get_setting("recent_models")[0]) == {"source": "a.gguf", "reuse": "chunk",
                                                                  "layer_streaming": False}
     assert model_setting(None) == {"source": None, "reuse": "chunk", "layer_streaming": False}
+    assert model_setting("edited by hand") == model_setting([1, 2]) == model_setting(None)  # a broken row: defaults
     both = {"source": None, "reuse": "chunk", "awq_streaming": True, "layer_streaming": False}
     assert model_setting(both)["layer_streaming"] is False and "awq_streaming" not in model_setting(both)
     db.close()

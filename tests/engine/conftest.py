@@ -31,7 +31,7 @@ def smollm_int4_engine(smollm_float):
     quantize_head(model, "int8+embedding")
     engine = KVBoost(model, smollm_float.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
     # A process's first request once, now and then, gave other logits than every later one: torch's first
-    # vectorized cos() on fresh threads (engine.engine.settle_thread_math, tests/engine/test_first_request.py).
+    # vectorized cos() on fresh threads (engine.thread_math.settle_thread_math, tests/engine/test_first_request.py).
     # The request below stays: these tests compare warmed runs either way.
     engine.generate("Hello", max_new_tokens=2)
     return engine

@@ -1,6 +1,6 @@
 """A process's first answer is computed like every later one: on a loaded machine torch's first vectorized cos()
 on fresh CPU threads was, now and then, 1.5e-4 off, so the first request's rotary tables (and its logits) differed
-from the second's (3 of 14 fresh processes); engine.engine.settle_thread_math runs those functions once first."""
+from the second's (3 of 14 fresh processes); engine.thread_math.settle_thread_math runs those functions once first."""
 
 from __future__ import annotations
 
