@@ -96,12 +96,20 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
         engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
         fmt = engine.info()["weights"].get("format", weights)
+        graphs_off = engine.info()["cuda_graphs_unavailable"]
+        eager = engine.with_options(cuda_graphs=False)  # the same model, every step through transformers' forward
         for context in contexts:
             g = torch.Generator().manual_seed(context)
             ids = torch.randint(3, body.vocab, (context,), generator=g).tolist()
             engine.generate(ids, max_new_tokens=4, temperature=0)  # warm-up: kernels, allocator, rotary tables
+            graphs = engine._graph_step
+            captures, capture_s = (graphs.captures, graphs.capture_s) if graphs is not None else (0, 0.0)
             result = engine.generate(ids, max_new_tokens=new_tokens, temperature=0)
             stats = result.stats
+            if graphs is not None:
+                captures, capture_s = graphs.captures - captures, graphs.capture_s - capture_s
+            eager.generate(ids, max_new_tokens=4, temperature=0)
+            eager_stats = eager.generate(ids, max_new_tokens=new_tokens, temperature=0).stats
             plain = plain_decode_tps(model, ids, new_tokens)
             nbytes = step_bytes(model, engine.info()["weights"]["resident_bytes"], context + new_tokens // 2,
                                 kv_element_bytes=model.dtype.itemsize)
@@ -109,13 +117,17 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             row = {"body": body.name, "weights": weights, "format": fmt, "kernel": kernel if weights == "int4" else "-",
                    "context": context, "new_tokens": stats.generated_tokens, "ttft_ms": stats.ttft_ms,
                    "prefill_tps": context / (stats.ttft_ms / 1e3) if stats.ttft_ms else float("nan"),
-                   "decode_tps": stats.decode_tokens_per_s, "transformers_decode_tps": plain, "bytes_per_token": nbytes,
+                   "decode_tps": stats.decode_tokens_per_s, "graphs": graphs_off is None, "graphs_unavailable": graphs_off,
+                   "graph_captures": captures, "capture_ms": capture_s * 1e3,
+                   "eager_decode_tps": eager_stats.decode_tokens_per_s, "eager_ttft_ms": eager_stats.ttft_ms,
+                   "transformers_decode_tps": plain, "bytes_per_token": nbytes,
                    "limit_tps": limit, "share": stats.decode_tokens_per_s / limit, "built_s": built_s}
             rows.append(row)
             log(f"  {body.name} {weights} @{context}: decode {row['decode_tps']:.1f} tok/s "
-                f"(transformers' loop {plain:.1f}; limit {limit:.0f}, share {row['share']:.0%}), "
-                f"TTFT {stats.ttft_ms:.1f} ms")
-        del engine, model
+                f"({'CUDA graphs, ' + str(captures) + ' captures' if graphs_off is None else graphs_off}; "
+                f"eager {row['eager_decode_tps']:.1f}; transformers' loop {plain:.1f}; limit {limit:.0f}, "
+                f"share {row['share']:.0%}), TTFT {stats.ttft_ms:.1f} ms")
+        del engine, eager, model
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -125,12 +137,14 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
 def table(rows: list[dict], bandwidth: float) -> str:
     lines = [f"Engine decode on the device (copy bandwidth {bandwidth / 1e9:.0f} GB/s; greedy, reuse off, no drafts)",
              "",
-             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | "
-             "transformers' loop tok/s | MB read / token | limit tok/s | share of the limit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| body | weights | format | context | TTFT ms | prefill tok/s | decode tok/s | graphs (captures, ms) | "
+             "eager steps tok/s | transformers' loop tok/s | MB read / token | limit tok/s | share of the limit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        graphs = f"{r['graph_captures']}, {r['capture_ms']:.0f}" if r["graphs"] else "off"
         lines.append(f"| {r['body']} | {r['weights']} | {r['format']} | {r['context']} | {r['ttft_ms']:.1f} | "
-                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['transformers_decode_tps']:.1f} | "
+                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {graphs} | {r['eager_decode_tps']:.1f} | "
+                     f"{r['transformers_decode_tps']:.1f} | "
                      f"{r['bytes_per_token'] / 2**20:.0f} | "
                      f"{r['limit_tps']:.0f} | {r['share']:.0%} |")
     return "\n".join(lines)

@@ -142,6 +142,9 @@ class EngineConfig:
     # request joining a batch stalls the others' decode steps for one piece at a time (engine.batching); the
     # same pieces alone or batched. None: each run in one pass.
     prefill_piece_tokens: int | None = 256
+    # On a CUDA device, one-token decode steps replay a captured CUDA graph (engine.graph_decode) where the model
+    # allows it; False: every step through transformers' forward.
+    cuda_graphs: bool = True
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -163,6 +166,8 @@ class EngineConfig:
             raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.kv_quant.validate()
         self.chunking.validate()
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.speculative not in (None, "prompt-lookup", "draft-model"):
             raise ValueError(f"speculative must be 'prompt-lookup', 'draft-model' or None, got {self.speculative!r}")
         if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 1 <= self.num_draft <= 32:

@@ -27,6 +27,7 @@ from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, S
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
+from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
 from .paged import make_cache, spill_unsupported
 from .prefill import prefill_steps
@@ -111,6 +112,20 @@ class KVBoost:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._weights_report: dict | None = None
+        self.graphs_unavailable = self._graphs_refusal()
+        self._graph_step = GraphDecode(model) if self.graphs_unavailable is None else None
+
+    def _graphs_refusal(self) -> str | None:
+        """Why one-token decode steps do not replay a CUDA graph here (engine.graph_decode), or None."""
+        if not self.config.cuda_graphs:
+            return "cuda_graphs=False"
+        if self.device.type != "cuda":
+            return f"the model is on {self.device.type}, not CUDA"
+        if self.streaming is not None:
+            return "layer streaming moves the weights between steps"
+        if self.config.live_kv_bytes is not None:
+            return "the live KV spills to host memory (live_kv_bytes)"
+        return graph_decode_unavailable(self.model)
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
@@ -142,7 +157,7 @@ class KVBoost:
                         num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
                         remote_timeout_s: float = 0.25, remote_max_wait_s: float = 10.0, remote_retry_s: float = 5.0,
                         remote_max_value_bytes: int | None = None, draft_model: str | None = None,
-                        progress=None, awq_streaming: bool | None = None) -> "KVBoost":
+                        cuda_graphs: bool = True, progress=None, awq_streaming: bool | None = None) -> "KVBoost":
         """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
         `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
         `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
@@ -163,7 +178,8 @@ class KVBoost:
         answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
         that of one token per forward, sampling keeps its distribution; `draft_model` (a source like `source`,
         of the same tokenizer: a smaller model of the family) drafts instead (speculative="draft-model").
-        `prefill_piece_tokens`: computed prompt
+        `cuda_graphs` (on a CUDA device): one-token decode steps replay a captured CUDA graph where the model allows
+        it (engine.graph_decode; info()["cuda_graphs_unavailable"] says why not). `prefill_piece_tokens`: computed prompt
         runs are forwarded in pieces ending at its multiples, so a request joining a batch holds the others up
         for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or progress bars),
         for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
@@ -203,7 +219,8 @@ class KVBoost:
                               speculative=speculative, num_draft=num_draft,
                               prefill_piece_tokens=prefill_piece_tokens, remote_cache=remote_cache,
                               remote_timeout_s=remote_timeout_s, remote_max_wait_s=remote_max_wait_s,
-                              remote_retry_s=remote_retry_s, remote_max_value_bytes=remote_max_value_bytes)
+                              remote_retry_s=remote_retry_s, remote_max_value_bytes=remote_max_value_bytes,
+                              cuda_graphs=cuda_graphs)
         config.validate()
         src = loader.resolve_source(source)
         _check_cancel(cancel)
@@ -267,7 +284,7 @@ class KVBoost:
         inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
                      "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens",
                      "speculative", "num_draft", "prefill_piece_tokens", "remote_cache", "remote_timeout_s",
-                     "remote_max_wait_s", "remote_retry_s", "remote_max_value_bytes")
+                     "remote_max_wait_s", "remote_retry_s", "remote_max_value_bytes", "cuda_graphs")
         fields = {name: getattr(self.config, name) for name in inherited}
         fields["repair"] = repair
         fields.update(changes)
@@ -388,7 +405,11 @@ class KVBoost:
         return batching_unavailable(self.model)
 
     def _forward(self, forward: Forward) -> torch.Tensor:
-        """A Forward of one request run by itself."""
+        """A Forward of one request run by itself: a one-token step from the CUDA graph where it can run."""
+        if self._graph_step is not None and len(forward.tokens) == 1:
+            logits = self._graph_step(forward.tokens[0], forward.cache)
+            if logits is not None:
+                return logits[None]
         return run_forward(self.model, forward, self.device)
 
     @contextlib.contextmanager
@@ -455,6 +476,7 @@ class KVBoost:
             "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             "disk_error": self.disk_error,
             "weights": dict(self._weights()),
+            "cuda_graphs_unavailable": self.graphs_unavailable,
         } | self._streaming_refusal()
 
     def _streaming_refusal(self) -> dict:

@@ -369,6 +369,7 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu_with_tiny_shapes():
     for row in engine:
         # (no bound on the share here: a tiny model's bytes sit in the CPU's caches, faster than the copy measured)
         assert row["new_tokens"] == 8 and row["decode_tps"] > 0 and row["share"] > 0 and row["limit_tps"] > 0
-        assert row["bytes_per_token"] > 0 and row["transformers_decode_tps"] > 0
+        assert row["bytes_per_token"] > 0 and row["transformers_decode_tps"] > 0 and row["eager_decode_tps"] > 0
+        assert row["graphs"] is False and "cpu" in row["graphs_unavailable"]  # CUDA graphs need a CUDA device
     int4 = {(r["body"], r["context"]): r["bytes_per_token"] for r in engine if r["weights"] == "int4"}
     assert all(int4[r["body"], r["context"]] < r["bytes_per_token"] for r in engine if r["weights"] == "float")
