@@ -9,9 +9,9 @@ A graph replays fixed addresses and shapes, so the step is written for that: the
 written into two small device tensors the graph reads; each layer's new key and value are written into the live
 cache's own block buffer (engine.live_cache.GrowingLayer) at that position (`index_copy_`), and attention runs
 over the whole buffer, the positions past the new token masked out. (Masked positions still meet the values
-in the product with the attention weights, 0 x value: GrowingLayer keeps them finite, zeros until written.) A graph therefore belongs to one set of
-buffers: it is captured again when the cache grows into new ones (every BLOCK_TOKENS tokens) or a new request
-brings its own. Afterwards the layers' `keys` / `values` views are moved one position on, so everything else
+in the product with the attention weights, 0 x value: GrowingLayer keeps them finite, zeros until written.)
+A graph therefore belongs to one set of buffers: it is captured again when the cache grows into new ones (every
+BLOCK_TOKENS tokens) or a new request brings its own. Afterwards the layers' `keys` / `values` views are moved one position on, so everything else
 (the store, crop, a drafted forward through transformers) sees the cache it always has.
 
 The step computes what transformers' forward computes for a Llama-family decoder (the model's own modules for the
@@ -128,8 +128,9 @@ class GraphDecode:
     def _record(self, buffers: tuple) -> None:
         """Captures the step over `buffers` into a private memory pool (the previous graph and its output
         are dropped first, which frees theirs: sharing one pool across captures trips an allocator assertion
-        in torch 2.11 once the graph that made it is gone). A warm-up run on a side stream first, as capture requires; it writes the
-        same key and value at the same position as the replay that follows."""
+        in torch 2.11 once the graph that made it is gone).
+        A warm-up run on a side stream first, as capture requires; it writes the same key and value at the
+        same position as the replay that follows."""
         start = time.perf_counter()
         self._graph, self._logits, self._graph_buffers = None, None, ()
         side = torch.cuda.Stream(device=self.token.device)
