@@ -182,7 +182,8 @@ class KVBoost:
         allows it (engine.graph_decode; info()["cuda_graphs_unavailable"] says why not). `prefill_piece_tokens`:
         computed prompt runs are forwarded in pieces ending at its multiples, so a request joining a batch holds
         the others up for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or
-        progress bars), for front ends. `cancel`: checked between the stages of the load (source found, config read, weights
+        progress bars), for front ends. `cancel`: checked between the stages of the load (source found, config
+        read, weights
         loaded); once set, the load stops there with engine.Cancelled. `progress(done, total, what)`: the
         load's steps as they happen, from the loading thread (engine.loader.load_model: per decoder layer for
         GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.

@@ -11,8 +11,9 @@ cache's own block buffer (engine.live_cache.GrowingLayer) at that position (`ind
 over the whole buffer, the positions past the new token masked out. (Masked positions still meet the values
 in the product with the attention weights, 0 x value: GrowingLayer keeps them finite, zeros until written.)
 A graph therefore belongs to one set of buffers: it is captured again when the cache grows into new ones (every
-BLOCK_TOKENS tokens) or a new request brings its own. Afterwards the layers' `keys` / `values` views are moved one position on, so everything else
-(the store, crop, a drafted forward through transformers) sees the cache it always has.
+BLOCK_TOKENS tokens) or a new request brings its own. Afterwards the layers' `keys` / `values` views are moved
+one position on, so everything else (the store, crop, a drafted forward through transformers) sees the cache it
+always has.
 
 The step computes what transformers' forward computes for a Llama-family decoder (the model's own modules for the
 embedding, norms, linears, MLP, rotary table and head; attention by scaled_dot_product_attention), but not in the
