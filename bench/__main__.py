@@ -8,7 +8,7 @@ import importlib
 import sys
 from typing import Sequence
 
-# name -> (module whose main(argv) runs it, what it measures). One table: --help, dispatch and the README's list.
+# name -> (module whose main(argv) runs it, what it measures). One table: --help, dispatch and the docs' list.
 COMMANDS: dict[str, tuple[str, str]] = {
     "reuse": ("bench.reuse", "TTFT of the reuse modes side by side: multiturn, sysprompt, rag, needle (the default)"),
     "decode": ("bench.decode", "weight formats side by side: prefill, decode, the bandwidth roofline, llama.cpp"),

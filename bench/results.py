@@ -1,5 +1,5 @@
 """What a benchmark workload measured (requests per mode, per step; targets) and how it prints: markdown tables
-for the terminal and the README, and a dict for --json."""
+for the terminal and docs/benchmarks.md, and a dict for --json."""
 
 from __future__ import annotations
 

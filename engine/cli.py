@@ -21,7 +21,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk", "approx"),
-                   help="approx adds APPROXIMATE reuse of moved text (may change answers; see README)")
+                   help="approx adds APPROXIMATE reuse of moved text (may change answers; see docs/engine.md)")
     p.add_argument("--repair", default="selective", choices=("none", "selective", "cacheblend"))
     p.add_argument("--chunk-size", type=int, default=128)
     p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
@@ -32,7 +32,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
     p.add_argument("--remote-cache", default=None, metavar="URL",
                    help="a Redis/Valkey store shared by machines, below the disk tier: redis://[user:password@]HOST:"
-                        "PORT/DB, rediss:// for TLS (default: none; see README, 'The shared KV tier')")
+                        "PORT/DB, rediss:// for TLS (default: none; see docs/guide/shared-tier.md)")
     defaults = EngineConfig()
     p.add_argument("--remote-timeout", dest="remote_timeout_s", type=float, default=defaults.remote_timeout_s,
                    metavar="SECONDS",
@@ -302,7 +302,7 @@ def _remote_stats(args, disk_stats: dict) -> int:
           f"{remote['evicted_keys']} keys evicted")
     if remote["maxmemory_policy"] and not str(remote["maxmemory_policy"]).startswith("allkeys-"):
         print("  note: with this policy a full store refuses writes instead of evicting old KV "
-              "(README: maxmemory-policy allkeys-lru)")
+              "(docs/guide/shared-tier.md: maxmemory-policy allkeys-lru)")
     for ns in remote["namespaces"]:
         settings = ", ".join(f"{k}={v}" for k, v in ns["settings"].items())
         print(f"  {ns['model']} [{settings}]: {ns['entries']} entries, {_human(ns['bytes'])}")

@@ -1,7 +1,12 @@
-"""Engine options as frozen dataclasses. `validate()` raises ValueError naming the bad value."""
+"""Engine options as frozen dataclasses. `validate()` raises ValueError naming the bad value.
+
+Each field carries one line of help (`option(default, help)`, read back by `help_of`): the options reference
+of the documentation is generated from these fields (docs/hooks/options.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -13,6 +18,18 @@ EVICTION_POLICIES = ("lru", "importance-lru")
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
 
 
+def option(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
+    """A dataclass field with its default (or default factory) and one line of help."""
+    if not help:
+        raise ValueError("an option needs its help text")
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
+def help_of(config_class, name: str) -> str:
+    """The help text of option `name` of `config_class` ("" for a field declared without one)."""
+    return next(f.metadata.get("help", "") for f in dataclasses.fields(config_class) if f.name == name)
+
+
 @dataclass(frozen=True)
 class ChunkingConfig:
     """How prompt token ids are cut into chunks.
@@ -21,9 +38,9 @@ class ChunkingConfig:
     tokens. adaptive: each fixed cut moves within +-`window` tokens to the nearest sentence/line boundary.
     """
 
-    mode: str = "fixed"
-    size: int = 128
-    window: int = 16
+    mode: str = option("fixed", f"how chunks are cut: one of {CHUNKING_MODES}")
+    size: int = option(128, "tokens a chunk (fixed, adaptive) or at most (semantic); >= 8")
+    window: int = option(16, "adaptive: how far (tokens) a cut may move to a sentence or line break")
 
     def validate(self) -> None:
         if self.mode not in CHUNKING_MODES:
@@ -38,12 +55,12 @@ class ChunkingConfig:
 class RepairConfig:
     """Seam repair for APPROXIMATE hits (engine.approx)."""
 
-    mode: str = "selective"  # "none" | "selective" | "cacheblend" (default chosen by measurement: README)
-    selective_tokens: int = 16  # selective: tokens recomputed after each seam
-    selective_before: int = 0  # selective: reused tokens recomputed just before each seam
-    blend_ratio: float = 0.15  # cacheblend: share of reused tokens recomputed past the probe layer
-    probe_layer: int = 1  # cacheblend: layer whose value deviation picks those tokens
-    blend_seam_tokens: int = 0  # cacheblend: also always recompute this many tokens after each seam
+    mode: str = option("selective", f"seam repair of APPROXIMATE hits: one of {REPAIR_MODES} (chosen by measurement)")
+    selective_tokens: int = option(16, "selective: tokens recomputed after each seam")
+    selective_before: int = option(0, "selective: reused tokens recomputed just before each seam")
+    blend_ratio: float = option(0.15, "cacheblend: share of reused tokens recomputed past the probe layer")
+    probe_layer: int = option(1, "cacheblend: the layer whose value deviation picks those tokens")
+    blend_seam_tokens: int = option(0, "cacheblend: also always recompute this many tokens after each seam")
 
     def validate(self) -> None:
         if self.mode not in REPAIR_MODES:
@@ -69,11 +86,11 @@ class KVQuantConfig:
 
     Every tier is lossless by default: reuse never changes an answer. int8/int4 are an explicit opt-in that
     trades exactness for memory (int8 1.9x, int4 3.6x smaller than float16); hits on quantized KV are reported
-    as QUANTIZED, never EXACT (README, bench/kv_tiers.py)."""
+    as QUANTIZED, never EXACT (docs/engine.md, bench/kv_tiers.py)."""
 
-    device: str = "none"
-    host: str = "none"
-    disk: str = "none"
+    device: str = option("none", f"KV kept on the device tier: one of {KV_QUANT_MODES}")
+    host: str = option("none", f"KV kept in host RAM: one of {KV_QUANT_MODES}")
+    disk: str = option("none", f"KV kept on disk: one of {KV_QUANT_MODES}")
 
     @classmethod
     def parse(cls, value) -> "KVQuantConfig":
@@ -105,46 +122,45 @@ def _check_bytes(name: str, value) -> None:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    reuse: str = "chunk"
-    chunking: ChunkingConfig = field(default_factory=ChunkingConfig)
-    repair: RepairConfig = field(default_factory=RepairConfig)
-    # Byte budgets per KV tier; None sizes a tier from the machine (engine.tiers, engine.disk), 0 turns the
-    # host or disk tier off. cache_bytes is the device tier (the GPU, or RAM on a CPU-only machine).
-    cache_bytes: int | None = None
-    cpu_cache_bytes: int | None = None
-    disk_cache_bytes: int | None = None
-    disk_cache_dir: str | None = None  # None: engine.disk.default_cache_dir()
-    disk_busy_timeout_s: float = 30.0  # how long a disk index write waits for another process's lock
-    kv_quant: KVQuantConfig = field(default_factory=KVQuantConfig)
-    eviction: str = "importance-lru"  # chosen by bench/kv_tiers.py (README: +12% hit rate over LRU)
-    # Live KV of the request being generated kept on the device; beyond it, cold pages spill to host RAM
-    # (engine.paged). None: no limit.
-    live_kv_bytes: int | None = None
-    live_page_tokens: int = 128  # tokens per spilled page
-    # Speculative decoding (engine.speculative): "prompt-lookup" drafts up to num_draft tokens from the context
-    # and checks them in the forward that feeds each token; None decodes one token per forward. On by default:
-    # `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle questions, and
-    # 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
-    speculative: str | None = "prompt-lookup"
-    num_draft: int = 4
-    # The shared KV tier (engine.remote_tier): a redis://, rediss:// or unix:// URL of a Redis or Valkey store,
-    # None: off. A read may take as long as the prefill it saves (the engine's measured prefill rate times the
-    # tokens it restores), at least remote_timeout_s and at most remote_max_wait_s; a store silent for
-    # remote_timeout_s while an answer is awaited is failing, and after a failure it is left alone for
-    # remote_retry_s. Values longer than remote_max_value_bytes are refused unread (None: the most one chunk's KV
-    # and its header can take, from the model).
-    remote_cache: str | None = None
-    remote_timeout_s: float = 0.25
-    remote_max_wait_s: float = 10.0
-    remote_retry_s: float = 5.0
-    remote_max_value_bytes: int | None = None
-    # Computed prompt runs are forwarded in pieces ending at multiples of this many tokens (engine.prefill), so a
-    # request joining a batch stalls the others' decode steps for one piece at a time (engine.batching); the
-    # same pieces alone or batched. None: each run in one pass.
-    prefill_piece_tokens: int | None = 256
-    # On a CUDA device, one-token decode steps replay a captured CUDA graph (engine.graph_decode) where the model
-    # allows it; False: every step through transformers' forward.
-    cuda_graphs: bool = True
+    """What an engine does with the model it serves: reuse, KV tiers, decoding (`KVBoost(model, tokenizer,
+    config)`; from_pretrained's keywords fill it)."""
+
+    reuse: str = option("chunk", f"which KV is reused: one of {REUSE_MODES} ('approx' moves documents' KV)")
+    chunking: ChunkingConfig = option(factory=ChunkingConfig, help="how prompts are cut into chunks (below)")
+    repair: RepairConfig = option(factory=RepairConfig, help="seam repair for reuse='approx' (below)")
+    cache_bytes: int | None = option(None, "the device tier's KV budget (the GPU, or RAM on a CPU-only machine); "
+                                           "None: sized from the machine")
+    cpu_cache_bytes: int | None = option(None, "the host RAM tier's budget; None: sized from the machine, 0: off")
+    disk_cache_bytes: int | None = option(None, "the disk tier's budget; None: sized from the disk, 0: off")
+    disk_cache_dir: str | None = option(None, "the disk tier's folder; None: engine.disk.default_cache_dir()")
+    disk_busy_timeout_s: float = option(30.0, "how long a disk index write waits for another process's lock")
+    kv_quant: KVQuantConfig = option(factory=KVQuantConfig, help="KV quantization per tier (below); lossless "
+                                                                 "by default")
+    eviction: str = option("importance-lru", f"eviction policy: one of {EVICTION_POLICIES} (importance-lru "
+                                             "measured +12% hit rate over LRU: bench/kv_tiers.py)")
+    live_kv_bytes: int | None = option(None, "device bytes for the live KV of the request being generated; "
+                                             "beyond it cold pages spill to host RAM (engine.paged); None: no limit")
+    live_page_tokens: int = option(128, "tokens per spilled page")
+    # On by default: `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle
+    # questions and 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
+    speculative: str | None = option("prompt-lookup", "drafts checked in the forward that feeds each token: "
+                                                      "'prompt-lookup' (from the context), 'draft-model', or None")
+    num_draft: int = option(4, "tokens drafted at most per forward")
+    # The shared KV tier (engine.remote_tier). A read may take as long as the prefill it saves (the engine's
+    # measured prefill rate times the tokens it restores), at least remote_timeout_s, at most remote_max_wait_s.
+    remote_cache: str | None = option(None, "the shared KV tier: a redis://, rediss:// or unix:// URL of a Redis "
+                                            "or Valkey store; None: off")
+    remote_timeout_s: float = option(0.25, "a shared store silent this long while an answer is awaited is failing")
+    remote_max_wait_s: float = option(10.0, "the longest a read of the shared tier may take")
+    remote_retry_s: float = option(5.0, "after a failure the shared store is left alone this long")
+    remote_max_value_bytes: int | None = option(None, "shared-tier values longer than this are refused unread; "
+                                                      "None: the most one chunk's KV and header can take")
+    # So a request joining a batch stalls the others' decode steps for one piece at a time (engine.batching).
+    prefill_piece_tokens: int | None = option(256, "computed prompt runs are forwarded in pieces ending at "
+                                                   "multiples of this; the same pieces alone or batched; None: one "
+                                                   "pass")
+    cuda_graphs: bool = option(True, "on a CUDA device, one-token decode steps replay a captured CUDA graph "
+                                     "(engine.graph_decode) where the model allows it")
 
     def validate(self) -> None:
         if self.reuse not in REUSE_MODES:
@@ -193,13 +209,15 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
+    """How one answer is sampled (the keywords of generate / chat / stream)."""
+
+    max_new_tokens: int = option(128, "the answer's length at most, in tokens")
+    temperature: float = option(0.0, "0 (or below 1e-30): greedy; above: sampling at this temperature")
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens holding this probability")
+    top_k: int = option(0, "sample among the k likeliest tokens only; 0: all")
+    repetition_penalty: float = option(1.0, "divides the logits of tokens already in the prompt or answer")
+    stop: tuple[str, ...] = option((), "strings that end the answer (not included in it)")
+    seed: int | None = option(None, "the sampling seed; None: a fresh one each request")
 
     @classmethod
     def from_kwargs(cls, *, stop=None, **kwargs) -> "SamplingConfig":

@@ -63,7 +63,7 @@ class ImportanceLRU:
     (so the bonus means the same in a store of 16 entries and of 16,000), scaled by its importance relative to
     the mean of the competitors (importance = mean L2 norm of the entry's key and value vectors, so KV with
     more energy survives longer). `last_access` is a logical clock, one tick per store operation.
-    hit_weight was picked on a skewed trace (bench/kv_tiers.py, README)."""
+    hit_weight was picked on a skewed trace (bench/kv_tiers.py, docs/benchmarks.md)."""
 
     name = "importance-lru"
 

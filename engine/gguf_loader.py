@@ -64,8 +64,8 @@ log = logging.getLogger(__name__)
 ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weight: int8 rows or float
 # What kernel="auto" keeps as the file's blocks where the block kernel runs: the types whose other form is a second
 # rounding into wider int8 rows. Q4_0 / Q4_1 / Q4_K codes stay int4 codes on torch's bfloat16 kernel (their codes
-# as they are, and faster at many rows: `python -m bench shapes`, README); kernel="gguf_blocks" keeps them as
-# blocks too.
+# as they are, and faster at many rows: `python -m bench shapes`, docs/benchmarks.md); kernel="gguf_blocks" keeps
+# them as blocks too.
 AUTO_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 
 

@@ -2,8 +2,8 @@
 
 On a GPU a decode step of transformers' forward is ~900 small kernels, each launched from Python (~15-25 us of
 host time apiece), while the card needs ~3 us for most of them: the engine decoded a 7B-shaped int4 model at 5% of
-the card's bandwidth limit, host-bound (README, "On a GPU"). A CUDA graph records the step's kernels once and
-replays them with one launch.
+the card's bandwidth limit, host-bound (docs/benchmarks.md, "On a GPU"). A CUDA graph records the step's
+kernels once and replays them with one launch.
 
 A graph replays fixed addresses and shapes, so the step is written for that: the token and its position are
 written into two small device tensors the graph reads; each layer's new key and value are written into the live

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) build/venv: the environment the Linux and macOS installers are frozen from, apart from
 # the developer's .venv so that a bundle holds only what the app needs, at the versions in constraints.txt.
-#   TORCH_SPEC   the torch requirement (default: torch==2.13.0+cpu, the CPU wheel; see README "Installers")
+#   TORCH_SPEC   the torch requirement (default: torch==2.13.0+cpu, the CPU wheel; see docs/guide/installers.md)
 #   TORCH_INDEX  where pip finds it (default: the PyTorch CPU index; for CUDA e.g. .../whl/cu128)
 #   PYTHON       the interpreter to build with; it must have a shared libpython (pyenv: PYTHON_CONFIGURE_OPTS=--enable-shared)
 set -euo pipefail

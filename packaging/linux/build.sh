@@ -4,7 +4,7 @@
 #   dist/kvboost-desktop_VERSION_DEBARCH.deb          /opt/kvboost-desktop, /usr/bin/kvboost-desktop, menu entry, icons
 #   build/AppDir                                      packed into an .AppImage by packaging/linux/appimage.sh
 # The bundle is frozen from build/venv (packaging/venv.sh: the pinned versions, torch CPU by default; TORCH_SPEC and
-# TORCH_INDEX pick a CUDA wheel, see README "Installers"). Needs: python3 with a shared libpython, dpkg-deb and
+# TORCH_INDEX pick a CUDA wheel, see docs/guide/installers.md). Needs: python3 with a shared libpython, dpkg-deb and
 # dpkg-shlibdeps (dpkg-dev), strip and patchelf, and the Qt xcb libraries installed (the Depends are read from them):
 #   apt-get install dpkg-dev binutils patchelf file libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1 libxkbcommon-x11-0 libegl1 libgl1 \
 #       libfontconfig1 libdbus-1-3 libwayland-cursor0 libwayland-egl1

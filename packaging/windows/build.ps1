@@ -2,7 +2,7 @@
 #   dist\kvboost-desktop-VERSION-windows-x64-VARIANT-setup.exe   (cuda: plus setup-N.bin slices)
 # Needs Python 3.11 (python on PATH, or -Python) and Inno Setup 6 (choco install innosetup).
 #   pwsh packaging\windows\build.ps1                  # CPU build: torch's CPU wheel
-#   pwsh packaging\windows\build.ps1 -Variant cuda    # CUDA 12.8 wheel (see README "Installers" for its size)
+#   pwsh packaging\windows\build.ps1 -Variant cuda    # CUDA 12.8 wheel (see docs/guide/installers.md for its size)
 param(
     [ValidateSet("cpu", "cuda")] [string] $Variant = "cpu",
     [string] $Python = "python",

@@ -47,7 +47,7 @@ def test_the_elf_reader_agrees_with_readelf():
 
 def quick_start_packages(command: str) -> set[str]:
     readme = (ROOT / "README.md").read_text()
-    quick_start = readme[readme.index("## Quick start"):readme.index("## Desktop app")]
+    quick_start = readme[readme.index("## Quick start"):readme.index("## Install\n")]
     joined = quick_start.replace("\\\n", " ")
     line = next(line for line in joined.splitlines() if line.startswith(command))
     return set(line[len(command):].split())

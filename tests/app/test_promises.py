@@ -1,5 +1,6 @@
-"""What the README promises of the desktop app, each checked through real widgets, real key and mouse events,
-real SQLite files and real processes. Expected values are stated or computed here, not taken from the app."""
+"""What the docs promise of the desktop app (docs/guide/app.md, docs/promises.md), each checked through real
+widgets, real key and mouse events, real SQLite files and real processes. Expected values are stated or computed
+here, not taken from the app."""
 
 from __future__ import annotations
 

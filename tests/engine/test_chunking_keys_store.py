@@ -140,7 +140,7 @@ def test_importance_lru_keeps_hot_entries_that_lru_evicts(policy, hot_survives):
 
 
 def importance_lru_order(entries, hit_weight=2.0):
-    """Eviction order by the rule in engine/eviction.py and the README, from `entries`: name -> [importance,
+    """Eviction order by the rule in engine/eviction.py and docs/engine.md, from `entries`: name -> [importance,
     hits, last_access]. An entry hit h times is kept as if touched hit_weight * log1p(h) * N operations later
     (N: entries competing), scaled by its importance over the competitors' mean; ties go to the older."""
     n = len(entries)

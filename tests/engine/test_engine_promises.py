@@ -1,7 +1,7 @@
-"""What the README promises of the engine's options and stats, each checked where it could break: timing stats
-present and consistent, the fingerprint following weights, dtype and RoPE config, from_pretrained's eviction and
-gpu_cache_bytes options over a model folder, layer_streaming refused with the reason, default tier budgets at the
-documented fractions."""
+"""What the docs promise of the engine's options and stats (docs/engine.md, docs/promises.md), each checked where it
+could break: timing stats present and consistent, the fingerprint following weights, dtype and RoPE config,
+from_pretrained's eviction and gpu_cache_bytes options over a model folder, layer_streaming refused with the reason,
+default tier budgets at the documented fractions."""
 
 from __future__ import annotations
 

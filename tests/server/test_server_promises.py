@@ -1,4 +1,4 @@
-"""What the README's "OpenAI-compatible server" section promises, each checked over real HTTP on 127.0.0.1 against
+"""What docs/guide/server.md promises, each checked over real HTTP on 127.0.0.1 against
 a real server over the real model: the queue limit, error statuses, the API key from the environment, and the
 request and response fields it names."""
 

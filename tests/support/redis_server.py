@@ -48,7 +48,7 @@ class RedisServer:
             extra += ["--tls-port", str(self.tls_port), "--tls-cert-file", str(self.tls["cert"]), "--tls-key-file",
                       str(self.tls["key"]), "--tls-ca-cert-file", str(self.tls["ca"]), "--tls-auth-clients", "no"]
         if self.user:
-            # the README's ACL for KVBoost (less +client|setinfo, which Redis 7.0 does not know)
+            # the ACL of docs/guide/shared-tier.md for KVBoost (less +client|setinfo, which Redis 7.0 does not know)
             extra += ["--user", self.user[0], "on", f">{self.user[1]}", "~kvboost:*", "+get", "+mget", "+set", "+del",
                       "+hsetnx", "+hgetall", "+scan", "+strlen", "+info", "+ping", "+select"]
         self.proc = subprocess.Popen(
