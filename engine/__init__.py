@@ -1,16 +1,34 @@
-"""KVBoost engine: chunked KV reuse over HuggingFace transformers RoPE decoders. Never imports Qt."""
+"""KVBoost engine: chunked KV reuse over HuggingFace transformers RoPE decoders. Never imports Qt.
 
-from .config import ChunkingConfig, EngineConfig, SamplingConfig
-from .engine import KVBoost, UnsupportedModelError, awq_streaming_unavailable, layer_streaming_unavailable
-from .generate import Cancelled, Result, Stats, TokenEvent
-from .loader import ModelLoadError
+The public names are imported on first use (PEP 562), so that commands that need no model (`kvboost cache stats`,
+`kvboost models list`, `--help`, `--version`) start without importing torch.
+"""
 
-__all__ = [
-    "KVBoost", "Result", "Stats", "TokenEvent", "EngineConfig", "ChunkingConfig", "SamplingConfig",
-    "ModelLoadError", "UnsupportedModelError", "layer_streaming_unavailable", "awq_streaming_unavailable",
-    "Cancelled",
-]
+from __future__ import annotations
 
-from .worker import MAX_BATCH, EngineWorker, WorkerStopped  # noqa: E402  (the engine thread, its queue, its batch)
+import importlib
 
-__all__ += ["EngineWorker", "WorkerStopped", "MAX_BATCH"]
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "ChunkingConfig": "config", "EngineConfig": "config", "SamplingConfig": "config",
+    "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
+    "layer_streaming_unavailable": "engine",
+    "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
+    "ModelLoadError": "loader",
+    "MAX_BATCH": "worker", "EngineWorker": "worker", "WorkerStopped": "worker",  # the engine thread, its queue
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -11,20 +11,33 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import EngineConfig
+from .config import (
+    CHUNKING_MODES,
+    EVICTION_POLICIES,
+    REPAIR_MODES,
+    REUSE_MODES,
+    ChunkingConfig,
+    EngineConfig,
+    RepairConfig,
+    SamplingConfig,
+    help_of,
+)
 from .version import version
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder, .gguf file or HF hub id in the local cache (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--reuse", default="chunk", choices=("off", "prefix", "chunk", "approx"),
-                   help="approx adds APPROXIMATE reuse of moved text (may change answers; see docs/engine.md)")
-    p.add_argument("--repair", default="selective", choices=("none", "selective", "cacheblend"))
-    p.add_argument("--chunk-size", type=int, default=128)
-    p.add_argument("--chunking", default="fixed", choices=("fixed", "semantic", "adaptive"))
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a GPU where there is one)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto (bfloat16 on a GPU that has it, float32 on a CPU)")
+    defaults = EngineConfig()
+    p.add_argument("--reuse", default=defaults.reuse, choices=REUSE_MODES,
+                   help=help_of(EngineConfig, "reuse") + "; approx may change answers (docs/engine.md)")
+    p.add_argument("--repair", default=defaults.repair.mode, choices=REPAIR_MODES, help=help_of(RepairConfig, "mode"))
+    p.add_argument("--chunk-size", type=int, default=defaults.chunking.size, help=help_of(ChunkingConfig, "size"))
+    p.add_argument("--chunking", default=defaults.chunking.mode, choices=CHUNKING_MODES,
+                   help=help_of(ChunkingConfig, "mode"))
     p.add_argument("--cache-bytes", "--gpu-cache-bytes", dest="cache_bytes", type=int, default=None,
                    help="device KV tier budget (default: sized from the machine)")
     p.add_argument("--cpu-cache-bytes", type=int, default=None, help="host RAM KV tier budget (0: off)")
@@ -33,7 +46,6 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-cache", default=None, metavar="URL",
                    help="a Redis/Valkey store shared by machines, below the disk tier: redis://[user:password@]HOST:"
                         "PORT/DB, rediss:// for TLS (default: none; see docs/guide/shared-tier.md)")
-    defaults = EngineConfig()
     p.add_argument("--remote-timeout", dest="remote_timeout_s", type=float, default=defaults.remote_timeout_s,
                    metavar="SECONDS",
                    help="the shared store counts as failing when silent this long; also the least a read may take "
@@ -44,7 +56,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
                    help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as "
                         "QUANTIZED)")
-    p.add_argument("--eviction", default="importance-lru", choices=("lru", "importance-lru"))
+    p.add_argument("--eviction", default=defaults.eviction, choices=EVICTION_POLICIES,
+                   help=help_of(EngineConfig, "eviction"))
     p.add_argument("--live-kv-bytes", type=int, default=None,
                    help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")
     p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
@@ -63,13 +76,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    defaults = SamplingConfig()
+    p.add_argument("--max-new-tokens", type=int, default=256, help=help_of(SamplingConfig, "max_new_tokens"))
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("repetition_penalty", float),
+                       ("seed", int)):
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                       help=help_of(SamplingConfig, name))
+    p.add_argument("--stop", action="append", default=None, help=help_of(SamplingConfig, "stop") + " (repeatable)")
 
 
 def _sampling(args) -> dict:
@@ -81,6 +94,8 @@ def load_engine(args):
     """The engine the parsed engine options (add_engine_options) describe."""
     from .engine import KVBoost
 
+    if not getattr(args, "verbose", False):
+        quiet_transformers()  # here, not in main: commands that load no model start without torch
     if args.threads:
         import torch
 
@@ -235,27 +250,30 @@ def _human(n: float) -> str:
 
 
 def cmd_cache(args) -> int:
-    """The disk KV tier, without loading a model: stats, clear, verify; stats also of a shared store
-    (--remote-cache)."""
-    from .disk import DiskTier, default_cache_dir
+    """The disk KV tier, without loading a model: stats (read-only, without torch: at once), clear, verify; stats
+    also of a shared store (--remote-cache)."""
+    from .disk_maintenance import INDEX_FILENAME, default_cache_dir, read_stats
 
     folder = Path(args.dir).expanduser() if args.dir else default_cache_dir()
-    if args.action != "clear" and not (folder / "index.sqlite3").exists():
-        if args.action == "stats" and args.remote_cache:
-            return _remote_stats(args, {})
+    if args.action == "stats":
+        stats = read_stats(folder) or {}
+        if args.remote_cache:
+            return _remote_stats(args, stats)
+        if not stats:
+            print(f"no disk KV cache in {folder}")
+        elif args.json:
+            print(json.dumps(stats, indent=2))
+        else:
+            _print_disk_stats(stats)
+        return 0
+    if args.action != "clear" and not (folder / INDEX_FILENAME).exists():
         print(f"no disk KV cache in {folder}")
         return 0
+    from .disk import DiskTier
+
     disk = DiskTier(folder, budget_bytes=0)
     try:
-        if args.action == "stats":
-            stats = disk.stats()
-            if args.remote_cache:
-                return _remote_stats(args, stats)
-            if args.json:
-                print(json.dumps(stats, indent=2))
-                return 0
-            _print_disk_stats(stats)
-        elif args.action == "clear":
+        if args.action == "clear":
             print(f"removed {disk.clear()} entries from {folder}")
         else:
             report = disk.verify(repair=not args.dry_run)
@@ -374,13 +392,9 @@ def main(argv=None) -> int:
         return cmd_bench(argparse.Namespace(bench_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    if not args.verbose:
-        quiet_transformers()
-    from .loader import ModelLoadError
-
     try:
         return args.func(args)
-    except (ModelLoadError, ValueError) as exc:
+    except ValueError as exc:  # engine.ModelLoadError among them
         print(f"kvboost: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -51,10 +51,10 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
-import platformdirs
 import sqlite_utils
 
 from . import disk_maintenance
+from .disk_maintenance import CACHE_DIR_ENV_VAR, INDEX_FILENAME, default_cache_dir  # noqa: F401 (public here)
 from .disk_rows import _HEX_KEY, entry_fields, is_payload_name, parse_row, payload_name
 from .eviction import LRU, Candidate, rank
 from .payload_file import PayloadError, decode_file, encode_file
@@ -62,16 +62,6 @@ from .tiers import QUANT_MODES, StoredKV
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
-INDEX_FILENAME = "index.sqlite3"
-
-
-def default_cache_dir() -> Path:
-    """$KVBOOST_CACHE_DIR when set (documented override), else platformdirs' per-user cache folder."""
-    override = os.environ.get(CACHE_DIR_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kv"
 
 
 def default_disk_budget(folder: Path) -> int:

@@ -1,6 +1,7 @@
-"""Maintenance of a disk KV folder (`kvboost cache stats | clear | verify`): what it holds, emptying it, and
-checking every file against its row, the debris of crashes included. Works on an open engine.disk.DiskTier
-(namespace None for every model's entries)."""
+"""Maintenance of a disk KV folder (`kvboost cache stats | clear | verify`): where it is, what it holds, emptying
+it, and checking every file against its row, the debris of crashes included. Works on an open engine.disk.DiskTier
+(namespace None for every model's entries), except `read_stats` and `default_cache_dir`, which need no torch: the
+CLI answers `kvboost cache stats` with them at once."""
 
 from __future__ import annotations
 
@@ -12,27 +13,58 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from .disk_rows import _TMP_NAME, entry_fields, is_payload_name, parse_row
-from .payload_file import PayloadError, decode_file
+import platformdirs
 
+from .disk_rows import _TMP_NAME, entry_fields, is_payload_name, parse_row
+
+CACHE_DIR_ENV_VAR = "KVBOOST_CACHE_DIR"
+INDEX_FILENAME = "index.sqlite3"
 ORPHAN_AGE_S = 3600  # a file without a row older than this is debris of a crash (a writer renames then commits)
+
+
+def default_cache_dir() -> Path:
+    """$KVBOOST_CACHE_DIR when set (documented override), else platformdirs' per-user cache folder."""
+    override = os.environ.get(CACHE_DIR_ENV_VAR)
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("KVBoost", "KVBoost")) / "kv"
 
 
 def stats(disk) -> dict:
     """Entries, bytes and tokens in the folder, in all and per namespace (model and settings)."""
     with disk._lock:
-        total = disk.db.execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
-                                "COALESCE(SUM(LENGTH(tokens)) / 4, 0) FROM entries").fetchone()
-        per_ns = disk.db.execute(
-            "SELECT e.namespace, n.model, n.settings, COUNT(*), SUM(e.num_bytes), SUM(LENGTH(e.tokens)) / 4 "
-            "FROM entries e LEFT JOIN namespaces n ON n.namespace = e.namespace GROUP BY e.namespace "
-            "ORDER BY SUM(e.num_bytes) DESC").fetchall()
+        return _stats(disk.db.execute, disk.folder, disk.budget_bytes)
+
+
+def read_stats(folder: Path) -> dict | None:
+    """stats() of the folder's index opened read-only, without a DiskTier (nothing written, no torch); None when
+    the folder holds no index. Its budget is None: a budget belongs to an engine, not to the folder."""
+    index = folder / INDEX_FILENAME
+    if not index.is_file():
+        return None
+    import sqlite3
+
+    conn = sqlite3.connect(f"{index.resolve().as_uri()}?mode=ro", uri=True, timeout=30.0)
+    try:
+        return _stats(conn.execute, folder, None)
+    finally:
+        conn.close()
+
+
+def _stats(execute, folder: Path, budget_bytes: int | None) -> dict:
+    total = execute("SELECT COUNT(*), COALESCE(SUM(num_bytes), 0), COALESCE(SUM(raw_bytes), 0), "
+                    "COALESCE(SUM(LENGTH(tokens)) / 4, 0) FROM entries").fetchone()
+    per_ns = execute(
+        "SELECT e.namespace, n.model, n.settings, COUNT(*), SUM(e.num_bytes), SUM(LENGTH(e.tokens)) / 4 "
+        "FROM entries e LEFT JOIN namespaces n ON n.namespace = e.namespace GROUP BY e.namespace "
+        "ORDER BY SUM(e.num_bytes) DESC").fetchall()
     return {
-        "folder": str(disk.folder), "entries": total[0], "bytes": total[1], "raw_bytes": total[2],
-        "tokens": total[3], "budget_bytes": disk.budget_bytes,
+        "folder": str(folder), "entries": total[0], "bytes": total[1], "raw_bytes": total[2],
+        "tokens": total[3], "budget_bytes": budget_bytes,
         "namespaces": [{"namespace": ns, "model": model or "?", "settings": _json_dict(settings),
                         "entries": n, "bytes": b, "tokens": t} for ns, model, settings, n, b, t in per_ns],
     }
+
 
 def clear(disk, namespace: str | None = None) -> int:
     """Removes every entry (of `namespace` when given); returns how many."""
@@ -46,10 +78,13 @@ def clear(disk, namespace: str | None = None) -> int:
         remove_unreferenced(disk, min_age_s=0)
     return len(rows)
 
+
 def verify(disk, repair: bool = True) -> dict:
     """Reads every file against its row: malformed rows, missing, truncated, corrupt or mismatched files
     are reported (and with `repair` their rows dropped; a malformed row's path is never touched); files no
     row points to (a crash between rename and commit) are removed when older than ORPHAN_AGE_S."""
+    from .payload_file import PayloadError, decode_file  # torch: only where files are read
+
     with disk._lock:
         cursor = disk.db.execute(
             "SELECT id, namespace, key, kind, parent, content_key, start, tokens, exact, num_bytes, raw_bytes, "

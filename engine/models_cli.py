@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import sys
 
+JSON_HELP = "print JSON instead of a table"
+REVISION_HELP = "a branch, tag or commit of the repo (default: main)"
+
 
 def add_models_parser(subparsers) -> None:
     p = subparsers.add_parser("models", help="search, download, list and remove models (HuggingFace hub)")
@@ -21,30 +24,31 @@ def add_models_parser(subparsers) -> None:
 
     a = actions.add_parser("search", help="models whose name contains QUERY, most downloaded first")
     a.add_argument("query")
-    a.add_argument("--format", choices=("gguf", "safetensors", "awq"), default=None)
+    a.add_argument("--format", choices=("gguf", "safetensors", "awq"), default=None,
+                   help="only repos with files in this format")
     a.add_argument("--arch", default=None, help="architecture (config model_type), e.g. llama, qwen2")
     a.add_argument("--all", action="store_true", help="also models this engine cannot run")
-    a.add_argument("--limit", type=int, default=20)
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--limit", type=int, default=20, help="at most this many results (default 20)")
+    a.add_argument("--json", action="store_true", help=JSON_HELP)
 
     a = actions.add_parser("files", help="a repo's downloads per format and quantization, with sizes and fit")
     a.add_argument("repo")
-    a.add_argument("--revision", default="main")
+    a.add_argument("--revision", default="main", help=REVISION_HELP)
     a.add_argument("--context", type=int, default=4096, help="context length the fit estimate counts KV for")
     a.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
                    help="the weight format the fit estimate assumes (as --weights of chat/run)")
     a.add_argument("--no-fit", action="store_true", help="sizes only (no config read, no torch)")
-    a.add_argument("--json", action="store_true")
+    a.add_argument("--json", action="store_true", help=JSON_HELP)
 
     a = actions.add_parser("download", help="download one GGUF quantization or the safetensors folder")
     a.add_argument("repo")
     a.add_argument("file", nargs="?", default=None,
                    help="a quantization (Q4_K_M), a file name, or safetensors / awq (default: the folder if there "
                         "is one, else Q4_K_M, Q4_0, ...)")
-    a.add_argument("--revision", default="main")
+    a.add_argument("--revision", default="main", help=REVISION_HELP)
 
     actions.add_parser("list", help="downloaded models (unfinished downloads are marked)").add_argument(
-        "--json", action="store_true")
+        "--json", action="store_true", help=JSON_HELP)
     actions.add_parser("remove", help="delete every downloaded file of a repo").add_argument("repo")
     p.set_defaults(func=run_models)
 
@@ -135,10 +139,15 @@ def _download(hub, args) -> int:
 
 
 def _list(hub, args) -> int:
+    from .builtin import builtin_model_path
+
     models = hub.downloaded()
     if args.json:
         print(json.dumps([{**m.__dict__, "path": str(m.path)} for m in models], indent=2))
         return 0
+    builtin = builtin_model_path()
+    if builtin is not None:  # ships with the app: always there, never downloaded or removed
+        print(f"built-in  {builtin.name}  {_human(builtin.stat().st_size)}  {builtin}")
     if not models:
         print(f"nothing downloaded in {hub.cache_dir}", file=sys.stderr)
     for m in models:

@@ -20,7 +20,7 @@ def build_server_parser() -> argparse.ArgumentParser:
     add_engine_options(parser)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: this machine only; 0.0.0.0 exposes it to the network)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
     parser.add_argument("--api-key", default=os.environ.get("KVBOOST_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every request (default: $KVBOOST_API_KEY; the "
                         "environment keeps the key out of the process list)")
@@ -34,7 +34,8 @@ def build_server_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=_positive_int, default=8,
                         help="requests decoded together in one forward pass per step (default 8; 1: one at a time, "
                         "in arrival order); more wait in the queue")
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log what the engine and the server do (INFO), transformers' warnings included")
     return parser
 
 

@@ -68,3 +68,45 @@ def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
 
     form = "blocks" if expected_unavailable() is None else "int4"  # the file's blocks where the block kernel runs
     assert f"Q4_K->{form} x14" in loaded and " MiB" in loaded
+
+
+def run_without_model(args):
+    """`kvboost ARGS` in a fresh process (processes.NO_TORCH: it reports whether torch was imported)."""
+    from processes import NO_TORCH, child_env
+
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=child_env())
+
+
+def test_models_list_names_the_built_in_model_without_torch(tmp_path):
+    from engine.loader import default_model_path
+
+    done = run_without_model(["models", "--cache-dir", str(tmp_path), "list"])
+    assert done.returncode == 0, done.stderr
+    builtin = default_model_path()
+    assert f"built-in  {builtin.name}" in done.stdout and str(builtin) in done.stdout
+    assert "nothing downloaded" in done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def _actions(parser):
+    """Every option of `parser` and of its subcommands, as (command path, action)."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for path, inner in _actions(sub):
+                    yield (name, *path), inner
+        elif action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield (), action
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from engine.cli import build_parser
+    from server.cli import build_server_parser as server_parser
+
+    missing = [f"{prog} {' '.join(path)} {action.option_strings[0]}"
+               for prog, parser in (("kvboost", build_parser()), ("kvboost-server", server_parser()))
+               for path, action in _actions(parser) if not action.help]
+    assert missing == []

@@ -287,6 +287,30 @@ def test_cache_command_reports_verifies_and_clears_a_folder(tmp_path, capsys):
     assert '"entries": 0' in capsys.readouterr().out
 
 
+def test_cache_stats_reads_a_folder_without_importing_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from processes import NO_TORCH, child_env
+
+    disk = DiskTier(tmp_path, 1 << 30, "int8", namespace="ns", model_name="tiny")
+    disk.describe_namespace({"chunk_size": 128, "kv_quant": "int8"})
+    put(ChunkStore(0, LRU(), disk=disk), b"A", 0)
+    disk.close()
+
+    def stats(folder):
+        done = subprocess.run([sys.executable, "-c", NO_TORCH, "cache", "stats", "--dir", str(folder)],
+                              capture_output=True, text=True, timeout=120, env=child_env())
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    out = stats(tmp_path)
+    assert "1 entries" in out and "tiny [chunk_size=128, kv_quant=int8]" in out and f"{TOKENS} tokens" in out
+    assert "torch imported: False" in out
+    out = stats(tmp_path / "nothing")
+    assert "no disk KV cache" in out and "torch imported: False" in out
+
+
 def test_cache_command_on_a_folder_without_a_cache(tmp_path, capsys):
     from engine.cli import main
 

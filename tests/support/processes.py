@@ -22,3 +22,14 @@ def child_env(**extra: str) -> dict:
 def app_env(**extra: str) -> dict:
     """child_env for the desktop app: Qt offscreen."""
     return child_env(QT_QPA_PLATFORM="offscreen", **extra)
+
+
+# `kvboost ARGS` (python -c NO_TORCH ARGS) that says at the end whether it imported torch: commands that load no
+# model start without it.
+NO_TORCH = """
+import sys
+from engine.cli import main
+code = main(sys.argv[1:])
+print("torch imported:", "torch" in sys.modules)
+sys.exit(code)
+"""
