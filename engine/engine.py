@@ -282,11 +282,9 @@ class KVBoost:
             changes["kv_quant"] = KVQuantConfig.parse(changes["kv_quant"])
         if changes.get("disk_cache_dir") is not None:
             changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
-        inherited = ("reuse", "cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir",
-                     "disk_busy_timeout_s", "kv_quant", "eviction", "live_kv_bytes", "live_page_tokens",
-                     "speculative", "num_draft", "prefill_piece_tokens", "remote_cache", "remote_timeout_s",
-                     "remote_max_wait_s", "remote_retry_s", "remote_max_value_bytes", "cuda_graphs")
-        fields = {name: getattr(self.config, name) for name in inherited}
+        # every option is inherited but those rebuilt above (the fields themselves: none is listed by hand)
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(EngineConfig)
+                  if f.name not in ("chunking", "repair")}
         fields["repair"] = repair
         fields.update(changes)
         return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),

@@ -178,3 +178,16 @@ def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
     assert engine.decode(engine.encode("w5 w6 w7")) == "w5 w6 w7"
     off = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_bytes=0)
     assert off.info()["cache_folder"] is None
+
+
+def test_with_options_keeps_every_option_it_is_not_told_to_change():
+    from dataclasses import replace
+
+    config = EngineConfig(reuse="prefix", chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=1 << 20,
+                          disk_cache_bytes=0, disk_busy_timeout_s=5.0, eviction="lru", live_page_tokens=64,
+                          speculative=None, num_draft=2, remote_timeout_s=0.5, remote_max_wait_s=2.0,
+                          remote_retry_s=1.0, remote_max_value_bytes=1 << 20, prefill_piece_tokens=64,
+                          cuda_graphs=False)
+    engine = KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny")
+    assert engine.with_options().config == config
+    assert engine.with_options(num_draft=3).config == replace(config, num_draft=3)
