@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
     QFileDialog,
+    QFrame,
     QHBoxLayout,
     QLabel,
     QLineEdit,
@@ -36,6 +37,7 @@ from PySide6.QtWidgets import (
 from . import conversation_export, dialogs
 from . import theme as themes
 from .conversation_tab import ConversationTab
+from .elided_label import ElidedLabel
 from .memory_meter import MemoryMeter
 from .model_menu import ModelMenu
 
@@ -188,7 +190,9 @@ class MainWindow(QMainWindow):
 
     def _build_status_bar(self) -> None:
         bar = self.statusBar()
-        self.model_label = QLabel("No model")
+        # Labels that elide (never overlap or cut each other as the window narrows); a line between the model and
+        # the memory meter.
+        self.model_label = ElidedLabel("No model")
         self.model_label.setObjectName("modelLabel")
         self.load_bar = QProgressBar()
         self.load_bar.setRange(0, 0)  # busy until the loader reports steps (a GGUF's or AWQ's decoder layers)
@@ -202,6 +206,10 @@ class MainWindow(QMainWindow):
         self.api_label.hide()
         bar.addWidget(self.api_label)
         self.memory_meter = MemoryMeter(self.client)
+        self.status_separator = QFrame()
+        self.status_separator.setFrameShape(QFrame.VLine)
+        self.status_separator.setFrameShadow(QFrame.Sunken)
+        bar.addPermanentWidget(self.status_separator)
         bar.addPermanentWidget(self.memory_meter)
         self._stage = ""
         self._load_timer = QTimer(self, interval=500)
@@ -453,10 +461,10 @@ class MainWindow(QMainWindow):
         self.load_bar.hide()
         weights = info.get("weights") or {}
         held = f"{weights['format']} ({weights['resident_bytes'] / 2**20:.0f} MB)" if weights else info["dtype"]
-        self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {held} · "
-                                 f"{info['max_context']} ctx · reuse {info['reuse']} · "
-                                 f"loaded in {info['load_s']:.1f} s")
-        self.model_label.setToolTip(info.get("weights_text", ""))
+        self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {held}")
+        details = (f"Context: {info['max_context']} tokens · KV reuse: {info['reuse']} · "
+                   f"loaded in {info['load_s']:.1f} s")
+        self.model_label.setToolTip("\n".join(filter(None, [details, info.get("weights_text", "")])))
         if info.get("disk_error"):
             self.show_error(f"Answers still work, but KV will not be kept across restarts: {info['disk_error']}")
         if self.serve_action.isChecked():

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import psutil
 from PySide6.QtCore import QTimer
-from PySide6.QtWidgets import QLabel
+
+from .elided_label import ElidedLabel
 
 INTERVAL_MS = 1000
 
@@ -41,7 +42,7 @@ def memory_text(rss: int, engine: dict | None) -> str:
     parts = []
     if engine and "device_total_bytes" in engine:
         parts.append(f"VRAM {human_bytes(engine['device_used_bytes'])} / {human_bytes(engine['device_total_bytes'])}"
-                     f" ({_model_bytes(engine)}, KV {human_bytes(sum(engine['kv_bytes'].values()))})")
+                     f" ({_model_bytes(engine)}, KV {human_bytes(engine['kv_bytes'].get('device', 0))})")
     parts.append(f"RAM {human_bytes(rss)}")
     if engine:
         if "device_total_bytes" not in engine:
@@ -85,9 +86,9 @@ def memory_tooltip(engine: dict | None) -> str:
     return "KV cache per tier (used of budget):\n" + "\n".join(lines)
 
 
-class MemoryMeter(QLabel):
+class MemoryMeter(ElidedLabel):
     def __init__(self, client, parent=None):
-        super().__init__(parent)
+        super().__init__("", parent)
         self.setObjectName("memoryMeter")
         self.client = client
         self._process = psutil.Process()
