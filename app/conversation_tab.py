@@ -79,6 +79,7 @@ class ConversationTab(QWidget):
         self.client = client
         self._job: int | None = None  # running chat request
         self._answer_id: int | None = None
+        self._stopped_text: str | None = None  # the answer as shown when the user pressed Stop
         self._save_failed = False  # a write of the current answer failed and was reported
         self._warm_job: int | None = None
         self._ingest_task: asyncio.Task | None = None
@@ -221,11 +222,18 @@ class ConversationTab(QWidget):
         return (self.client.model_info or {}).get("max_context", 8192)
 
     def stop(self) -> None:
-        if self._job is not None:
-            self.client.cancel(self._job)
+        """Stops the answer where it is on screen: the engine stops at its next token, and whatever it made
+        between this moment and that one is neither shown nor saved (Stop means the text stops now)."""
+        if self._job is None:
+            return
+        self.client.cancel(self._job)
+        widget = self.chat_view.widget_for(self._answer_id) if self._answer_id is not None else None
+        if widget is not None and self._stopped_text is None:
+            self._stopped_text = widget.text
+            widget.set_text(self._stopped_text)  # what had arrived, rendered now rather than at the next tick
 
     def on_client_token_generated(self, job: int, text: str) -> None:
-        if job != self._job:
+        if job != self._job or self._stopped_text is not None:
             return
         self.chat_view.widget_for(self._answer_id).append_text(text)
 
@@ -252,15 +260,19 @@ class ConversationTab(QWidget):
         widget = self.chat_view.widget_for(self._answer_id)
         # "interrupted": a remote server's answer broke off (app.remote_provider); the text so far is kept
         status = answer["finish_reason"] if answer["finish_reason"] in ("cancelled", "interrupted") else "done"
+        # The engine's text is the whole answer (the widget may still hold a throttled partial render), unless the
+        # user stopped it: then the answer is what was on screen at that moment.
+        text = answer["text"]
+        if self._stopped_text is not None and text != self._stopped_text:
+            text, status = self._stopped_text, "cancelled"
         stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
-                     finish_reason=answer["finish_reason"])
-        # The engine's text is the whole answer (the widget may still hold a throttled partial render).
+                     finish_reason="cancelled" if status == "cancelled" else answer["finish_reason"])
         self._save_failed = False  # the final write is reported whatever happened before
-        self._save(self._answer_id, content=answer["text"], status=status, stats=stats if answer["stats"] else None)
-        widget.set_text(answer["text"])
+        self._save(self._answer_id, content=text, status=status, stats=stats if answer["stats"] else None)
+        widget.set_text(text)
         widget.message["status"] = status
         if answer["stats"]:
-            widget.set_answer(dict(answer))
+            widget.set_answer(dict(answer, text=text, finish_reason=stats["finish_reason"]))
         self._finish_request()
         if answer.get("error"):
             self.error_raised.emit(answer["error"])
@@ -280,6 +292,7 @@ class ConversationTab(QWidget):
             widget.rendered.disconnect(self.on_answer_rendered)
         self._job = None
         self._answer_id = None
+        self._stopped_text = None
         self.generation_state_changed.emit(False)
         self.update_composer()
 
