@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 from .db import DEFAULT_SAMPLING, DEFAULT_SYSTEM_PROMPT, ROLES, Database, encode_json, merged_sampling
@@ -10,7 +12,37 @@ EXPORT_FORMAT = "kvboost-conversation"
 EXPORT_VERSION = 1
 
 
+# Characters no file name may hold on Windows, macOS or Linux (and control characters)
+_UNSAFE = re.compile(r'[<>:"/\\|?*\x00-\x1f\x7f]+')
+_RESERVED = {"con", "prn", "aux", "nul", *(f"com{i}" for i in range(1, 10)), *(f"lpt{i}" for i in range(1, 10))}
+MAX_NAME_CHARS = 80
+
+
+def safe_file_name(title: str, suffix: str) -> str:
+    """A file name for a conversation titled `title` that every desktop OS accepts: unsafe characters become
+    "-", no leading or trailing dots or spaces, at most MAX_NAME_CHARS characters, "conversation" when nothing is
+    left (or the name is one Windows reserves)."""
+    name = _UNSAFE.sub("-", title).strip(" .-")
+    name = re.sub(r"\s+", " ", name)[:MAX_NAME_CHARS].rstrip(" .-")
+    if not name or name.lower() in _RESERVED:
+        name = "conversation"
+    return f"{name}.{suffix}"
+
+
+def suggested_path(folder: Path, title: str, suffix: str) -> Path:
+    """Where an export of `title` is offered: `folder` (the user's documents folder) and a safe name."""
+    return folder / safe_file_name(title, suffix)
+
+
+def _documents(db: Database, cid: int) -> list[dict]:
+    return [{key: doc[key] for key in ("name", "path", "kind", "sha256", "size")}
+            for doc in db.conversation_documents(cid)]
+
+
 def export_json(db: Database, cid: int) -> dict:
+    """The conversation as data: its settings, the documents attached to it, and every message with its stats
+    (the answering model among them) and sources. `import_json` reads it back (documents are listed, not
+    imported: their files stay where they are)."""
     conversation = db.conversation(cid)
     return {
         "format": EXPORT_FORMAT,
@@ -19,6 +51,7 @@ def export_json(db: Database, cid: int) -> dict:
         "system_prompt": conversation["system_prompt"],
         "sampling": conversation["sampling"],
         "created_at": conversation["created_at"],
+        "documents": _documents(db, cid),
         "messages": [
             {key: message[key] for key in ("role", "content", "created_at", "stats", "sources")}
             for message in db.messages(cid)
@@ -27,14 +60,30 @@ def export_json(db: Database, cid: int) -> dict:
 
 
 def export_markdown(db: Database, cid: int) -> str:
+    """The conversation to read: title, system prompt, the documents attached, then each message, an answer
+    followed by the model that gave it and its sources."""
     conversation = db.conversation(cid)
     parts = [f"# {conversation['title']}"]
     if conversation["system_prompt"]:
         parts.append("\n".join(f"> {line}".rstrip() for line in conversation["system_prompt"].splitlines()))
+    documents = _documents(db, cid)
+    if documents:
+        parts.append("Documents:\n" + "\n".join(f"- {doc['name']} ({doc['path']})" for doc in documents))
     for message in db.messages(cid):
         parts.append(f"**{message['role'].capitalize()}**")
         parts.append(message["content"])
+        model = (message.get("stats") or {}).get("model")
+        sources = message.get("sources") or []
+        notes = ([f"*Model: {model}*"] if model else []) + (
+            ["*Sources: " + ", ".join(_source(s) for s in sources) + "*"] if sources else [])
+        if notes:
+            parts.append("\n".join(notes))
     return "\n\n".join(parts) + "\n"
+
+
+def _source(source: dict) -> str:
+    where = f" p.{source['page']}" if source.get("page") else ""
+    return f"{source.get('name', '?')}{where}"
 
 
 def import_json(db: Database, data: Any) -> dict:

@@ -218,6 +218,11 @@ class ConversationTab(QWidget):
         self.generation_state_changed.emit(True)
         self.update_composer()
 
+    def _model_name(self) -> str | None:
+        """The name of the model answering now (a file's or folder's name, or a remote server's model)."""
+        name = (self.client.model_info or {}).get("name")
+        return Path(name).name if name else None
+
     def _max_context(self) -> int:
         return (self.client.model_info or {}).get("max_context", 8192)
 
@@ -266,7 +271,8 @@ class ConversationTab(QWidget):
         if self._stopped_text is not None and text != self._stopped_text:
             text, status = self._stopped_text, "cancelled"
         stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
-                     finish_reason="cancelled" if status == "cancelled" else answer["finish_reason"])
+                     finish_reason="cancelled" if status == "cancelled" else answer["finish_reason"],
+                     model=self._model_name())
         self._save_failed = False  # the final write is reported whatever happened before
         self._save(self._answer_id, content=text, status=status, stats=stats if answer["stats"] else None)
         widget.set_text(text)

@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, QUrl
+from PySide6.QtCore import QStandardPaths, Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication,
@@ -348,7 +348,8 @@ class MainWindow(QMainWindow):
             return None
         conversation = self.db.conversation(tab.conversation_id)
         if path is None:
-            suggested = f"{conversation['title']}.{fmt}"
+            folder = QStandardPaths.writableLocation(QStandardPaths.DocumentsLocation) or str(Path.home())
+            suggested = str(conversation_export.suggested_path(Path(folder), conversation["title"], fmt))
             path, _ = QFileDialog.getSaveFileName(self, "Export conversation", suggested,
                                                   "Markdown (*.md)" if fmt == "md" else "JSON (*.json)")
             if not path:

@@ -74,3 +74,36 @@ def test_import_of_a_minimal_export_uses_defaults(db: Database):
         ("user", "hello", "done"),
         ("assistant", "hi", "done"),
     ]
+
+
+@pytest.mark.parametrize("title", ["What is 2+2?", 'a/b\\c: "d" <e>|*', "...", "CON", "x" * 300, "  hi.  ",
+                                   "tab\there\nnew line", "nul", "?", "résumé · 東京"])
+def test_an_export_is_offered_under_a_name_every_desktop_accepts(tmp_path, title):
+    from app.conversation_export import MAX_NAME_CHARS, suggested_path
+
+    path = suggested_path(tmp_path, title, "md")
+    name = path.name
+    assert path.parent == tmp_path and name.endswith(".md")
+    stem = name[:-3]
+    assert stem and len(stem) <= MAX_NAME_CHARS
+    assert not set(stem) & set('<>:"/\\|?*') and all(ord(c) >= 32 and c != "\x7f" for c in stem)
+    assert stem == stem.strip(" .") and stem.lower() not in ("con", "nul")
+    path.write_text("written")  # the file system takes it
+    assert path.read_text() == "written"
+
+
+def test_exports_carry_the_documents_the_sources_and_the_answering_model(db: Database, tmp_path):
+    cid = make_conversation_with_messages(db)
+    doc = db.upsert_document(str(tmp_path / "guide.pdf"), "guide.pdf", "pdf", "ab" * 32, 1.0, 10, 15,
+                             [{"text": "Lisbon is warm.", "page": 4, "section": None, "start": 0, "end": 15}])
+    db.attach_document(cid, doc["id"])
+    db.add_message(cid, "user", "And in winter?")
+    db.add_message(cid, "assistant", "Still mild.", stats={"model": "Qwen2.5-7B-Instruct-Q4_K_M.gguf"},
+                   sources=[{"name": "guide.pdf", "page": 4, "text": "Lisbon is warm."}])
+    exported = export_json(db, cid)
+    assert [(d["name"], d["path"]) for d in exported["documents"]] == [("guide.pdf", str(tmp_path / "guide.pdf"))]
+    assert exported["messages"][-1]["stats"]["model"] == "Qwen2.5-7B-Instruct-Q4_K_M.gguf"
+    markdown = export_markdown(db, cid)
+    assert f"Documents:\n- guide.pdf ({tmp_path / 'guide.pdf'})" in markdown
+    assert "Still mild.\n\n*Model: Qwen2.5-7B-Instruct-Q4_K_M.gguf*\n*Sources: guide.pdf p.4*" in markdown
+    assert import_json(db, exported)["id"] != cid  # an export with documents still imports
