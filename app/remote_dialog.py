@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from PySide6.QtCore import Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -54,6 +54,12 @@ class RemoteDialog(QDialog):
         layout.addLayout(form)
         layout.addWidget(self.status_label)
         layout.addWidget(self.buttons)
+        # Wide enough that a server's URL, and an error naming it, read on one line each (its size hint alone
+        # gave ~250 px and an error wrapped mid-URL); the error can be selected and copied.
+        url_width = self.fontMetrics().horizontalAdvance("https://inference.example.com:8000/v1/models")
+        self.base_url_edit.setMinimumWidth(url_width + 24)
+        self.setMinimumWidth(url_width + 220)
+        self.status_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
 
         self.list_button.clicked.connect(self.on_list_button_clicked)
         self.models_listed.connect(self.on_models_listed)

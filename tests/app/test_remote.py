@@ -154,3 +154,18 @@ def test_a_server_killed_mid_answer_leaves_the_partial_answer_marked_interrupted
     assert saved["status"] == "interrupted" and saved["content"] == answer["text"]
     assert tab.chat_view.widgets[-1].badge.text().endswith("· interrupted")
     assert not window.banner.isHidden() and "broke off" in window.banner_label.text()
+
+
+def test_the_remote_dialog_holds_a_server_url_and_an_error_naming_it_on_one_line(qtbot):
+    from app.remote_dialog import RemoteDialog
+
+    dialog = RemoteDialog()
+    qtbot.addWidget(dialog)
+    url = "https://inference.example.com:8000/v1/models"
+    dialog.base_url_edit.setText(url)
+    dialog.status_label.setText(f"{url}: the connection was refused")
+    dialog.show()
+    qtbot.waitExposed(dialog)
+    metrics = dialog.fontMetrics()
+    assert dialog.base_url_edit.width() > metrics.horizontalAdvance(url)  # the whole URL shows in its field
+    assert dialog.status_label.width() >= metrics.horizontalAdvance(url)  # a URL in an error is never broken
