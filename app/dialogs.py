@@ -42,7 +42,7 @@ REUSE_CHOICES = (
 WEIGHT_CHOICES = (
     ("auto", "Auto: as the file is (4-bit files as int4), float models as float if they fit"),
     ("float", "Float: full precision, the most memory"),
-    ("int4", "Int4: 4-bit, about a third of the memory, faster decode"),
+    ("int4", "Int4: 4-bit weights, much less memory (sizes below), faster decode"),
 )
 
 # Hugging Face repository ids: "owner/name", each part starting with a letter or digit.
@@ -254,6 +254,7 @@ class ModelDialog(QDialog):
             "A Redis or Valkey store shared with other machines: KV one of them computed answers the others. "
             "redis://user:password@host:port/db, rediss:// for TLS. The password is kept in the OS keyring.")
         self._streaming: dict | None = None  # the engine's streaming estimate for the chosen model
+        self._sizes: dict | None = None  # its weights' memory per format (show_weight_sizes)
         self._show_streaming()
         self._weights_combo.currentIndexChanged.connect(self.on_weights_combo_current_index_changed)
 
@@ -348,14 +349,24 @@ class ModelDialog(QDialog):
             return
         self._streaming = sizes.get("streaming")
         self._show_streaming()
+        self._sizes = sizes
         if "error" in sizes:
             self._weight_sizes_label.setText(f"Size unknown: {sizes['error']}")
             return
+        self._show_sizes()
+
+    def _show_sizes(self) -> None:
+        """The chosen model's weights per format, and what the chosen Weights option will load."""
+        sizes = self._sizes
+        if sizes is None or "error" in sizes:
+            return
         float_mb, int4_mb = sizes["float"] / 2**20, sizes["int4"] / 2**20
         auto = sizes["auto"]  # engine.weight_sizes.estimate: what weights="auto" loads and why
+        chosen = self._weights_combo.currentData()
+        loads = f"auto loads {auto['loads']}" if chosen == "auto" else f"this loads {chosen}"
         self._weight_sizes_label.setText(
             f"Weights in memory: float ({sizes['dtype']}) {float_mb:,.0f} MB · int4 {int4_mb:,.0f} MB"
-            f" · auto loads {auto['loads']}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
+            f" · {loads}" + (" (an AWQ int4 checkpoint)" if sizes["awq"] else ""))
         self._weight_sizes_label.setToolTip(f"Auto: {auto['why']}")
 
     def streaming_unavailable(self) -> str | None:
@@ -375,6 +386,7 @@ class ModelDialog(QDialog):
 
     def on_weights_combo_current_index_changed(self, _index: int) -> None:
         self._show_streaming()
+        self._show_sizes()
 
     def on_browse_button_clicked(self) -> None:
         start = os.path.expanduser(self._source_edit.text().strip()) or os.path.expanduser("~")

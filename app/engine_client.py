@@ -29,6 +29,17 @@ log = logging.getLogger(__name__)
 MIN_CALIBRATION_TOKENS = 32  # fewer computed tokens say little about a token's cost (a forward's fixed costs)
 CALIBRATION_WINDOW = 64  # prefills the median runs over
 SOURCE = "window"  # the worker's label for this client's jobs; the API server's are "api"
+_IMPORT_LOCK = threading.Lock()
+
+
+def import_engine() -> None:
+    """Imports the engine's heavy half (torch, transformers) on the calling thread, one thread at a time. The
+    engine package imports its modules on first use, and two threads importing transformers at once can deadlock
+    on its module locks, which Python breaks by handing one of them a half-made module ("cannot import name
+    'AutoConfig'"); the worker's starter and the weight-size thread both get here first."""
+    with _IMPORT_LOCK:
+        import engine.engine  # noqa: F401
+        import engine.worker  # noqa: F401
 
 
 @dataclass
@@ -99,6 +110,7 @@ class EngineClient(QObject):
         torch work, so it neither waits behind a generation nor delays one."""
         def run():
             try:
+                import_engine()
                 from engine import stream_setup, weight_sizes
 
                 sizes = weight_sizes.estimate(source)
@@ -297,7 +309,8 @@ class EngineClient(QObject):
     # -- the starter thread --------------------------------------------------------------------------------
     def _start_worker(self) -> None:
         try:
-            from engine import EngineWorker  # torch and transformers: seconds, kept off the UI thread
+            import_engine()  # torch and transformers: seconds, kept off the UI thread
+            from engine import EngineWorker
         except Exception as exc:  # a broken install: every job fails with the reason, the window stays
             log.exception("the engine could not be imported")
             with self._lock:

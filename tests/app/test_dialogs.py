@@ -355,6 +355,11 @@ def test_the_model_dialog_shows_each_formats_memory_for_the_chosen_model_only(qt
                                          "auto": {"loads": "int4", "why": "the file's decoder weights are 4-bit"}})
     assert "float (float32) 513 MB" in label.text() and "int4 166 MB" in label.text()
     assert "auto loads int4" in label.text() and "4-bit" in label.toolTip()
+    combo = dialog.findChild(QComboBox, "weightsCombo")
+    combo.setCurrentIndex(combo.findData("float"))  # the label follows the choice, not what auto would do
+    assert "this loads float" in label.text() and "auto loads" not in label.text()
+    combo.setCurrentIndex(combo.findData("int4"))
+    assert "this loads int4" in label.text()
     dialog.show_weight_sizes(str(path), {"error": "not a GGUF file"})
     assert label.text() == "Size unknown: not a GGUF file"
 
