@@ -9,9 +9,8 @@ replaced by its int4 or int8 layer as it is read. Names and per-architecture tra
 order (engine.gguf_int4.row_order).
 
 Per GGUF type of a decoder linear, with weights="int4":
-- where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler): with kernel "auto" Q4_K, Q6_K and
-  Q8_0 (AUTO_BLOCK_TYPES), and Q4_0 / Q4_1 too on a CPU without AVX-512 (auto_block_types); every block type with
-  kernel "gguf_blocks": the file's blocks as they are, a
+- where the block kernel runs (engine.gguf_blocks: the CPU, with a C compiler), with kernel "auto" or
+  "gguf_blocks": every block type (auto_block_types) as the file's blocks as they are, a
   BlockLinear (no rounding at all at load; the kernel rounds activations to int8 per block, as llama.cpp does).
   Under such layers the head and the table take the same form when their tensor is one of these types
   (head="auto"; a Q4_1 file's Q8_0 table stays with engine.head's rule, int8 rows, beside its int4 layers).
@@ -62,19 +61,21 @@ from .int4 import Int4Linear, decoder_linears, pick_kernel, quantize_rtn, replac
 log = logging.getLogger(__name__)
 
 ROW_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")  # more than 4 bits a weight: int8 rows or float
-# What kernel="auto" keeps as the file's blocks where the block kernel runs: the types whose other form is a second
-# rounding into wider int8 rows. Q4_0 / Q4_1 / Q4_K codes stay int4 codes on torch's bfloat16 kernel (their codes
-# as they are, and faster at many rows: `python -m bench shapes`, docs/benchmarks.md); kernel="gguf_blocks" keeps
-# them as blocks too.
+# The types whose other form would be a second rounding into wider int8 rows (and Q4_K): a 5-8-bit file made mostly
+# of them loads as int4-class weights under weights="auto" where the block kernel runs (engine.loader). Which types
+# kernel="auto" keeps as blocks is auto_block_types (every one).
 AUTO_BLOCK_TYPES = ("Q4_K", "Q6_K", "Q8_0")
 
 
 def auto_block_types() -> tuple[str, ...]:
-    """What kernel "auto" keeps as blocks on this CPU: AUTO_BLOCK_TYPES where torch's int4 kernel has its AVX-512
-    path (there its bfloat16 GEMM prefills Q4_0 / Q4_1 2x faster than the 32-value block path), every block type
-    elsewhere: on an AVX2-only CPU torch's int4 kernel is a slower path (measured on the embedded model: 34 ms a
-    decode step against 12 ms for its blocks through engine.block_forward, the same prefill speed)."""
-    return AUTO_BLOCK_TYPES if "avx512f" in gguf_blocks.cpu_flags().split() else tuple(BLOCK_TYPES)
+    """What kernel "auto" keeps as blocks where the block kernel runs: every block type. Q4_0 / Q4_1 stayed on
+    torch's int4 kernel on AVX-512 CPUs until the block kernel prefetched its weight stream; since, its decode is
+    twice torch's there (the embedded Q4_1 model on a 2-core Xeon: 105 against 50 tok/s at 128 tokens, 77 against
+    41 at 1k; `python -m bench decode`), while torch's bfloat16 GEMM still prefills those files faster (348 against
+    260 tok/s): decode is what a chat waits on, and reuse spares most prefills."""
+    return tuple(BLOCK_TYPES)
+
+
 FLOAT_TYPES = ("F32", "F16", "BF16")
 SUPPORTED_TYPES = INT4_TYPES + ROW_TYPES + FLOAT_TYPES
 PROBE_COLUMNS = 2  # columns of the row-order probe (engine.gguf_int4.row_order): the transforms act on rows
@@ -111,7 +112,7 @@ def load_gguf_model(file: GGUFFile, config, device: torch.device, dtype: torch.d
     """The model of `file` (whose checked transformers config is `config`) in eval mode on `device`, each tensor
     in its final form (the module docstring). `weights` "int4" | "float"; `group_size` for what is quantized
     at load; `kernel` the matmul path: "gguf_blocks" (engine.gguf_blocks, every type it holds), one of
-    engine.int4's, or "auto" (AUTO_BLOCK_TYPES as blocks where the block kernel runs, the fastest int4 kernel for
+    engine.int4's, or "auto" (auto_block_types as blocks where the block kernel runs, the fastest int4 kernel for
     the rest); `head` one of engine.head.HEAD_CHOICES. `progress` (done, total, what) after each decoder layer and once
     more when the head and table are in place; each
     converted tensor is on `device` before the next is read, so on CUDA the host holds one tensor at a time.
