@@ -282,11 +282,9 @@ t0 = time.perf_counter(); llm.eval(ids); ttft = time.perf_counter() - t0
 steps = []
 for _ in range(job["new"]):
     t = time.perf_counter(); llm.eval([ids[-1]]); steps.append(time.perf_counter() - t)
-# What one decode step reads: the file's tensors but the input table (unless tied to the head), and an f16 KV.
-from gguf import GGUFReader
-reader = GGUFReader(job["gguf"])
-names = {t.name: int(t.n_bytes) for t in reader.tensors}
-weights_read = sum(names.values()) - (names["token_embd.weight"] if "output.weight" in names else 0)
+# What one decode step reads: the file's tensors but the input table (job["weights_read"], counted by the parent,
+# which has gguf-py: this venv may hold llama.cpp alone), and an f16 KV.
+weights_read = job["weights_read"]
 layers = int(llm.metadata["llama.block_count"]); kv_heads = int(llm.metadata["llama.attention.head_count_kv"])
 head_dim = int(llm.metadata["llama.embedding_length"]) // int(llm.metadata["llama.attention.head_count"])
 kv_per_token = 2 * layers * kv_heads * head_dim * 2
@@ -318,11 +316,20 @@ def median(rows: list[dict], key: str):
     return statistics.median(values) if values else None
 
 
+def weights_read(path: Path) -> int:
+    """Bytes of `path`'s tensors one decode step reads in llama.cpp: all but the input table, unless the head is
+    that table (tied)."""
+    from gguf import GGUFReader
+
+    names = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    return sum(names.values()) - (names["token_embd.weight"] if "output.weight" in names else 0)
+
+
 def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str,
         kernel: str = "auto") -> dict:
     path = model_file(shape_name, threads)
     job = {"gguf": str(path), "threads": threads, "prompt": prompt, "new": new, "weights": weights,
-           "kernel": kernel}
+           "kernel": kernel, "weights_read": weights_read(path)}
     results = {"ours": [], "llama.cpp": []}
     cold = {"ours": [], "llama.cpp": []}
     engines = (("ours", OURS_CHILD), ("llama.cpp", LLAMA_CHILD))
