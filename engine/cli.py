@@ -256,7 +256,13 @@ def cmd_cache(args) -> int:
 
     folder = Path(args.dir).expanduser() if args.dir else default_cache_dir()
     if args.action == "stats":
-        stats = read_stats(folder) or {}
+        import sqlite3
+
+        try:
+            stats = read_stats(folder) or {}
+        except sqlite3.Error as exc:  # not an index (a damaged or foreign file): said, not a traceback
+            print(f"kvboost: the disk KV cache index in {folder} cannot be read: {exc}", file=sys.stderr)
+            return 1
         if args.remote_cache:
             return _remote_stats(args, stats)
         if not stats:

@@ -309,6 +309,12 @@ def test_cache_stats_reads_a_folder_without_importing_torch(tmp_path):
     assert "torch imported: False" in out
     out = stats(tmp_path / "nothing")
     assert "no disk KV cache" in out and "torch imported: False" in out
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "index.sqlite3").write_bytes(b"not a database" * 100)
+    done = subprocess.run([sys.executable, "-c", NO_TORCH, "cache", "stats", "--dir", str(damaged)],
+                          capture_output=True, text=True, timeout=120, env=child_env())
+    assert done.returncode == 1 and "cannot be read" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_cache_command_on_a_folder_without_a_cache(tmp_path, capsys):
