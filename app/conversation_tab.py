@@ -220,8 +220,11 @@ class ConversationTab(QWidget):
 
     def _model_name(self) -> str | None:
         """The name of the model answering now (a file's or folder's name, or a remote server's model)."""
-        name = (self.client.model_info or {}).get("name")
-        return Path(name).name if name else None
+        info = self.client.model_info or {}
+        name = info.get("name")
+        if not name:
+            return None
+        return name if info.get("remote") else Path(name).name  # a server's model id is kept whole (org/name)
 
     def _max_context(self) -> int:
         return (self.client.model_info or {}).get("max_context", 8192)
