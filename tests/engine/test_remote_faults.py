@@ -49,13 +49,16 @@ def cold_answers():
 
 
 def timed(engine, seed, during=None):
-    """(token ids, wall seconds) of one greedy request; `during` runs right after its first token."""
+    """(token ids, wall seconds) of one greedy request; `during` runs right after its first token, and its own
+    time (pausing or killing the store and waiting for that) is not the request's."""
     t0 = time.perf_counter()
     events = engine.stream(prompt(seed), max_new_tokens=disk_worker.NEW_TOKENS)
     result = None
     for i, event in enumerate(events):
         if i == 0 and during is not None:
+            started = time.perf_counter()
             during()
+            t0 += time.perf_counter() - started
         if isinstance(event, Result):
             result = event
     return result.token_ids, time.perf_counter() - t0
