@@ -257,9 +257,14 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
         for (int r = 0; r < R; r++) {
             const int64_t at = r * nb + b;
             const int8_t *x = q + r * k + b * 256;
-            __m256i sum = _mm256_setzero_si256();
-            for (int j = 0; j < 8; j++)
-                sum = madd_add(sum, _mm256_maddubs_epi16(codes[j], load32(x + 32 * j)), scale16[j]);
+            /* two partial sums, so that the eight multiply-adds form two chains of four, not one of eight (each
+               waits on the last: ~5 cycles apiece); integer sums, exact in any order */
+            __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+            for (int j = 0; j < 8; j += 2) {
+                even = madd_add(even, _mm256_maddubs_epi16(codes[j], load32(x + 32 * j)), scale16[j]);
+                odd = madd_add(odd, _mm256_maddubs_epi16(codes[j + 1], load32(x + 32 * (j + 1))), scale16[j + 1]);
+            }
+            __m256i sum = _mm256_add_epi32(even, odd);
             const __m256i sums16 = _mm256_madd_epi16(terms16, load32(bsums + at * 16));
             if (type == KVB_Q6_K) sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(sums16, 5));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * d[at]), acc[r]);
