@@ -20,14 +20,12 @@ from PySide6.QtWidgets import (
     QApplication,
     QDockWidget,
     QFileDialog,
-    QFrame,
     QHBoxLayout,
     QLabel,
     QLineEdit,
     QListWidget,
     QListWidgetItem,
     QMainWindow,
-    QProgressBar,
     QPushButton,
     QTabWidget,
     QVBoxLayout,
@@ -37,9 +35,8 @@ from PySide6.QtWidgets import (
 from . import conversation_export, dialogs
 from . import theme as themes
 from .conversation_tab import ConversationTab
-from .elided_label import ElidedLabel
-from .memory_meter import MemoryMeter
 from .model_menu import ModelMenu
+from .status_bar import fill_status_bar
 
 log = logging.getLogger(__name__)
 
@@ -189,28 +186,9 @@ class MainWindow(QMainWindow):
             self.statusBar().showMessage(f"The logs are in {folder}", 15000)
 
     def _build_status_bar(self) -> None:
-        bar = self.statusBar()
-        # Labels that elide (never overlap or cut each other as the window narrows); a line between the model and
-        # the memory meter.
-        self.model_label = ElidedLabel("No model")
-        self.model_label.setObjectName("modelLabel")
-        self.load_bar = QProgressBar()
-        self.load_bar.setRange(0, 0)  # busy until the loader reports steps (a GGUF's or AWQ's decoder layers)
-        self.load_bar.setMaximumWidth(120)
-        self.load_bar.hide()
-        bar.addWidget(self.model_label)
-        bar.addWidget(self.load_bar)
-        self.api_label = QLabel("")
-        self.api_label.setObjectName("apiLabel")
-        self.api_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
-        self.api_label.hide()
-        bar.addWidget(self.api_label)
-        self.memory_meter = MemoryMeter(self.client)
-        self.status_separator = QFrame()
-        self.status_separator.setFrameShape(QFrame.VLine)
-        self.status_separator.setFrameShadow(QFrame.Sunken)
-        bar.addPermanentWidget(self.status_separator)
-        bar.addPermanentWidget(self.memory_meter)
+        parts = fill_status_bar(self.statusBar(), self.client)
+        self.model_label, self.load_bar, self.api_label = parts.model_label, parts.load_bar, parts.api_label
+        self.status_separator, self.memory_meter = parts.separator, parts.memory_meter
         self._stage = ""
         self._load_timer = QTimer(self, interval=500)
         self._load_timer.timeout.connect(self._show_load_progress)

@@ -112,20 +112,11 @@ class KVBoost:
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._weights_report: dict | None = None
-        self.graphs_unavailable = self._graphs_refusal()
+        # One-token decode steps replayed from a CUDA graph where they can be (engine.graph_decode)
+        self.graphs_unavailable = graph_decode_unavailable(model, enabled=config.cuda_graphs,
+                                                           streaming=streaming is not None,
+                                                           spilling=config.live_kv_bytes is not None)
         self._graph_step = GraphDecode(model) if self.graphs_unavailable is None else None
-
-    def _graphs_refusal(self) -> str | None:
-        """Why one-token decode steps do not replay a CUDA graph here (engine.graph_decode), or None."""
-        if not self.config.cuda_graphs:
-            return "cuda_graphs=False"
-        if self.device.type != "cuda":
-            return f"the model is on {self.device.type}, not CUDA"
-        if self.streaming is not None:
-            return "layer streaming moves the weights between steps"
-        if self.config.live_kv_bytes is not None:
-            return "the live KV spills to host memory (live_kv_bytes)"
-        return graph_decode_unavailable(self.model)
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the

@@ -35,8 +35,17 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # frequencies fixed at load (no per-call update to capture)
 
 
-def graph_decode_unavailable(model) -> str | None:
-    """Why a decode step of `model` cannot be captured as a CUDA graph, or None when it can."""
+def graph_decode_unavailable(model, *, enabled: bool = True, streaming: bool = False,
+                             spilling: bool = False) -> str | None:
+    """Why a decode step of `model` cannot be captured as a CUDA graph, or None when it can. `enabled`: the
+    engine's cuda_graphs option; `streaming`: layer streaming moves its weights between steps; `spilling`: its live
+    KV pages out to host memory (live_kv_bytes)."""
+    if not enabled:
+        return "cuda_graphs=False"
+    if streaming:
+        return "layer streaming moves the weights between steps"
+    if spilling:
+        return "the live KV spills to host memory (live_kv_bytes)"
     config = model.config.get_text_config(decoder=True)
     if config.model_type not in MODEL_TYPES:
         return f"model type {config.model_type!r} is not one of {MODEL_TYPES}"

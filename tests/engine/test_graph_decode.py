@@ -76,6 +76,10 @@ def test_models_the_graph_cannot_take_are_named_with_the_reason():
     assert "CUDA" in graph_decode_unavailable(build_model("llama"))  # on the CPU
     assert "gemma2" in graph_decode_unavailable(build_model("gemma2"))
     assert "phi3" in graph_decode_unavailable(build_model("phi3"))
+    model = build_model("llama")  # the engine's own reasons come before the model's
+    assert graph_decode_unavailable(model, streaming=True) == "layer streaming moves the weights between steps"
+    assert "live_kv_bytes" in graph_decode_unavailable(model, spilling=True)
+    assert graph_decode_unavailable(model, enabled=False) == "cuda_graphs=False"
 
 
 def test_an_engine_on_the_cpu_says_why_it_decodes_without_graphs():
