@@ -11,68 +11,54 @@ import sys
 import threading
 from pathlib import Path
 
-from .config import (
-    CHUNKING_MODES,
-    EVICTION_POLICIES,
-    REPAIR_MODES,
-    REUSE_MODES,
-    ChunkingConfig,
-    EngineConfig,
-    RepairConfig,
-    SamplingConfig,
-    help_of,
-)
+from .config import SamplingConfig, help_of, options
 from .version import version
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """--model, one flag per load and engine option (engine.config.options(): its flat name, default, allowed
+    values and help; older spellings kept as aliases), and --threads."""
     p.add_argument("--model", default=None,
                    help="model folder, .gguf file or HF hub id in the local cache (default: embedded SmolLM2-135M)")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (a GPU where there is one)")
-    p.add_argument("--dtype", default="auto",
-                   help="float32, bfloat16, float16 or auto (bfloat16 on a GPU that has it, float32 on a CPU)")
-    defaults = EngineConfig()
-    p.add_argument("--reuse", default=defaults.reuse, choices=REUSE_MODES,
-                   help=help_of(EngineConfig, "reuse") + "; approx may change answers (docs/engine.md)")
-    p.add_argument("--repair", default=defaults.repair.mode, choices=REPAIR_MODES, help=help_of(RepairConfig, "mode"))
-    p.add_argument("--chunk-size", type=int, default=defaults.chunking.size, help=help_of(ChunkingConfig, "size"))
-    p.add_argument("--chunking", default=defaults.chunking.mode, choices=CHUNKING_MODES,
-                   help=help_of(ChunkingConfig, "mode"))
-    p.add_argument("--cache-bytes", "--gpu-cache-bytes", dest="cache_bytes", type=int, default=None,
-                   help="device KV tier budget (default: sized from the machine)")
-    p.add_argument("--cpu-cache-bytes", type=int, default=None, help="host RAM KV tier budget (0: off)")
-    p.add_argument("--disk-cache-bytes", type=int, default=None, help="disk KV tier budget (0: off)")
-    p.add_argument("--disk-cache-dir", default=None, help="disk KV tier folder (default: per-user cache folder)")
-    p.add_argument("--remote-cache", default=None, metavar="URL",
-                   help="a Redis/Valkey store shared by machines, below the disk tier: redis://[user:password@]HOST:"
-                        "PORT/DB, rediss:// for TLS (default: none; see docs/guide/shared-tier.md)")
-    p.add_argument("--remote-timeout", dest="remote_timeout_s", type=float, default=defaults.remote_timeout_s,
-                   metavar="SECONDS",
-                   help="the shared store counts as failing when silent this long; also the least a read may take "
-                        "(a read may take as long as the prefill it saves, up to --remote-max-wait)")
-    p.add_argument("--remote-max-wait", dest="remote_max_wait_s", type=float, default=defaults.remote_max_wait_s,
-                   metavar="SECONDS",
-                   help="the most a read of the shared store may take, however much prefill it saves")
-    p.add_argument("--kv-quant", default=None, choices=("none", "int8", "int4"),
-                   help="how host RAM and disk keep KV (default none: lossless; int8/int4 hits are reported as "
-                        "QUANTIZED)")
-    p.add_argument("--eviction", default=defaults.eviction, choices=EVICTION_POLICIES,
-                   help=help_of(EngineConfig, "eviction"))
-    p.add_argument("--live-kv-bytes", type=int, default=None,
-                   help="device bytes for a request's own KV; beyond it cold pages spill to host RAM")
-    p.add_argument("--weights", default="auto", choices=("auto", "float", "int4"),
-                   help="auto: as the file is (a GGUF's 4-bit codes and AWQ/GPTQ as int4), float models as float if "
-                        "they fit; int4: quantize at load (GGUF Q4 codes as they are)")
-    p.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size (RTN)")
-    p.add_argument("--head", default="auto",
-                   help="output head (and embedding table) format: auto (int8 under int4 weights where the int8 "
-                        "kernel runs), float, int8, int8+embedding, int4, int4+embedding")
-    p.add_argument("--speculative", default="prompt-lookup", choices=("prompt-lookup", "draft-model", "off"),
-                   help="prompt-lookup: draft tokens from the context and check them in one forward (default); "
-                        "draft-model: drafts from --draft-model")
-    p.add_argument("--draft-model", default=None, metavar="SOURCE",
-                   help="a smaller model of the same tokenizer that drafts tokens (implies --speculative draft-model)")
+    for opt in options().values():
+        flags = ["--" + opt.name.replace("_", "-"), *opt.flags]
+        kind = _kind(opt)
+        help_text = (opt.help + ("" if opt.default is None or kind is bool else f" (default: {opt.default})")
+                     ).replace("%", "%%")  # argparse formats help with %
+        if kind is bool:
+            p.add_argument(*flags, dest=opt.name, action=argparse.BooleanOptionalAction, default=opt.default,
+                           help=help_text)
+            continue
+        choices = opt.choices
+        if choices is not None and None in choices:  # None is spelled "off" (engine_options reads it back)
+            choices = tuple("off" if c is None else c for c in choices)
+        p.add_argument(*flags, dest=opt.name, type=kind,
+                       default=opt.default, choices=choices, help=help_text,
+                       metavar=None if choices else _metavar(opt.name))
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+
+
+_METAVARS = {"s": "SECONDS", "cache": "URL", "model": "SOURCE"}  # by the option name's last word
+
+
+def _metavar(name: str) -> str:
+    last = name.rsplit("_", 1)[-1]
+    return _METAVARS.get(last, last.upper())
+
+
+def _kind(opt):
+    """The command-line type of an option, from its field's annotation ("int | None" -> int)."""
+    if opt.choices:
+        return type(next(c for c in opt.choices if c is not None))
+    annotation = opt.field.type if isinstance(opt.field.type, str) else opt.field.type.__name__
+    return {"int": int, "float": float, "bool": bool}.get(annotation.split("|")[0].strip(), str)
+
+
+def engine_options(args) -> dict:
+    """The load and engine options of parsed arguments (add_engine_options), by their flat names."""
+    values = {name: getattr(args, name) for name in options()}
+    return {name: None if value == "off" and None in (options()[name].choices or ()) else value
+            for name, value in values.items()}
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -103,16 +89,7 @@ def load_engine(args):
     print("loading model ...", file=sys.stderr, flush=True)
     from .loader import describe_weights
 
-    engine = KVBoost.from_pretrained(args.model, device=args.device, dtype=args.dtype, reuse=args.reuse,
-                                   chunk_size=args.chunk_size, chunking=args.chunking, cache_bytes=args.cache_bytes,
-                                   cpu_cache_bytes=args.cpu_cache_bytes, disk_cache_bytes=args.disk_cache_bytes,
-                                   disk_cache_dir=args.disk_cache_dir, kv_quant=args.kv_quant, repair=args.repair,
-                                   eviction=args.eviction, live_kv_bytes=args.live_kv_bytes,
-                                   weights=args.weights, group_size=args.group_size, head=args.head,
-                                   speculative=None if args.speculative == "off" else args.speculative,
-                                   draft_model=args.draft_model,
-                                   remote_cache=args.remote_cache, remote_timeout_s=args.remote_timeout_s,
-                                   remote_max_wait_s=args.remote_max_wait_s, progress=_LoadProgress(sys.stderr))
+    engine = KVBoost.from_pretrained(args.model, progress=_LoadProgress(sys.stderr), **engine_options(args))
     print(f"loaded {engine.name}: {describe_weights(engine.info()['weights'])}", file=sys.stderr, flush=True)
     return engine
 

@@ -23,7 +23,8 @@ from .batching import Forward, RequestStream, batching_unavailable
 from .blend import BLEND_MODEL_TYPES, blend_unavailable
 from .block_forward import use_block_forward
 from .chunking import TokenBreaks
-from .config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
+from .config import EngineConfig, LoadOptions, SamplingConfig, split_options
+from .config import options as config_options
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
@@ -34,7 +35,7 @@ from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
-from .stream_setup import DEFAULT_SLOTS, Streaming, load_for_streaming, start_streaming, streaming_refusal
+from .stream_setup import Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .thread_math import settle_thread_math
 from .tiered_store import build_store
 
@@ -137,99 +138,59 @@ class KVBoost:
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, source=None, *, device="auto", dtype="auto", reuse="chunk", chunk_size=128,
-                        chunking="fixed", repair="selective", cache_bytes=None, gpu_cache_bytes=None,
-                        cpu_cache_bytes=None, disk_cache_bytes=None, disk_cache_dir=None, kv_quant=None,
-                        eviction="importance-lru", live_kv_bytes=None, live_page_tokens=128,
-                        repair_options: dict | None = None, layer_streaming: bool = False, quiet: bool = False,
-                        cancel: threading.Event | None = None, weights: str = "auto", group_size: int = 128,
-                        head: str = "auto", kernel: str = "auto", weight_budget_bytes: int | None = None,
-                        stream_slots: int = DEFAULT_SLOTS, speculative: str | None = "prompt-lookup",
-                        num_draft: int = 4, prefill_piece_tokens: int | None = 256, remote_cache: str | None = None,
-                        remote_timeout_s: float = 0.25, remote_max_wait_s: float = 10.0, remote_retry_s: float = 5.0,
-                        remote_max_value_bytes: int | None = None, draft_model: str | None = None,
-                        cuda_graphs: bool = True, progress=None, awq_streaming: bool | None = None) -> "KVBoost":
-        """`repair_options`: selective_tokens, blend_ratio, probe_layer (see RepairConfig). KV tiers:
-        `gpu_cache_bytes` (the device tier; `cache_bytes` is the same), `cpu_cache_bytes` (host RAM),
-        `disk_cache_bytes` / `disk_cache_dir` (persistent, shared by processes); None sizes a tier from the
-        machine, 0 turns host or disk off. `remote_cache` "redis://[user:password@]HOST:PORT/DB" (or rediss://,
-        unix://): a Redis/Valkey store shared by machines, below disk (engine.remote_tier); a read of it may take
-        what the prefill it saves would, at least `remote_timeout_s` and at most `remote_max_wait_s`; a store silent
-        for `remote_timeout_s` is failing and left alone for `remote_retry_s`; values longer than
-        `remote_max_value_bytes` (None: one chunk's KV and header) are refused unread. `kv_quant`:
-        "none" | "int8" | "int4" for host and disk, or a dict per tier. `eviction`: "lru" | "importance-lru".
-        `live_kv_bytes`: device bytes for the KV of the request being generated, beyond which cold pages of
-        `live_page_tokens` spill to host RAM (attention stays exact). `layer_streaming` (`awq_streaming`, its old
-        name, is taken for one release with a DeprecationWarning): layer streaming (engine.stream_setup): int4 decoder
-        layers (an AWQ checkpoint, or weights="int4") that do not fit in
-        `weight_budget_bytes` of device memory (None: 90% of free VRAM on CUDA, of available RAM on the CPU)
-        live off the device and are copied, one layer at a time, into `stream_slots` slots before they run; a
-        budget below the plan's minimum is a ValueError naming it. `speculative` "prompt-lookup" (the default;
-        None: one token per forward): up to `num_draft` tokens drafted from the context (prompt, documents,
-        answer so far) are checked in the forward that feeds each token (engine.speculative); greedy output is
-        that of one token per forward, sampling keeps its distribution; `draft_model` (a source like `source`,
-        of the same tokenizer: a smaller model of the family) drafts instead (speculative="draft-model").
-        `cuda_graphs` (on a CUDA device): one-token decode steps replay a captured CUDA graph where the model
-        allows it (engine.graph_decode; info()["cuda_graphs_unavailable"] says why not). `prefill_piece_tokens`:
-        computed prompt runs are forwarded in pieces ending at its multiples, so a request joining a batch holds
-        the others up for one piece at a time. `quiet`: only errors from transformers' logging (no warnings or
-        progress bars), for front ends. `cancel`: checked between the stages of the load (source found, config
-        read, weights
-        loaded); once set, the load stops there with engine.Cancelled. `progress(done, total, what)`: the
-        load's steps as they happen, from the loading thread (engine.loader.load_model: per decoder layer for
-        GGUF and AWQ models; `total` 0 for a step of unknown length); `cancel` is checked at each step too.
-        Weights (engine.loader.load_model): `weights` "auto" (as the file is: a GGUF's Q4_0/Q4_1/Q4_K/Q6_K/Q8_0
-        tensors as the file's own blocks where the block kernel runs (engine.gguf_blocks: the CPU, with a C
-        compiler), elsewhere its 4-bit codes as int4 and its 5-8-bit ones as int8 rows, AWQ/GPTQ as int4, a float model
-        as float unless it would
-        not fit the memory: engine.loader.resolve_weights), "float", or "int4" (float sources quantized at load in
-        groups of `group_size`; a GGUF's Q4_0/Q4_1/Q4_K tensors taken as they are); `head` "auto" | "float" |
-        "int8" | "int8+embedding" | "int4" | "int4+embedding" (the output head, and with "+embedding" the input
-        table, in fewer bytes; "auto": a GGUF's head and table as its blocks under the block kernel, else int8
-        head and table under int4 layers where the int8 kernel runs, else as loaded: engine.head.auto_head);
-        `kernel` the matmul path ("auto", "gguf_blocks", or an int4 one: "reference", "cpu_int4pack",
-        "tinygemm"). info()["weights"] says what was loaded."""
+    def from_pretrained(cls, source=None, *, load: LoadOptions | None = None, config: EngineConfig | None = None,
+                        quiet: bool = False, cancel: threading.Event | None = None, progress=None,
+                        repair_options: dict | None = None, gpu_cache_bytes: int | None = None,
+                        awq_streaming: bool | None = None, **options) -> "KVBoost":
+        """The engine over `source` (a model folder, a .gguf file, a hub id in the local cache; None: the
+        embedded model), loaded as `load` says (engine.config.LoadOptions: device, dtype, weights, kernels, layer
+        streaming, a draft model) and run as `config` says (engine.config.EngineConfig: reuse, chunking, repair,
+        the KV tiers, the shared tier, speculation). Every option may also be given by its flat name as a
+        keyword (`weights="int4"`, `chunk_size=64`, `repair="none"`: engine.config.options() lists them, with
+        their defaults, allowed values and help); keywords apply over `load` and `config`. Sugar kept for
+        callers of earlier versions: `repair_options` (a dict of RepairConfig fields), `gpu_cache_bytes` (the
+        same budget as `cache_bytes`) and `awq_streaming` (layer_streaming's old name, with a
+        DeprecationWarning). A draft model turns speculative="prompt-lookup" into "draft-model".
+
+        `quiet`: only errors from transformers' logging (no warnings or progress bars), for front ends.
+        `cancel`: checked between the stages of the load; once set, the load stops there with engine.Cancelled.
+        `progress(done, total, what)`: the load's steps as they happen, from the loading thread
+        (engine.loader.load_model: per decoder layer for GGUF and AWQ models; `total` 0 for a step of unknown
+        length). info()["weights"] says what was loaded."""
         if awq_streaming is not None:
             warnings.warn("from_pretrained(awq_streaming=...) is now layer_streaming=... (it streams any int4 or "
                           "GGUF-block layers, not only AWQ ones)", DeprecationWarning, stacklevel=2)
-            if layer_streaming and not awq_streaming:
+            if options.get("layer_streaming") and not awq_streaming:
                 raise ValueError("layer_streaming=True and awq_streaming=False disagree; pass layer_streaming only")
-            layer_streaming = layer_streaming or awq_streaming
+            options["layer_streaming"] = bool(options.get("layer_streaming") or awq_streaming)
+        if gpu_cache_bytes is not None:
+            if options.get("cache_bytes") is not None and options["cache_bytes"] != gpu_cache_bytes:
+                raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
+            options["cache_bytes"] = gpu_cache_bytes
+        for name, value in (repair_options or {}).items():
+            options.setdefault(name, value)
+        opts, config = split_options(options, load, config)
+        if opts.draft_model is not None and config.speculative == "prompt-lookup":  # a draft model replaces it
+            config = dataclasses.replace(config, speculative="draft-model")
         if quiet:
             loader.quiet_transformers()
-        if draft_model is not None and speculative == "prompt-lookup":  # the default: a draft model replaces it
-            speculative = "draft-model"
-        if cache_bytes is not None and gpu_cache_bytes is not None and cache_bytes != gpu_cache_bytes:
-            raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
-        config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(mode=chunking, size=chunk_size),
-                              repair=RepairConfig(mode=repair, **(repair_options or {})),
-                              cache_bytes=gpu_cache_bytes if gpu_cache_bytes is not None else cache_bytes,
-                              cpu_cache_bytes=cpu_cache_bytes, disk_cache_bytes=disk_cache_bytes,
-                              disk_cache_dir=str(disk_cache_dir) if disk_cache_dir is not None else None,
-                              kv_quant=KVQuantConfig.parse(kv_quant), eviction=eviction,
-                              live_kv_bytes=live_kv_bytes, live_page_tokens=live_page_tokens,
-                              speculative=speculative, num_draft=num_draft,
-                              prefill_piece_tokens=prefill_piece_tokens, remote_cache=remote_cache,
-                              remote_timeout_s=remote_timeout_s, remote_max_wait_s=remote_max_wait_s,
-                              remote_retry_s=remote_retry_s, remote_max_value_bytes=remote_max_value_bytes,
-                              cuda_graphs=cuda_graphs)
-        config.validate()
         src = loader.resolve_source(source)
         _check_cancel(cancel)
-        dev = loader.pick_device(device)
-        dt = loader.pick_dtype(dtype, dev)
-        if layer_streaming:
+        dev = loader.pick_device(opts.device)
+        dt = loader.pick_dtype(opts.dtype, dev)
+        if opts.layer_streaming:
             # Checked before loading the weights, from the config and headers alone, so a wrong choice fails in
             # seconds; "auto" is checked as what it will load (a 4-bit GGUF: int4).
-            resolved = loader.resolve_weights(src, dev, dt, weights)[0]
+            resolved = loader.resolve_weights(src, dev, dt, opts.weights)[0]
             reason = layer_streaming_unavailable(loader.read_config(src), dev, resolved)
             if reason is not None:
                 raise UnsupportedModelError(f"layer streaming: {reason}")
         _check_cancel(cancel)
-        load = load_for_streaming if layer_streaming and dev.type == "cuda" else loader.load_model
+        load_weights = load_for_streaming if opts.layer_streaming and dev.type == "cuda" else loader.load_model
         # A GGUF's converted tokenizer is cached in the engine's cache folder (disk_cache_dir when given).
-        model, tokenizer = load(src, dev, dt, weights=weights, group_size=group_size, kernel=kernel, head=head,
-                                cache_dir=disk_cache_dir, progress=_load_steps(progress, cancel))
+        model, tokenizer = load_weights(src, dev, dt, weights=opts.weights, group_size=opts.group_size,
+                                        kernel=opts.kernel, head=opts.head, cache_dir=config.disk_cache_dir,
+                                        progress=_load_steps(progress, cancel))
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
             raise UnsupportedModelError(
@@ -237,50 +198,41 @@ class KVBoost:
                 "(RoPE); KVBoost reuses KV only for RoPE decoders (Llama, Qwen2/3, Mistral, Gemma, Phi, ...)"
             )
         streaming = None
-        if layer_streaming:
+        if opts.layer_streaming:
             _check_cancel(cancel)
-            streaming = start_streaming(model, dev, budget_bytes=weight_budget_bytes, num_slots=stream_slots,
+            streaming = start_streaming(model, dev, budget_bytes=opts.weight_budget_bytes,
+                                        num_slots=opts.stream_slots,
                                         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
                                         context_bytes=config.cache_bytes or 0 if dev.type == "cuda" else 0)
         draft = None
-        if draft_model is not None and config.speculative == "draft-model":
+        if opts.draft_model is not None and config.speculative == "draft-model":
             _check_cancel(cancel)
-            draft, draft_tokenizer = loader.load_model(loader.resolve_source(draft_model), dev, dt,
-                                                       cache_dir=disk_cache_dir)
+            draft, draft_tokenizer = loader.load_model(loader.resolve_source(opts.draft_model), dev, dt,
+                                                       cache_dir=config.disk_cache_dir)
             why = draft_model_mismatch(tokenizer, draft_tokenizer, model.get_input_embeddings().num_embeddings,
                                        draft.get_input_embeddings().num_embeddings)
             if why is not None:
-                raise UnsupportedModelError(f"draft model {draft_model}: {why}")
+                raise UnsupportedModelError(f"draft model {opts.draft_model}: {why}")
         return cls(model, tokenizer, config, name=src.describe(), streaming=streaming, draft_model=draft)
 
+    def with_config(self, config: EngineConfig) -> "KVBoost":
+        """Another engine over the same loaded model run as `config`, with its own empty memory tiers; with the
+        same disk folder it sees the disk entries."""
+        config.validate()
+        return KVBoost(self.model, self.tokenizer, config, fingerprint=self.fingerprint, name=self.name,
+                       streaming=self.streaming, draft_model=self.draft_model)
+
     def with_options(self, **changes) -> "KVBoost":
-        """Another engine over the same loaded model, with its own empty memory tiers (e.g. reuse="off"); with
-        the same disk folder it sees the disk entries. Takes every from_pretrained option but the model's own
-        (source, device, dtype, layer_streaming), and the RepairConfig fields."""
-        chunking = self.config.chunking
-        if "chunk_size" in changes or "chunking" in changes:
-            chunking = ChunkingConfig(mode=changes.pop("chunking", chunking.mode),
-                                      size=changes.pop("chunk_size", chunking.size))
-        repair = self.config.repair
-        repair_fields = {k: changes.pop(k) for k in ("selective_tokens", "selective_before", "blend_ratio",
-                                                     "probe_layer", "blend_seam_tokens") if k in changes}
-        if "repair" in changes:
-            repair = RepairConfig(mode=changes.pop("repair"))
-        repair = dataclasses.replace(repair, **repair_fields)
+        """with_config over this engine's config with `changes` by their flat names (engine.config.options(),
+        e.g. reuse="off", chunk_size=64, repair="none"); the model stays as loaded, so a load option is a
+        ValueError."""
         if "gpu_cache_bytes" in changes:
             changes["cache_bytes"] = changes.pop("gpu_cache_bytes")
-        if "kv_quant" in changes:
-            changes["kv_quant"] = KVQuantConfig.parse(changes["kv_quant"])
-        if changes.get("disk_cache_dir") is not None:
-            changes["disk_cache_dir"] = str(changes["disk_cache_dir"])
-        # every option is inherited but those rebuilt above (the fields themselves: none is listed by hand)
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(EngineConfig)
-                  if f.name not in ("chunking", "repair")}
-        fields["repair"] = repair
-        fields.update(changes)
-        return KVBoost(self.model, self.tokenizer, EngineConfig(chunking=chunking, **fields),
-                       fingerprint=self.fingerprint, name=self.name, streaming=self.streaming,
-                       draft_model=self.draft_model)
+        table = config_options()
+        loading = sorted(n for n in changes if n in table and table[n].owner is LoadOptions)
+        if loading:
+            raise ValueError(f"{loading} are load options: the model stays as it was loaded (load it again)")
+        return self.with_config(split_options(changes, config=self.config)[1])
 
     def _find_eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .config import BLOCK_KERNEL
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
@@ -47,7 +49,7 @@ ACTIVATION_BLOCK = 32  # every row's length is a multiple of this
 FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
 VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
-KERNEL = "gguf_blocks"  # the name loaders and reports use for this kernel
+KERNEL = BLOCK_KERNEL  # the name loaders and reports use for this kernel
 
 _lock = threading.Lock()
 _state: dict = {}

@@ -43,12 +43,12 @@ import torch
 from torch import nn
 
 from . import gguf_blocks
+from .config import HEAD_CHOICES
 from .gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
 from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord
 from .gguf_int4 import INT4_TYPES, memoized_name_maps, processor_config, row_order, unmappable_architecture
 from .gguf_tensors import float_weight, int4_codes, int8_rows, rtn_rows
 from .head import (
-    HEAD_CHOICES,
     Int4Embedding,
     Int8Embedding,
     Int8Linear,

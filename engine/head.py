@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import HEAD_FORMATS
 from .gguf_blocks import BlockEmbedding, BlockLinear
 from .int4 import (
     FAST_DTYPE,
@@ -40,8 +41,6 @@ from .int4 import (
     unpack_nibbles,
 )
 
-HEAD_FORMATS = ("float", "int8", "int8+embedding", "int4", "int4+embedding")
-HEAD_CHOICES = ("auto", *HEAD_FORMATS)  # "auto": auto_head
 INT8_KERNELS = ("reference", "cpu_int8pack")
 
 

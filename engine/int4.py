@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .config import GROUP_SIZES
+from .config import INT4_KERNELS as KERNELS
+
 log = logging.getLogger(__name__)
 
-KERNELS = ("reference", "cpu_int4pack", "tinygemm")
-GROUP_SIZES = (32, 64, 128)
 LEVELS = 15  # codes 0..15
 KERNEL_ZERO = 8  # the int4pack kernels read code q as (q - 8)
 FAST_DTYPE = torch.bfloat16

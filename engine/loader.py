@@ -18,6 +18,7 @@ from torch import nn
 from . import builtin
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .builtin import builtin_model_path
+from .config import HEAD_CHOICES, WEIGHT_FORMATS
 from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
 from .gguf_blocks import BlockEmbedding, BlockLinear
@@ -28,7 +29,7 @@ from .gguf_int4 import INT4_TYPES, GGUFBlocks, memoized_name_maps
 from .gguf_loader import Progress, load_gguf_model, unsupported
 from .gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
 from .gptq import is_gptq_folder, load_gptq_model
-from .head import HEAD_CHOICES, Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
+from .head import Int4Embedding, Int8Embedding, Int8Linear, auto_head, head_format, quantize_head
 from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, quantize_model, weights_format
 from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
 
@@ -39,7 +40,6 @@ DEFAULT_MODEL_FILE = builtin.FILE
 # "float": float weights (AWQ checkpoints dequantized); "int4": int4 decoder linears (AWQ read as is, GGUF Q4_0 /
 # Q4_1 / Q4_K tensors read as they are, GGUF 5/6/8-bit ones as int8 rows where the int8 kernel runs, everything
 # else quantized at load); "auto": what the file is (resolve_weights).
-WEIGHT_FORMATS = ("float", "int4", "auto")
 # A float model whose weights would take more than this share of the available memory loads as int4 under "auto".
 AUTO_FLOAT_SHARE = 0.6
 

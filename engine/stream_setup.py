@@ -20,13 +20,14 @@ from pathlib import Path
 import torch
 
 from . import loader
+from .config import STREAM_SLOTS
 from .copy_engines import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from .int4 import Int4Linear
 from .streaming import LayerStreamer, StreamPlan, decoder_layers, enable_streaming, kv_cache_bytes, plan_streaming
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SLOTS = 2
+DEFAULT_SLOTS = STREAM_SLOTS  # the option's default (engine.config.LoadOptions.stream_slots)
 PLANNED_CONTEXT = 4096  # KV positions the planner keeps room for (capped by the model's own context)
 DEVICE_SHARE = 0.9  # of free device memory (CUDA) or available RAM (CPU) that the default budget takes
 BANDWIDTH_PROBE_BYTES = 64 << 20

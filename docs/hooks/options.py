@@ -15,21 +15,38 @@ def _default(f: dataclasses.Field) -> str:
     return f"`{f.default!r}`"
 
 
-def _table(config_class) -> list[str]:
+def _table(config_class, flat: dict) -> list[str]:
+    """`flat`: field -> its keyword / flag name (engine.config.options), for the fields that have one."""
     rows = [f"### `{config_class.__name__}`", "", inspect.cleandoc(config_class.__doc__ or ""), "",
-            "| option | default | what it does |", "|---|---|---|"]
+            "| field | keyword and flag | default | allowed | what it does |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(config_class):
         text = f.metadata.get("help", "").replace("|", "\\|")
-        rows.append(f"| `{f.name}` | {_default(f)} | {text} |")
+        name = flat.get(f.name)
+        keyword = f"`{name}`, `--{name.replace('_', '-')}`" if name else "(fields below)"
+        choices = f.metadata.get("choices")
+        allowed = ", ".join(f"`{c!r}`" for c in choices).replace("|", "\\|") if choices else ""
+        rows.append(f"| `{f.name}` | {keyword} | {_default(f)} | {allowed} | {text} |")
     return rows + [""]
 
 
 def reference() -> str:
-    from engine.config import ChunkingConfig, EngineConfig, KVQuantConfig, RepairConfig, SamplingConfig
+    from engine.config import (
+        ChunkingConfig,
+        EngineConfig,
+        KVQuantConfig,
+        LoadOptions,
+        RepairConfig,
+        SamplingConfig,
+        options,
+    )
 
+    flat: dict[type, dict[str, str]] = {}
+    for name, opt in options().items():
+        owner = {(): opt.owner, ("chunking",): ChunkingConfig, ("repair",): RepairConfig}[opt.path[:-1]]
+        flat.setdefault(owner, {})[opt.path[-1]] = name
     lines = []
-    for config_class in (EngineConfig, ChunkingConfig, RepairConfig, KVQuantConfig, SamplingConfig):
-        lines += _table(config_class)
+    for config_class in (LoadOptions, EngineConfig, ChunkingConfig, RepairConfig, KVQuantConfig, SamplingConfig):
+        lines += _table(config_class, flat.get(config_class, {}))
     return "\n".join(lines)
 
 

@@ -1,0 +1,123 @@
+"""Options as data: each load and engine option is one dataclass field, and the command lines, from_pretrained's
+keywords and with_options are read from the fields (engine.config.options)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from engine.config import EngineConfig, LoadOptions, options, split_options
+
+
+def _engine_flags() -> argparse.ArgumentParser:
+    from engine.cli import add_engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    return parser
+
+
+def _dests(parser) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def _commands():
+    from engine.cli import build_parser
+    from server.cli import build_server_parser
+
+    subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    yield "kvboost-server", build_server_parser()
+    for name in ("chat", "run", "warm"):
+        yield f"kvboost {name}", subparsers.choices[name]
+
+
+@pytest.mark.parametrize("command", ["kvboost-server", "kvboost chat", "kvboost run", "kvboost warm"])
+def test_every_option_is_a_flag_with_its_default_choices_and_help(command):
+    parser = dict(_commands())[command]
+    flags = _dests(parser)
+    for name, opt in options().items():
+        assert name in flags, f"{command} has no flag for the option {name}"
+        action = flags[name]
+        assert action.option_strings[0] == "--" + name.replace("_", "-")
+        assert action.default == opt.default, name
+        assert opt.help and opt.help.replace("%", "%%") in action.help, name
+        if opt.choices is not None:
+            assert list(action.choices) == ["off" if c is None else c for c in opt.choices], name
+
+
+def test_the_engine_flags_are_the_options_and_nothing_else():
+    assert set(_dests(_engine_flags())) - {"model", "threads"} == set(options())
+
+
+def test_every_dataclass_field_is_an_option():
+    """A field added to a config class is an option (and so a flag) without being listed anywhere."""
+    def leaves(cls, path=()):
+        for f in dataclasses.fields(cls):
+            nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+            if dataclasses.is_dataclass(nested) and not f.metadata.get("choices"):
+                yield from leaves(nested, path + (f.name,))
+            else:
+                yield path + (f.name,)
+
+    paths = {opt.path for opt in options().values()}
+    assert set(leaves(LoadOptions)) | set(leaves(EngineConfig)) == paths
+
+
+def test_parsed_flags_reach_the_load_options_and_the_engine_config():
+    from engine.cli import engine_options
+
+    args = _engine_flags().parse_args([
+        "--weights", "int4", "--group-size", "64", "--chunk-size", "64", "--repair", "none", "--speculative", "off",
+        "--remote-timeout", "0.5", "--kv-quant", "int8", "--no-cuda-graphs", "--gpu-cache-bytes", "1000",
+        "--selective-tokens", "4"])
+    load, config = split_options(engine_options(args))
+    assert (load.weights, load.group_size) == ("int4", 64)
+    assert config.chunking.size == 64 and config.repair.mode == "none" and config.repair.selective_tokens == 4
+    assert config.speculative is None and config.remote_timeout_s == 0.5 and config.cache_bytes == 1000
+    assert (config.kv_quant.host, config.kv_quant.disk, config.kv_quant.device) == ("int8", "int8", "none")
+    assert config.cuda_graphs is False
+    # and nothing given: the defaults of the dataclasses
+    assert split_options(engine_options(_engine_flags().parse_args([]))) == (LoadOptions(), EngineConfig())
+
+
+def test_a_bad_value_or_unknown_name_is_refused_before_any_load():
+    from engine import KVBoost
+
+    with pytest.raises(TypeError, match="chunksize"):
+        KVBoost.from_pretrained(chunksize=64)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        KVBoost.from_pretrained(weights="int3")
+    with pytest.raises(ValueError, match="device must be"):
+        KVBoost.from_pretrained(device="gpu0")
+    with pytest.raises(ValueError, match="group_size"):
+        split_options({"group_size": 48})
+    with pytest.raises(ValueError, match="chunk_size"):
+        split_options({}, config=EngineConfig(chunking=dataclasses.replace(EngineConfig().chunking, size=2)))
+
+
+def test_options_apply_over_given_dataclasses(tmp_path):
+    load, config = split_options({"chunk_size": 64, "disk_cache_dir": tmp_path},
+                                 LoadOptions(weights="int4"), EngineConfig(reuse="prefix"))
+    assert load.weights == "int4" and config.reuse == "prefix" and config.chunking.size == 64
+    assert config.disk_cache_dir == str(tmp_path)
+
+
+def test_with_options_changes_only_what_it_names_and_refuses_load_options(smollm):
+    engine = smollm.with_options(selective_tokens=4, chunk_size=64)
+    other = engine.with_options(repair="none")
+    assert other.config.repair.mode == "none" and other.config.repair.selective_tokens == 4
+    assert other.config.chunking.size == 64 and other.model is smollm.model
+    with pytest.raises(ValueError, match="load options"):
+        engine.with_options(weights="int4")
+    with pytest.raises(TypeError, match="chunksize"):
+        engine.with_options(chunksize=32)
+
+
+def test_with_config_runs_the_same_model_under_another_config(smollm):
+    config = dataclasses.replace(smollm.config, reuse="off")
+    engine = smollm.with_config(config)
+    assert engine.config == config and engine.model is smollm.model
+    messages = [{"role": "user", "content": "Name a colour."}]
+    assert engine.chat(messages, max_new_tokens=6).text == smollm.chat(messages, max_new_tokens=6).text
