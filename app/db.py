@@ -328,6 +328,12 @@ class Database(DocumentTables):
         with self._db.atomic():
             self._db["settings"].upsert(row, pk="key")
 
+    def set_settings(self, rows: dict[str, Any]) -> None:
+        """Several settings in one transaction: all of them stored, or none."""
+        encoded = [{"key": key, "value": encode_json(value)} for key, value in rows.items()]
+        with self._db.atomic():
+            self._db["settings"].upsert_all(encoded, pk="key")
+
     # -- import (the format lives in app.conversation_export) --------------------------------------------
 
     def now(self) -> float:

@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "file, or a hub id in the local HF cache)")
     p.add_argument("--home", default=None, help="keep data, logs and caches under this folder instead of the "
                    "per-user folders (also: KVBOOST_HOME)")
-    p.add_argument("--theme", choices=("system", "light", "dark"), default=None)
+    from .settings import THEMES
+
+    p.add_argument("--theme", choices=THEMES, default=None, help="the colour theme (saved as the app's choice)")
     p.add_argument("--smoke", metavar="OUT.png", default=None,
                    help="offscreen self-test: one message through the real app, screenshot to OUT.png")
     p.add_argument("--self-test", action="store_true",
@@ -302,17 +304,12 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
         window.open_files(paths)
 
     instance.files_received.connect(handed_over)
-    from .model_menu import DEFAULT_MODEL, model_setting
+    from . import settings
 
-    model = model_setting(db.get_setting("model", DEFAULT_MODEL))
-    source = args.model if args.model is not None else model.get("source")
-    options = {"reuse": model.get("reuse", "chunk")}
-    if model["layer_streaming"]:
-        options["layer_streaming"] = True
-    if model.get("weights", "auto") != "auto":
-        options["weights"] = model["weights"]
-    if model.get("remote_cache"):  # the shared KV store (its password from the OS keyring: app.model_menu)
-        options["remote_cache"] = model["remote_cache"]
+    model = settings.load(db).model
+    source = args.model if args.model is not None else model.source
+    # the saved options; the shared KV store's password comes from the OS keyring (app.model_menu)
+    options = model.engine_options()
     # Let the window paint before the worker starts importing torch.
     from PySide6.QtCore import QTimer
 

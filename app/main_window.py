@@ -9,6 +9,7 @@ settings are app.model_menu's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -32,10 +33,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from . import conversation_export, dialogs
+from . import conversation_export, dialogs, settings
 from . import theme as themes
 from .conversation_tab import ConversationTab
 from .model_menu import ModelMenu
+from .settings import ApiServer
 from .status_bar import fill_status_bar
 
 log = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ class MainWindow(QMainWindow):
         self.client = client
         self.setWindowTitle("KVBoost Desktop")
         self.resize(1180, 780)
-        self.theme_choice = db.get_setting("theme", theme_choice)
+        self.theme_choice = settings.load(db).theme if db.get_setting("theme") is not None else theme_choice
         self.theme = themes.apply_theme(QApplication.instance(), self.theme_choice)
         self._load_started = 0.0
 
@@ -154,11 +156,11 @@ class MainWindow(QMainWindow):
         action(model_menu, "Models…", self.open_models_dialog, name="modelsAction")
         action(model_menu, "Remote server…", self.open_remote_dialog, name="remoteAction")
         self.model_menu.add_recent_menu(model_menu)
-        port = self.api_server_setting()["port"]
+        port = settings.load(self.db).api_server.port
         self.serve_action = action(model_menu, f"Serve OpenAI API on 127.0.0.1:{port}", self.on_serve_action_toggled,
                                    name="serveApiAction")
         self.serve_action.setCheckable(True)
-        self.serve_action.setChecked(self.api_server_setting()["enabled"])
+        self.serve_action.setChecked(settings.load(self.db).api_server.enabled)
         self.serve_action.setToolTip("Editors, scripts and LangChain can use the loaded model through the OpenAI "
                                      "API at http://127.0.0.1:PORT/v1, sharing its KV cache with this window")
         view_menu = bar.addMenu("&View")
@@ -380,15 +382,17 @@ class MainWindow(QMainWindow):
         self.model_menu.start(source, explicit=explicit, **options)
 
     # -- the OpenAI-compatible API over the loaded model -------------------------------------------------------
-    def api_server_setting(self) -> dict:
-        return {"enabled": False, "port": 8000, **self.db.get_setting("api_server", {})}
+    def _serving(self, enabled: bool) -> ApiServer:
+        """The API server setting with `enabled`, saved."""
+        api = dataclasses.replace(settings.load(self.db).api_server, enabled=enabled)
+        settings.update(self.db, api_server=api)
+        return api
 
     def on_serve_action_toggled(self, checked: bool) -> None:
-        setting = self.api_server_setting()
-        self.db.set_setting("api_server", {**setting, "enabled": checked})
+        api = self._serving(checked)
         if checked:
             if self.client.is_loaded:
-                self.client.start_server(setting["port"])
+                self.client.start_server(api.port)
             else:
                 self.api_label.setText("API starts when the model is loaded")
                 self.api_label.show()
@@ -405,7 +409,7 @@ class MainWindow(QMainWindow):
     def on_client_server_failed(self, reason: str) -> None:
         self.api_label.hide()
         self.serve_action.setChecked(False)
-        self.db.set_setting("api_server", {**self.api_server_setting(), "enabled": False})
+        self._serving(False)
         self.show_error(f"The OpenAI API could not start: {reason}")
 
     def on_client_model_loading(self, what: str) -> None:
@@ -447,7 +451,7 @@ class MainWindow(QMainWindow):
         if info.get("disk_error"):
             self.show_error(f"Answers still work, but KV will not be kept across restarts: {info['disk_error']}")
         if self.serve_action.isChecked():
-            self.client.start_server(self.api_server_setting()["port"])
+            self.client.start_server(settings.load(self.db).api_server.port)
         for i in range(self.tabs.count()):
             tab = self.tabs.widget(i)
             tab.update_composer()
@@ -465,7 +469,7 @@ class MainWindow(QMainWindow):
     # -- theme, errors, closing ----------------------------------------------------------------------------
     def set_theme(self, choice: str) -> None:
         self.theme_choice = choice
-        self.db.set_setting("theme", choice)
+        settings.update(self.db, theme=choice)
         self._retheme_tabs(themes.apply_theme(QApplication.instance(), choice))
 
     def _retheme_tabs(self, resolved: str) -> None:

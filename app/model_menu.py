@@ -1,52 +1,30 @@
 """The Model menu's dialogs and memory: Choose model, Models… (downloads), Remote server…, the recent models, and
 which of the engine or a remote server answers at start.
 
-Settings it keeps (the app's SQLite settings): "model" (what to load at start: source, reuse, weights,
-layer streaming, the shared KV cache's URL without its password, which lives in the OS keyring), "recent_models" (the
-last RECENT_MAX loads, newest first, each with its options), "remote"
-(base URL, model id, and "active": whether answers came from that server when the app last chose; the API key
+What it remembers lives in the app's typed settings (app.settings): the model to load at start with its options
+(the shared KV cache's URL without its password, which lives in the OS keyring), the recent models, newest first,
+and the remote server (base URL, model id, and whether answers came from it when the app last chose; its API key
 lives in the OS keyring only).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from urllib.parse import urlsplit, urlunsplit
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QAction
 
-from . import dialogs
-
-RECENT_MAX = 8
-DEFAULT_MODEL = {"source": None, "reuse": "chunk", "layer_streaming": False}
+from . import dialogs, settings
+from .settings import ModelChoice, RemoteServer
 
 
-def model_setting(stored: dict | None) -> dict:
-    """The "model" setting (or a recent-models entry) as this version reads it: the defaults under what was stored,
-    and the key earlier versions wrote for layer streaming ("awq_streaming") under its name now."""
-    stored = dict(stored) if isinstance(stored, dict) else {}  # a broken or edited row: the defaults
-    old = stored.pop("awq_streaming", None)
-    if old is not None and "layer_streaming" not in stored:
-        stored["layer_streaming"] = bool(old)
-    return {**DEFAULT_MODEL, **stored}
-DEFAULT_REMOTE = {"base_url": "http://127.0.0.1:8000/v1", "model": "", "active": False}
-
-
-def recent_label(entry: dict) -> str:
+def recent_label(entry: ModelChoice) -> str:
     """What Model > Recent models shows for one entry: the file or folder name, then its weight format."""
-    source = entry.get("source")
+    source = entry.source
     name = os.path.basename(str(source).rstrip("/\\")) if source else dialogs.DEFAULT_MODEL_NAME + " (built in)"
-    weights = entry.get("weights", "auto")
-    return name if weights == "auto" else f"{name} · {weights}"
-
-
-def remembered(recent: list[dict], values: dict) -> list[dict]:
-    """`recent` with `values` (a loaded model's options) first, an earlier entry of the same source and weights
-    dropped, at most RECENT_MAX long."""
-    same = (values.get("source"), values.get("weights", "auto"))
-    rest = [e for e in recent if (e.get("source"), e.get("weights", "auto")) != same]
-    return [dict(values), *rest][:RECENT_MAX]
+    return name if entry.weights == "auto" else f"{name} · {entry.weights}"
 
 
 KV_KEYRING_PREFIX = "kv-cache "  # keyring entries of shared KV store passwords: this prefix + the bare URL
@@ -112,10 +90,10 @@ class ModelMenu:
     def fill_recent_menu(self) -> None:
         menu = self.recent_menu
         menu.clear()
-        recent = self.db.get_setting("recent_models", [])
+        recent = settings.load(self.db).recent_models
         for entry in recent:
             act = QAction(recent_label(entry), menu)
-            act.setToolTip(str(entry.get("source") or "the built-in model"))
+            act.setToolTip(str(entry.source or "the built-in model"))
             act.triggered.connect(lambda _=False, e=entry: self.load(e))
             menu.addAction(act)
         if not recent:
@@ -124,37 +102,32 @@ class ModelMenu:
             menu.addAction(empty)
 
     # -- loading -------------------------------------------------------------------------------------------
-    def load(self, values: dict) -> int:
-        """Loads a model with its options, makes it the model to load at start and the newest recent one; answers
-        come from the engine again (not a remote server)."""
-        values = {"weights": "auto", **model_setting(values)}
-        remote_cache = remote_cache_url(values.get("remote_cache"))
-        values["remote_cache"] = keep_remote_cache_password(remote_cache)
-        self.db.set_setting("model", values)
-        self.db.set_setting("recent_models", remembered(self.db.get_setting("recent_models", []), values))
-        remote = self.db.get_setting("remote", DEFAULT_REMOTE)
-        if remote.get("active"):
-            self.db.set_setting("remote", {**remote, "active": False})
-        return self.window.load_model(values["source"], reuse=values["reuse"],
-                                      layer_streaming=values["layer_streaming"], weights=values["weights"],
-                                      remote_cache=remote_cache)
+    def load(self, choice: ModelChoice | dict) -> int:
+        """Loads a model with its options (a ModelChoice, or the model dialog's values), makes it the model to load
+        at start and the newest recent one; answers come from the engine again (not a remote server)."""
+        if isinstance(choice, dict):
+            choice = settings.from_rows({"schema_version": settings.SCHEMA_VERSION, "model": choice}).model
+        remote_cache = remote_cache_url(choice.remote_cache)
+        choice = dataclasses.replace(choice, remote_cache=keep_remote_cache_password(remote_cache))
+        saved = settings.load(self.db).remembering(choice)
+        settings.save(self.db, dataclasses.replace(saved, remote=dataclasses.replace(saved.remote, active=False)))
+        return self.window.load_model(choice.source, **{**choice.engine_options(), "remote_cache": remote_cache})
 
     def start(self, source, *, explicit: bool, **options) -> None:
         """At start: the remote server the app last used (unless a model was named on the command line), else
         the engine with `source` and `options`."""
-        remote = self.db.get_setting("remote", DEFAULT_REMOTE)
-        if remote.get("active") and not explicit:
+        remote = settings.load(self.db).remote
+        if remote.active and not explicit:
             from . import remote_provider
 
-            self.client.use_remote(remote["base_url"], remote["model"],
-                                   remote_provider.load_api_key(remote["base_url"]))
+            self.client.use_remote(remote.base_url, remote.model, remote_provider.load_api_key(remote.base_url))
             return
         if options.get("remote_cache"):
             options["remote_cache"] = remote_cache_url(options["remote_cache"])
         self.window.load_model(source, **options)
 
     def choose_model(self) -> None:
-        current = model_setting(self.db.get_setting("model", DEFAULT_MODEL))
+        current = dataclasses.asdict(settings.load(self.db).model)
         # Whether layer streaming can run depends on the chosen model and weight format: the dialog learns it from
         # the engine's estimate for that model (weights_estimated), not from the model loaded now.
         dialog = dialogs.ModelDialog(self.window, current=current, streaming_refusal=None)
@@ -174,11 +147,11 @@ class ModelMenu:
         and saves it as the model to load at start. Not modal: the chats go on during a download."""
         from .models_dialog import ModelsDialog
 
-        current = self.db.get_setting("model", DEFAULT_MODEL)
+        current = settings.load(self.db).model
         dialog = ModelsDialog(self.window, open_library=lambda: self.client.model_library(**(library_options or {})),
-                              weights=current.get("weights", "auto"))
+                              weights=current.weights)
         dialog.setAttribute(Qt.WA_DeleteOnClose)
-        dialog.model_chosen.connect(lambda path: self.load({**current, "source": path}))
+        dialog.model_chosen.connect(lambda path: self.load(dataclasses.replace(current, source=path)))
         dialog.show()
         return dialog
 
@@ -188,9 +161,9 @@ class ModelMenu:
         from . import remote_provider
         from .remote_dialog import RemoteDialog
 
-        current = {**DEFAULT_REMOTE, **self.db.get_setting("remote", DEFAULT_REMOTE)}
-        dialog = RemoteDialog(self.window, base_url=current["base_url"], model=current["model"],
-                              stored_key=remote_provider.load_api_key(current["base_url"]))
+        current = settings.load(self.db).remote
+        dialog = RemoteDialog(self.window, base_url=current.base_url, model=current.model,
+                              stored_key=remote_provider.load_api_key(current.base_url))
         dialog.setAttribute(Qt.WA_DeleteOnClose)
 
         def use(values: dict) -> None:
@@ -202,7 +175,8 @@ class ModelMenu:
                     self.window.show_error(str(exc))
             else:
                 key = remote_provider.load_api_key(values["base_url"])
-            self.db.set_setting("remote", {"base_url": values["base_url"], "model": values["model"], "active": True})
+            chosen = RemoteServer(base_url=values["base_url"], model=values["model"], active=True)
+            settings.update(self.db, remote=chosen)
             self.client.use_remote(values["base_url"], values["model"], key)
 
         dialog.accepted.connect(lambda: use(dialog.values()))

@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QApplication
 
-THEMES = ("system", "light", "dark")
+from .settings import THEMES  # the allowed values live with the settings
 
 # Backgrounds for the cache-hit overlay, one per lookup outcome, chosen to keep the theme's own text colour
 # readable on top (light: pale tints under dark text; dark: deep tones under light text).

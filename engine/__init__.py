@@ -10,7 +10,7 @@ import importlib
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
-    "ChunkingConfig": "config", "EngineConfig": "config", "SamplingConfig": "config",
+    "ChunkingConfig": "config", "EngineConfig": "config", "LoadOptions": "config", "SamplingConfig": "config",
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",

@@ -7,25 +7,27 @@ import pytest
 from qt_helpers import WAIT_MS
 from tiny_models import build_model, build_tokenizer  # noqa: E402  (before an engine thread imports transformers)
 
-from app.model_menu import RECENT_MAX, recent_label, remembered
+from app.model_menu import recent_label
+from app.settings import RECENT_MAX, ModelChoice, Settings
 
 
 def test_a_load_goes_first_once_and_the_list_stays_short():
-    recent = []
+    settings = Settings()
     for i in range(RECENT_MAX + 3):
-        recent = remembered(recent, {"source": f"/models/m{i}.gguf", "weights": "auto"})
-    assert len(recent) == RECENT_MAX and recent[0]["source"] == f"/models/m{RECENT_MAX + 2}.gguf"
-    recent = remembered(recent, {"source": "/models/m5.gguf", "weights": "auto"})
-    assert [e["source"] for e in recent].count("/models/m5.gguf") == 1 and recent[0]["source"] == "/models/m5.gguf"
-    recent = remembered(recent, {"source": "/models/m5.gguf", "weights": "int4"})  # another format: its own entry
-    assert [e["weights"] for e in recent[:2]] == ["int4", "auto"]
+        settings = settings.remembering(ModelChoice(source=f"/models/m{i}.gguf"))
+    recent = settings.recent_models
+    assert len(recent) == RECENT_MAX and recent[0].source == f"/models/m{RECENT_MAX + 2}.gguf"
+    recent = settings.remembering(ModelChoice(source="/models/m5.gguf")).recent_models
+    assert [e.source for e in recent].count("/models/m5.gguf") == 1 and recent[0].source == "/models/m5.gguf"
+    settings = Settings(recent_models=recent)
+    recent = settings.remembering(ModelChoice(source="/models/m5.gguf", weights="int4")).recent_models
+    assert [e.weights for e in recent[:2]] == ["int4", "auto"]  # another format: its own entry
 
 
 def test_labels_name_the_file_and_a_chosen_format():
-    assert recent_label({"source": "/models/qwen/Qwen2.5-0.5B-Q4_K_M.gguf", "weights": "auto"}) == \
-        "Qwen2.5-0.5B-Q4_K_M.gguf"
-    assert recent_label({"source": "/models/tiny/", "weights": "int4"}) == "tiny · int4"
-    assert recent_label({"source": None}).endswith("(built in)")
+    assert recent_label(ModelChoice(source="/models/qwen/Qwen2.5-0.5B-Q4_K_M.gguf")) == "Qwen2.5-0.5B-Q4_K_M.gguf"
+    assert recent_label(ModelChoice(source="/models/tiny/", weights="int4")) == "tiny · int4"
+    assert recent_label(ModelChoice()).endswith("(built in)")
 
 
 @pytest.fixture
@@ -71,8 +73,8 @@ def test_the_remote_server_answers_again_at_start_unless_a_model_is_named(qtbot,
 def test_a_settings_file_written_before_the_rename_keeps_its_layer_streaming_choice(tmp_path):
     """Earlier versions stored the streaming choice as "awq_streaming" (in the model setting and in every recent
     model): this version reads it as "layer_streaming", from the same SQLite file."""
+    from app import settings
     from app.db import Database
-    from app.model_menu import model_setting
 
     path = tmp_path / "kvboost.sqlite3"
     old = Database(path)
@@ -80,12 +82,8 @@ def test_a_settings_file_written_before_the_rename_keeps_its_layer_streaming_cho
     old.set_setting("recent_models", [{"source": "a.gguf", "reuse": "chunk", "awq_streaming": False}])
     old.close()
     db = Database(path)
-    assert model_setting(db.get_setting("model")) == {"source": "m.gguf", "reuse": "approx", "layer_streaming": True,
-                                                      "weights": "int4"}
-    assert model_setting(db.get_setting("recent_models")[0]) == {"source": "a.gguf", "reuse": "chunk",
-                                                                 "layer_streaming": False}
-    assert model_setting(None) == {"source": None, "reuse": "chunk", "layer_streaming": False}
-    assert model_setting("edited by hand") == model_setting([1, 2]) == model_setting(None)  # a broken row: defaults
+    read = settings.load(db)
+    assert read.model == ModelChoice(source="m.gguf", reuse="approx", layer_streaming=True, weights="int4")
+    assert read.recent_models == (ModelChoice(source="a.gguf", reuse="chunk", layer_streaming=False),)
     both = {"source": None, "reuse": "chunk", "awq_streaming": True, "layer_streaming": False}
-    assert model_setting(both)["layer_streaming"] is False and "awq_streaming" not in model_setting(both)
-    db.close()
+    assert settings.from_rows({"model": both}).model.layer_streaming is False
