@@ -273,6 +273,7 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
     exit code and whether the engine thread ended by the shutdown deadline."""
     import qasync
 
+    from . import settings
     from .db import Database, DatabaseError
     from .engine_client import EngineClient
     from .main_window import MainWindow
@@ -285,7 +286,8 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
         return fail(str(exc)), True
     try:
         interrupted = db.mark_interrupted()
-    except DatabaseError as exc:
+        settings.load(db)  # a file of an earlier version migrates here; one of a newer version stops the start
+    except (DatabaseError, settings.SettingsError) as exc:
         db.close()
         return fail(str(exc)), True
     # KV computed in one session answers the next (the engine's disk tier; shared with kvboost-server).
@@ -304,8 +306,6 @@ def run_app(app, args, paths, files, instance, quit_signals: QuitSignals) -> tup
         window.open_files(paths)
 
     instance.files_received.connect(handed_over)
-    from . import settings
-
     model = settings.load(db).model
     source = args.model if args.model is not None else model.source
     # the saved options; the shared KV store's password comes from the OS keyring (app.model_menu)

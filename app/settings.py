@@ -28,6 +28,10 @@ RECENT_MAX = 8
 THEMES = ("system", "light", "dark")  # app.theme applies them
 
 
+class SettingsError(ValueError):
+    """The settings cannot be read by this version (written by a newer one); the message says so."""
+
+
 def _engine_default(name: str):
     return field(default=engine_options()[name].default, metadata={"engine_option": name})
 
@@ -145,7 +149,7 @@ def from_rows(rows: dict[str, Any]) -> Settings:
     """Settings from the settings table's rows (key -> decoded JSON), migrated from their version first."""
     version = rows.get("schema_version", 1)
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= SCHEMA_VERSION:
-        raise ValueError(f"the settings were written by a newer or unknown version (schema_version {version!r}); "
+        raise SettingsError(f"the settings were written by a newer or unknown version (schema_version {version!r}); "
                          f"this version reads 1..{SCHEMA_VERSION}")
     for migrate in SETTINGS_MIGRATIONS[version - 1:]:
         rows = migrate(rows)

@@ -163,6 +163,23 @@ def test_a_database_locked_by_another_process_is_a_clear_error_at_start_up(tmp_p
     assert str(database) in line and "locked by another process" in line
 
 
+def test_settings_of_a_newer_version_are_a_clear_error_and_stay_as_they_were(tmp_path):
+    from app import settings
+    from app.db import Database
+
+    database = tmp_path / "home" / "data" / "kvboost.sqlite3"
+    database.parent.mkdir(parents=True)
+    db = Database(database)
+    db.set_settings({"schema_version": settings.SCHEMA_VERSION + 1, "theme": "dark", "future": {"kept": True}})
+    db.close()
+    run = subprocess.run([sys.executable, "-m", "app.main", "--report-startup", "--home", str(tmp_path / "home")],
+                         capture_output=True, text=True, env=app_env(), cwd=ROOT, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "newer" in one_line_error(run)
+    db = Database(database)
+    assert db.get_setting("schema_version") == settings.SCHEMA_VERSION + 1 and db.get_setting("future") == {"kept": True}
+
+
 @pytest.mark.parametrize("blocked", ["home", "data"])
 def test_a_home_or_data_folder_that_is_a_file_is_a_clear_error(tmp_path, blocked):
     home = tmp_path / "home"
