@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import REUSE_MODES
+from engine.config import REPAIR_MODES, REUSE_MODES
 
 REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
 
@@ -25,7 +25,7 @@ def mode_options(mode: str) -> dict:
         return {"reuse": reuse}
     repair, _, value = repair.partition("@")
     value, _, seam = value.partition("+")
-    if repair not in ("none", "selective", "cacheblend") or (value and repair == "none") \
+    if repair not in REPAIR_MODES or (value and repair == "none") \
             or (seam and repair != "cacheblend"):
         raise ValueError(f"unknown repair in mode {mode!r}")
     options = {"reuse": reuse, "repair": repair}
