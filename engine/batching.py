@@ -5,7 +5,8 @@ prefill piece, and a `Forward` whenever it needs the model: the tokens to feed (
 drafted ones) over its own cache; the logits come back through `send`. Run alone (`drive_alone`), each Forward is
 the plain forward a decode step has always been. A `Batch` (run by the EngineWorker) advances every running
 request to its next Forward and answers all of them with ONE forward pass: their tokens packed into one sequence
-of one batch row, so every weight is read once per step for the whole batch.
+of one batch row, so every weight is read once per step for the whole batch. A model whose layers are GGUF blocks
+runs the packed step as one C call (engine.block_forward: the same split, the same kernels).
 
 Exactness. Nothing is padded and no cache is shared: inside the packed forward, each layer's new keys and values
 are split back into the requests' own caches (`PackedCache.update`) and attention is computed per request over
@@ -33,6 +34,7 @@ import torch
 from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .block_forward import uses_block_forward
 from .paged import spill_unsupported
 
 log = logging.getLogger(__name__)
@@ -142,6 +144,10 @@ def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor]
     """One forward for every Forward: their tokens packed in one sequence, each at its own positions; returns
     each one's logits [len(tokens), V]."""
     sizes = [len(f.tokens) for f in forwards]
+    if uses_block_forward(model):  # GGUF blocks: every layer of every request in one C call (engine.block_forward)
+        logits = model.forward.packed([f.tokens for f in forwards], [f.cache for f in forwards])
+        if logits is not None:
+            return list(torch.split(logits, sizes))
     tokens = [t for f in forwards for t in f.tokens]
     starts = [f.cache.get_seq_length() for f in forwards]
     positions = [p for f, start in zip(forwards, starts) for p in range(start, start + len(f.tokens))]

@@ -51,8 +51,6 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] */
     kvb_weight q, k, v, o, gate, up, down;
-    float *keys, *values;                /* the cache's buffers [kv_heads, capacity, head_dim] of this layer */
-    int64_t head_stride;                 /* capacity * head_dim */
 } kvb_layer;
 
 typedef struct { /* one activation matrix rounded for a weight's activation block (32 or 256), made once */
@@ -102,14 +100,29 @@ static void *take(uint8_t **at, int64_t bytes) {
     return p;
 }
 
-/* Runs `n_layers` layers over x [m, hidden] (overwritten with the last layer's output) for positions start ..
-   start + m - 1, writing each layer's keys and values for them into its buffers. cos, sin [m, head_dim]: the
-   model's rotary embedding at those positions. Returns 0, -1 for a weight type the kernel does not multiply, -2
-   when scratch memory cannot be had, -3 for shapes it does not take. */
-int kvb_decoder(const kvb_layer *layers, int64_t n_layers, float *x, int64_t m, int64_t hidden, int64_t heads,
-                int64_t kv_heads, int64_t head_dim, int64_t intermediate, int64_t start, const float *cos,
-                const float *sin, float eps, float scale, int threads) {
-    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0) return -3;
+typedef struct { /* one request's cache in one layer: buffers [kv_heads, capacity, head_dim] */
+    float *keys, *values;
+    int64_t head_stride; /* capacity * head_dim */
+} kvb_cache;
+
+/* Runs `n_layers` layers over x [m, hidden] (overwritten with the last layer's output): the rows of `segments`
+   requests one after the other, segment s `rows[s]` rows at positions starts[s] .. starts[s] + rows[s] - 1 over its
+   own cache (caches[s * n_layers + l] in layer l), each layer's
+   keys and values for them written into that cache and attention computed per segment over its own keys. Every
+   other step works per row, so a segment's outputs are those it gets alone. cos, sin [m, head_dim]: the model's
+   rotary embedding at each row's position. Returns 0, -1 for a weight type the kernel does not multiply, -2 when
+   scratch memory cannot be had, -3 for shapes it does not take. */
+int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cache *caches, int64_t segments,
+                       const int64_t *rows, const int64_t *starts, float *x, int64_t m, int64_t hidden, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t intermediate, const float *cos, const float *sin,
+                       float eps, float scale, int threads) {
+    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0 || segments <= 0) return -3;
+    int64_t total = 0;
+    for (int64_t s = 0; s < segments; s++) {
+        if (rows[s] <= 0 || starts[s] < 0) return -3;
+        total += rows[s];
+    }
+    if (total != m) return -3;
     const int64_t qn = heads * head_dim, kvn = kv_heads * head_dim, widest = hidden > intermediate ? hidden : intermediate;
     const int64_t bytes = 4 * m * (hidden + 3 * qn + 2 * kvn + 3 * intermediate) +
                           2 * (2 * m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
@@ -135,19 +148,24 @@ int kvb_decoder(const kvb_layer *layers, int64_t n_layers, float *x, int64_t m, 
             break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
-        for (int64_t i = 0; i < m; i++) /* [m, heads, D] -> [heads, m, D] as attention reads queries */
-            for (int64_t h = 0; h < heads; h++)
-                memcpy(q_heads + (h * m + i) * head_dim, q + (i * heads + h) * head_dim, 4 * head_dim);
-        for (int64_t h = 0; h < kv_heads; h++)
-            for (int64_t i = 0; i < m; i++) {
-                memcpy(L->keys + h * L->head_stride + (start + i) * head_dim, k + (i * kv_heads + h) * head_dim,
-                       4 * head_dim);
-                memcpy(L->values + h * L->head_stride + (start + i) * head_dim, v + (i * kv_heads + h) * head_dim,
-                       4 * head_dim);
-            }
-        if ((status = kvb_attention(q_heads, L->keys, L->values, 0, L->head_stride, NULL, 1, 1, attended, 1, heads,
-                                    kv_heads, m, start + m, head_dim, scale, threads)))
-            break;
+        for (int64_t s = 0, r0 = 0; s < segments && status == 0; r0 += rows[s], s++) {
+            const int64_t ms = rows[s], start = starts[s];
+            float *keys = caches[s * n_layers + l].keys, *values = caches[s * n_layers + l].values;
+            const int64_t stride = caches[s * n_layers + l].head_stride;
+            for (int64_t i = 0; i < ms; i++) /* [ms, heads, D] -> [heads, ms, D] as attention reads queries */
+                for (int64_t h = 0; h < heads; h++)
+                    memcpy(q_heads + (h * ms + i) * head_dim, q + ((r0 + i) * heads + h) * head_dim, 4 * head_dim);
+            for (int64_t h = 0; h < kv_heads; h++)
+                for (int64_t i = 0; i < ms; i++) {
+                    memcpy(keys + h * stride + (start + i) * head_dim, k + ((r0 + i) * kv_heads + h) * head_dim,
+                           4 * head_dim);
+                    memcpy(values + h * stride + (start + i) * head_dim, v + ((r0 + i) * kv_heads + h) * head_dim,
+                           4 * head_dim);
+                }
+            status = kvb_attention(q_heads, keys, values, 0, stride, NULL, 1, 1, attended + r0 * qn, 1, heads,
+                                   kv_heads, ms, start + ms, head_dim, scale, threads);
+        }
+        if (status) break;
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->o, attended, slots, m, normed, threads))) break;
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];

@@ -4,8 +4,10 @@ transformers' forward runs ~40 PyTorch operations and a dozen module calls per l
 that overhead takes longer than the arithmetic (the embedded 135M model: ~16 ms of a 30 ms step on a 2-core
 AVX2 machine, against llama.cpp's whole 10 ms step). Where every linear of every layer is a BlockLinear
 (engine.gguf_blocks), attention is ROWS (engine.exact_attention) and the cache is a GrowingCache,
-`use_block_forward` routes a forward over input ids into `kvb_decoder`, which runs the layers, writes the cache
-and returns the last hidden states; the embedding, the final norm and the head stay the model's own modules.
+`use_block_forward` routes a forward over input ids into `kvb_decoder_packed`, which runs the layers, writes the
+cache and returns the last hidden states; the embedding, the final norm and the head stay the model's own modules.
+A batch of requests (engine.batching) runs through the same call: their rows packed one after the other, each
+request's attention over its own cache (`OneCallForward.packed`), every other step per row.
 
 The two ways give the same bits: the model's RMS norms and SiLU become RowNorm and RowSiLU, which call the C
 functions the one-call forward calls, the linears and attention are the same kernels, and the rest (rotary
@@ -80,8 +82,11 @@ class _Weight(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-                *[(name, _Weight) for _, name in PROJECTIONS], ("keys", ctypes.c_void_p),
-                ("values", ctypes.c_void_p), ("head_stride", ctypes.c_int64)]
+                *[(name, _Weight) for _, name in PROJECTIONS]]
+
+
+class _Cache(ctypes.Structure):  # one request's buffers in one layer
+    _fields_ = [("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("head_stride", ctypes.c_int64)]
 
 
 def _config(model):
@@ -204,8 +209,7 @@ class OneCallForward:
             return False
         if not isinstance(kwargs.get("logits_to_keep", 0), int) or kwargs.get("return_dict") is False:
             return False
-        if type(past_key_values) is not GrowingCache or \
-                any(type(layer) is not GrowingLayer for layer in past_key_values.layers):
+        if not _growing(past_key_values):
             return False
         return (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] == 1 and
                 input_ids.shape[1] > 0 and input_ids.device.type == "cpu" and
@@ -250,44 +254,78 @@ class OneCallForward:
                 weight.bias = None if linear.bias is None else linear.bias.data_ptr()
         self._layers, self._modules = array, modules
 
-    def _one_call(self, input_ids: torch.Tensor, cache: GrowingCache, logits_to_keep: int):
-        model, inner, cfg = self.model, self.model.model, _config(self.model)
+    def _ready(self) -> bool:
+        """The layer array points at the model's current modules (rebuilt when one changed); False when the model no
+        longer has what the one-call forward computes."""
         modules = self._current_modules()
         if len(modules) != len(self._modules) or any(a is not b for a, b in zip(modules, self._modules)):
-            if not self._still_converted() or unsupported(model) is not None:
-                return self.original(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                                     logits_to_keep=logits_to_keep)
+            if not self._still_converted() or unsupported(self.model) is not None:
+                return False
             self._build(modules)
-        m = input_ids.shape[1]
-        start = cache.get_seq_length() if cache.layers else 0
-        hidden = inner.embed_tokens(input_ids).to(torch.float32).reshape(m, cfg.hidden_size).contiguous()
-        positions = (torch.arange(m) + start)[None]
+        return True
+
+    def _one_call(self, input_ids: torch.Tensor, cache: GrowingCache, logits_to_keep: int):
+        hidden = self._layers_over(input_ids.reshape(-1), [(cache, input_ids.shape[1])]) if self._ready() else None
+        if hidden is None:
+            return self.original(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                                 logits_to_keep=logits_to_keep)
+        kept = hidden if not logits_to_keep else hidden[-logits_to_keep:]
+        logits = self.model.lm_head(self.model.model.norm(kept))
+        return CausalLMOutputWithPast(logits=logits[None], past_key_values=cache)
+
+    def packed(self, tokens: list[list[int]], caches: list) -> torch.Tensor | None:
+        """Logits [sum of lengths, V] of several requests' tokens, each fed over its own cache (positions from its
+        length) in one call; None (nothing computed) where the one-call forward cannot take them, for the caller's
+        other path."""
+        if torch.is_grad_enabled() or self.model.config._attn_implementation != ROWS or not caches or \
+                not all(_growing(c) for c in caches) or any(not t for t in tokens) or not self._ready():
+            return None
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
+        hidden = self._layers_over(ids, [(cache, len(ts)) for ts, cache in zip(tokens, caches)])
+        return None if hidden is None else self.model.lm_head(self.model.model.norm(hidden))
+
+    def _layers_over(self, ids: torch.Tensor, segments: list[tuple[GrowingCache, int]]) -> torch.Tensor | None:
+        """The last layer's hidden states [rows, hidden] of `ids` (the segments' rows one after the other), their
+        keys and values written into each segment's cache; None (the caches as they were) where the rotary table
+        does not match the heads."""
+        inner, cfg = self.model.model, _config(self.model)
+        m = ids.shape[0]
+        starts = [cache.get_seq_length() if cache.layers else 0 for cache, _ in segments]
+        hidden = inner.embed_tokens(ids[None]).to(torch.float32).reshape(m, cfg.hidden_size).contiguous()
+        positions = torch.cat([torch.arange(rows) + start for (_, rows), start in zip(segments, starts)])[None]
         cos, sin = inner.rotary_emb(hidden[None], position_ids=positions)
         cos, sin = cos.reshape(m, -1).to(torch.float32).contiguous(), sin.reshape(m, -1).to(torch.float32).contiguous()
         attention = inner.layers[0].self_attn
         head_dim = attention.head_dim
         if cos.shape[1] != head_dim:
-            return self.original(input_ids=input_ids, past_key_values=cache, use_cache=True,
-                                 logits_to_keep=logits_to_keep)
-        room = torch.empty(1, cfg.num_key_value_heads, m, head_dim, dtype=torch.float32)
-        for i, entry in enumerate(self._layers):
-            cache.update(room, room, i)  # grows the buffers; kvb_decoder writes the positions' real values
-            layer = cache.layers[i]
-            keys, values = layer._key_buffer, layer._value_buffer
-            entry.keys, entry.values, entry.head_stride = keys.data_ptr(), values.data_ptr(), keys.stride(1)
+            return None
+        n_layers = len(self._layers)
+        buffers = (_Cache * (len(segments) * n_layers))()
+        for s, (cache, rows) in enumerate(segments):
+            room = torch.empty(1, cfg.num_key_value_heads, rows, head_dim, dtype=torch.float32)
+            for i in range(n_layers):
+                cache.update(room, room, i)  # grows the buffers; the C call writes the positions' real values
+                layer = cache.layers[i]
+                keys, values = layer._key_buffer, layer._value_buffer
+                buffers[s * n_layers + i] = _Cache(keys.data_ptr(), values.data_ptr(), keys.stride(1))
+        rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
+        first = (ctypes.c_int64 * len(segments))(*starts)
         inter = inner.layers[0].mlp.gate_proj.out_features
-        status = gguf_blocks.library().kvb_decoder(
-            ctypes.addressof(self._layers), len(self._layers), hidden.data_ptr(), m, cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads, head_dim, inter, start, cos.data_ptr(), sin.data_ptr(),
+        status = gguf_blocks.library().kvb_decoder_packed(
+            ctypes.addressof(self._layers), n_layers, ctypes.addressof(buffers), len(segments),
+            ctypes.addressof(rows), ctypes.addressof(first), hidden.data_ptr(), m, cfg.hidden_size,
+            cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, inter, cos.data_ptr(), sin.data_ptr(),
             ctypes.c_float(inner.norm.variance_epsilon), ctypes.c_float(attention.scaling),
             max(1, torch.get_num_threads()))
         if status != 0:
-            for layer in cache.layers:  # the positions were not computed: give them back
-                layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
+            for (cache, _), start in zip(segments, starts):  # the positions were not computed: give them back
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys[:, :, :start], layer.values[:, :, :start]
             raise MemoryError("no scratch memory for the forward") if status == -2 else \
                 RuntimeError(f"the one-call forward failed ({status})")
         self.one_call_forwards += 1
-        kept = hidden if not logits_to_keep else hidden[-logits_to_keep:]
-        logits = model.lm_head(inner.norm(kept))
-        return CausalLMOutputWithPast(logits=logits[None], past_key_values=cache)
+        return hidden
+
+
+def _growing(cache) -> bool:
+    return type(cache) is GrowingCache and all(type(layer) is GrowingLayer for layer in cache.layers)

@@ -35,6 +35,10 @@
 
 enum { KVB_Q4_0 = 2, KVB_Q4_1 = 3, KVB_Q8_0 = 8, KVB_Q4_K = 12, KVB_Q6_K = 14 };
 
+/* engine/thread_pool.c: fn(ctx, begin, end) over [0, n) in `threads` contiguous parts, on the process's one pool */
+typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
+void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
+
 static inline float half_at(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
@@ -80,13 +84,24 @@ static void quantize_block16(const float *x, int n, int16_t *q, float *d) {
     *d = scale;
 }
 
-/* x [rows, k] -> codes q [rows, k] (int16 for block = 32, int8 for 256); block = 32: scales d and code sums s
-   (int32) [rows, k / 32]; block = 256:
-   scales d [rows, k / 256] and code sums per 16 (int16) [rows, k / 16]. */
-void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads) {
-    const int64_t nb = k / block;
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) {
+typedef struct {
+    const float *x;
+    int64_t k;
+    int block;
+    int8_t *q;
+    float *d;
+    void *sums;
+} quantize_job;
+
+static void quantize_rows(void *ctx, int64_t first, int64_t end) {
+    const quantize_job *j = ctx;
+    const float *x = j->x;
+    const int64_t k = j->k, nb = k / j->block;
+    const int block = j->block;
+    int8_t *q = j->q;
+    float *d = j->d;
+    void *sums = j->sums;
+    for (int64_t r = first; r < end; r++) {
         for (int64_t b = 0; b < nb; b++) {
             if (block == 32) {
                 int16_t *qb = (int16_t *)q + r * k + b * 32;
@@ -105,6 +120,14 @@ void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q,
             }
         }
     }
+}
+
+/* x [rows, k] -> codes q [rows, k] (int16 for block = 32, int8 for 256); block = 32: scales d and code sums s
+   (int32) [rows, k / 32]; block = 256:
+   scales d [rows, k / 256] and code sums per 16 (int16) [rows, k / 16]. */
+void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads) {
+    quantize_job job = {x, k, block, q, d, sums};
+    kvb_parallel(rows, threads, quantize_rows, &job);
 }
 
 static inline int block_bytes(int type) {
@@ -401,6 +424,31 @@ int kvb_vector_path(void) { /* 2: AVX2 with VNNI, 1: AVX2, 0: portable C */
 
 #define ROWS_PER_TASK 16
 
+typedef struct {
+    dot_fn one, four;
+    const uint8_t *w, *acts, *sum_bytes;
+    const float *d;
+    int64_t n, k, nb, row_bytes, row, per_block, m;
+    float *y;
+} matmul_job;
+
+static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
+    const matmul_job *j = ctx;
+    const int64_t n = j->n, nb = j->nb, row = j->row, per_block = j->per_block, m = j->m;
+    for (int64_t t = first_task; t < end_task; t++) {
+        const int64_t first = t * ROWS_PER_TASK, last = first + ROWS_PER_TASK < n ? first + ROWS_PER_TASK : n;
+        int64_t i = 0;
+        for (; i + 4 <= m; i += 4)
+            for (int64_t r = first; r < last; r++)
+                j->four(j->w + r * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
+                        j->sum_bytes + i * nb * per_block, j->k, j->y + i * n + r, n);
+        for (; i < m; i++)
+            for (int64_t r = first; r < last; r++)
+                j->one(j->w + r * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
+                       j->sum_bytes + i * nb * per_block, j->k, j->y + i * n + r, n);
+    }
+}
+
 /* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums);
    returns 0, or -1 for a type this file does not multiply. Output rows are split between threads in tasks of
    ROWS_PER_TASK weight rows; a task takes the activation rows four at a time, the rest one at a time. */
@@ -409,21 +457,10 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     dot_fn one, four;
     if (!dots_for(type, &one, &four)) return -1;
     const int block = activation_block(type);
-    const int64_t nb = k / block, per_block = block == 32 ? 4 : 32; /* bytes of sums per activation block */
-    const int64_t row = block == 32 ? 2 * k : k;                     /* bytes of one activation row */
-    const uint8_t *sum_bytes = (const uint8_t *)sums, *acts = (const uint8_t *)q;
-    const int64_t tasks = (n + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tasks; t++) {
-        const int64_t first = t * ROWS_PER_TASK, last = first + ROWS_PER_TASK < n ? first + ROWS_PER_TASK : n;
-        int64_t i = 0;
-        for (; i + 4 <= m; i += 4)
-            for (int64_t r = first; r < last; r++)
-                four(w + r * row_bytes, nb, (const int8_t *)(acts + i * row), d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
-        for (; i < m; i++)
-            for (int64_t r = first; r < last; r++)
-                one(w + r * row_bytes, nb, (const int8_t *)(acts + i * row), d + i * nb, sum_bytes + i * nb * per_block, k, y + i * n + r, n);
-    }
+    matmul_job job = {one, four, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, k / block, row_bytes,
+                      block == 32 ? 2 * k : k /* bytes of one activation row */,
+                      block == 32 ? 4 : 32 /* bytes of sums per activation block */, m, y};
+    kvb_parallel((n + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads, matmul_tasks, &job);
     return 0;
 }
 
@@ -506,6 +543,19 @@ static void row_q6_k(const uint8_t *w, int64_t k, float *out) {
     }
 }
 
+typedef struct {
+    void (*row)(const uint8_t *, int64_t, float *);
+    const uint8_t *w;
+    int64_t k, row_bytes;
+    const int64_t *idx;
+    float *out;
+} dequantize_job;
+
+static void dequantize_rows(void *ctx, int64_t first, int64_t end) {
+    const dequantize_job *j = ctx;
+    for (int64_t i = first; i < end; i++) j->row(j->w + j->idx[i] * j->row_bytes, j->k, j->out + i * j->k);
+}
+
 /* out[i, :] = row idx[i] of W, for n_idx rows (each index checked by the caller); returns 0, or -1 for a type
    this file does not read. */
 int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, const int64_t *idx, int64_t n_idx,
@@ -519,7 +569,7 @@ int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, con
     case KVB_Q6_K: row = row_q6_k; break;
     default: return -1;
     }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n_idx > 64)
-    for (int64_t i = 0; i < n_idx; i++) row(w + idx[i] * row_bytes, k, out + i * k);
+    dequantize_job job = {row, w, k, row_bytes, idx, out};
+    kvb_parallel(n_idx, n_idx > 64 ? threads : 1, dequantize_rows, &job);
     return 0;
 }

@@ -35,9 +35,11 @@ from .config import BLOCK_KERNEL
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
-# Built into the same library: attention one row at a time (engine.exact_attention) and the one-call forward
-# (engine.block_forward).
-SOURCES = (SOURCE, Path(__file__).with_name("exact_attention.c"), Path(__file__).with_name("block_forward.c"))
+# Built into the same library: attention one row at a time (engine.exact_attention), the one-call forward
+# (engine.block_forward) and the threads every kernel shares (thread_pool.c: one pool for the process, whichever
+# thread calls).
+SOURCES = (SOURCE, Path(__file__).with_name("exact_attention.c"), Path(__file__).with_name("block_forward.c"),
+           Path(__file__).with_name("thread_pool.c"))
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
@@ -46,7 +48,7 @@ PREBUILT_NEEDS = ("avx2", "fma", "f16c")
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
 ACTIVATION_BLOCK = 32  # every row's length is a multiple of this
-FLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-fPIC", "-shared", "-std=c11")
 MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
 VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
 KERNEL = BLOCK_KERNEL  # the name loaders and reports use for this kernel
@@ -159,8 +161,8 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_rmsnorm.restype = None
     lib.kvb_silu.argtypes = [p, i64, p]
     lib.kvb_silu.restype = None
-    lib.kvb_decoder.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32]
-    lib.kvb_decoder.restype = i32
+    lib.kvb_decoder_packed.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32]
+    lib.kvb_decoder_packed.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     for name, (type_id, _, _) in BLOCK_TYPES.items():

@@ -177,7 +177,8 @@ def test_settings_of_a_newer_version_are_a_clear_error_and_stay_as_they_were(tmp
     assert run.returncode == 2, run.stderr[-2000:]
     assert "newer" in one_line_error(run)
     db = Database(database)
-    assert db.get_setting("schema_version") == settings.SCHEMA_VERSION + 1 and db.get_setting("future") == {"kept": True}
+    assert db.get_setting("schema_version") == settings.SCHEMA_VERSION + 1
+    assert db.get_setting("future") == {"kept": True}
 
 
 @pytest.mark.parametrize("blocked", ["home", "data"])

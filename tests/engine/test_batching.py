@@ -74,6 +74,32 @@ def test_a_packed_forward_gives_each_request_its_logits_and_kv_alone_bit_for_bit
                    for x, y in zip(a.layers, b.layers))
 
 
+@torch.inference_mode()
+def test_a_packed_forward_over_gguf_blocks_runs_in_one_call_and_gives_each_request_its_logits_alone(smollm):
+    """The embedded model as its GGUF blocks: the packed step is one C call over every request's rows (each
+    request's attention over its own cache), and each request's logits and KV are those of its own forward, bit
+    for bit (the block kernel computes a row the same whatever the number of rows)."""
+    from engine.block_forward import uses_block_forward
+
+    model, cpu = smollm.model, torch.device("cpu")
+    assert uses_block_forward(model)
+    prompts = [list(range(1000, 1100)), list(range(3000, 3037)), list(range(5000, 5211)), [7]]
+    fed = [[2000], [2100, 2101, 2102], [2200], [2300, 2301]]  # rows of drafted tokens among single rows
+    alone, packed = [GrowingCache() for _ in prompts], [GrowingCache() for _ in prompts]
+    for prompt, a, b in zip(prompts, alone, packed):
+        for cache in (a, b):
+            model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    want = [run_forward(model, Forward(t, c, rowwise=len(t) > 1), cpu) for t, c in zip(fed, alone)]
+    calls = model.forward.one_call_forwards
+    got = packed_forward(model, [Forward(t, c, rowwise=len(t) > 1) for t, c in zip(fed, packed)], cpu)
+    assert model.forward.one_call_forwards == calls + 1  # one call for the whole batch
+    for w, g in zip(want, got):
+        assert torch.equal(w, g)
+    for a, b in zip(alone, packed):
+        assert all(torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values)
+                   for x, y in zip(a.layers, b.layers))
+
+
 def test_the_real_model_in_int4_batched_answers_as_alone(smollm_int4_engine):
     engine = smollm_int4_engine.with_options(speculative="prompt-lookup")
     prompts = [chat_ids(engine, q) for q in QUESTIONS[:5]]

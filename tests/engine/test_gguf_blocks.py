@@ -215,3 +215,42 @@ def test_without_a_compiler_the_build_shipped_with_the_installers_runs(tmp_path)
         return
     assert result["unavailable"] is None and result["path"] == "avx2"
     assert max(result["errors"].values()) <= 2e-6, result
+
+
+POOL_CHILD = r"""
+import os, threading, torch
+torch.set_num_threads(2)
+from engine import gguf_blocks
+x = torch.randn(8, 256)
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+gguf_blocks.quantize_activations(x, 32)  # the loading thread's call: the kernels' threads start here
+seen = {}
+def worker():
+    before = tasks()
+    for _ in range(3):
+        gguf_blocks.quantize_activations(x, 32)
+    seen["started"] = tasks() - before
+thread = threading.Thread(target=worker)
+thread.start()
+thread.join()
+print("threads started by a second caller:", seen["started"])
+pid = os.fork()
+if pid == 0:  # a forked child has none of the parent's threads; its calls must still run
+    q = gguf_blocks.quantize_activations(x, 32)[0]
+    os._exit(0 if q.shape == x.shape else 1)
+print("forked child:", os.waitpid(pid, 0)[1])
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
+def test_every_thread_shares_one_set_of_kernel_threads_and_a_forked_child_still_computes():
+    """The kernels' threads belong to the process, not to the calling thread: the engine's worker thread, calling
+    after the loading thread did, starts none of its own (with a set per caller, the two sets outnumbered the
+    cores and every parallel loop of a decode step woke its threads through the kernel: 3x slower steps), and a
+    child forked after the threads started (document workers) computes instead of waiting on threads it lacks."""
+    done = subprocess.run([sys.executable, "-c", POOL_CHILD], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "threads started by a second caller: 0" in done.stdout, done.stdout
+    assert "forked child: 0" in done.stdout, done.stdout
