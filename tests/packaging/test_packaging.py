@@ -277,3 +277,13 @@ def test_a_built_bundle_holds_the_model_the_families_and_no_system_libraries(con
         assert not {n for n in bundled if contents.SYSTEM_LIB.match(n)}
         assert "libqxcb.so" in bundled and "libtorch_cpu.so" in bundled
     assert not (internal / "torch" / "test").exists()
+
+
+def test_an_installed_package_holds_every_source_of_the_block_kernel():
+    """The kernel is compiled on the user's machine from its sources: each must be package data."""
+    import tomllib
+
+    from engine import gguf_blocks
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
+    assert sorted(source.name for source in gguf_blocks.SOURCES) == sorted(data)
