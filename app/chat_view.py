@@ -1,4 +1,6 @@
-"""The message list of one conversation: Markdown bubbles, streaming, badges, sources and the cache map."""
+"""The message list of one conversation: Markdown turns (code blocks highlighted, each with a Copy link:
+app.markdown_view), streaming, a quiet stats line with its details on hover, sources, the cache map, and a "Jump to
+latest" button while the user reads further up."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from . import markdown_view
 from .theme import KIND_COLORS
 
 RENDER_INTERVAL_MS = 60  # re-render streaming Markdown at most this often (a full re-layout per token is slow)
@@ -25,25 +28,40 @@ KINDS = ("EXACT", "PREFIX", "QUANTIZED", "APPROXIMATE", "MISS")
 
 
 def badge_text(stats: dict | None, finish_reason: str | None = None) -> str:
+    """An answer's one quiet line, in a user's words: speed, time to the first token, how much came from the cache,
+    and why it ended where that was not the answer's own end (details: badge_details)."""
     if not stats:
         return ""
     prompt = stats.get("prompt_tokens") or 0
     share = 100.0 * stats.get("reused_tokens", 0) / prompt if prompt else 0.0
-    text = f"{share:.0f}% reused, TTFT {stats.get('ttft_ms', 0):.0f} ms"
+    parts = []
     if stats.get("remote"):  # app.remote_provider: our own kvboost-server reports its reuse, others nothing
-        reused = f"{share:.0f}% reused there, " if stats.get("kvboost") else ""
-        text = f"remote {stats.get('model', '')} · {reused}TTFT {stats.get('ttft_ms', 0):.0f} ms"
+        parts.append(f"remote {stats.get('model', '')}")
     if stats.get("decode_tokens_per_s"):
-        text += f", {stats['decode_tokens_per_s']:.1f} tok/s"
-    if stats.get("drafted_tokens"):  # speculative decoding: the share of drafted tokens the model kept
-        text += f", {100.0 * stats.get('accepted_tokens', 0) / stats['drafted_tokens']:.0f}% of drafts kept"
-    if finish_reason == "cancelled":
-        text += " · stopped"
-    elif finish_reason == "length":
-        text += " · hit max tokens"
-    elif finish_reason == "interrupted":
-        text += " · interrupted"
-    return text
+        parts.append(f"{stats['decode_tokens_per_s']:.1f} tok/s")
+    parts.append(f"first token in {stats.get('ttft_ms', 0):.0f} ms")
+    if not stats.get("remote") or stats.get("kvboost"):
+        parts.append(f"{share:.0f}% from cache" + (" there" if stats.get("remote") else ""))
+    ending = {"cancelled": "stopped", "length": "hit max tokens", "interrupted": "interrupted"}.get(finish_reason)
+    return " · ".join(parts + ([ending] if ending else []))
+
+
+def badge_details(stats: dict | None) -> str:
+    """The stats line's tooltip: the numbers behind it, with the engine's words."""
+    if not stats:
+        return ""
+    lines = [f"Prompt: {stats.get('prompt_tokens') or 0} tokens, {stats.get('reused_tokens', 0)} reused from the KV "
+             f"cache (reuse mode {stats.get('reuse', '?')}), {stats.get('recomputed_tokens', 0)} computed"]
+    if stats.get("generated_tokens"):
+        lines.append(f"Answer: {stats['generated_tokens']} tokens at {stats.get('decode_tokens_per_s') or 0:.1f} "
+                     f"tok/s; first token after {stats.get('ttft_ms', 0):.0f} ms")
+    if stats.get("drafted_tokens"):
+        kept = 100.0 * stats.get("accepted_tokens", 0) / stats["drafted_tokens"]
+        lines.append(f"Speculative decoding: {stats['drafted_tokens']} tokens drafted, {kept:.0f}% kept")
+    tiers = stats.get("reused_by_tier") or {}
+    if tiers:
+        lines.append("Reused from: " + ", ".join(f"{tier} {n}" for tier, n in tiers.items()))
+    return "\n".join(lines)
 
 
 def remote_cache_html(stats: dict) -> str:
@@ -100,7 +118,7 @@ class _AutoHeightBrowser(QTextBrowser):
 
     def __init__(self, parent=None):
         super().__init__(parent)
-        self.setOpenExternalLinks(True)
+        self.setOpenLinks(False)  # links are the owner's: anchorClicked
         self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
         self.setFrameShape(QFrame.NoFrame)
@@ -150,6 +168,8 @@ class MessageWidget(QFrame):
             header.addWidget(button)
         layout.addLayout(header)
         self.body = _AutoHeightBrowser()
+        self.body.anchorClicked.connect(self.on_link_clicked)
+        self.code_blocks: list[str] = []  # what each code block's Copy link copies
         layout.addWidget(self.body)
         self.sources_row = QHBoxLayout()
         layout.addLayout(self.sources_row)
@@ -198,10 +218,14 @@ class MessageWidget(QFrame):
 
     def _render(self) -> None:
         self.rendered.emit(self._text)
+        self._show()
+
+    def _show(self) -> None:
         if self.message["role"] == "user":
             self.body.setPlainText(self._text)
         else:
-            self.body.setMarkdown(self._text or "…")
+            page, self.code_blocks = markdown_view.render(self._text or "…", self.theme)
+            self.body.setHtml(page)
         self.shown_text = self._text
 
     def set_status(self, status: str) -> None:
@@ -219,6 +243,7 @@ class MessageWidget(QFrame):
         """Stats, segments and the time-saved estimate of a finished answer."""
         self._answer = answer
         self.badge.setText(badge_text(answer.get("stats"), answer.get("finish_reason")))
+        self.badge.setToolTip(badge_details(answer.get("stats")))
         self.map_button.setVisible(bool(answer.get("segments")) or bool((answer.get("stats") or {}).get("remote")))
         if self.map_button.isChecked():
             self.cache_map.setHtml(cache_map_html(answer, self.theme))
@@ -245,6 +270,8 @@ class MessageWidget(QFrame):
 
     def set_theme(self, theme: str) -> None:
         self.theme = theme
+        if self.message["role"] != "user":
+            self._show()  # the code blocks' colours
         if self._answer and self.map_button.isChecked():
             self.cache_map.setHtml(cache_map_html(self._answer, theme))
 
@@ -257,9 +284,20 @@ class MessageWidget(QFrame):
     def on_copy_button_clicked(self) -> None:
         QGuiApplication.clipboard().setText(self._text)
 
+    def on_link_clicked(self, url: QUrl) -> None:
+        """A code block's Copy link copies that block; a web or mail link opens outside the app; nothing else."""
+        scheme = url.scheme().lower()
+        if scheme == markdown_view.COPY_SCHEME:
+            index = url.path()
+            if index.isdigit() and int(index) < len(self.code_blocks):
+                QGuiApplication.clipboard().setText(self.code_blocks[int(index)])
+        elif scheme in markdown_view.OPEN_SCHEMES:
+            QDesktopServices.openUrl(url)
+
 
 class ChatView(QScrollArea):
-    """Messages top to bottom; follows the end while streaming unless the user scrolled up."""
+    """Messages top to bottom; follows the end while streaming unless the user scrolled up, and then offers a
+    "Jump to latest" button over the bottom right corner."""
 
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
@@ -277,12 +315,43 @@ class ChatView(QScrollArea):
         self.widgets: list[MessageWidget] = []
         self.verticalScrollBar().rangeChanged.connect(self._follow_end)
         self._at_end = True
-        self.verticalScrollBar().valueChanged.connect(
-            lambda v: setattr(self, "_at_end", v >= self.verticalScrollBar().maximum() - 8))
+        self.verticalScrollBar().valueChanged.connect(self._scrolled)
+        self.jump_button = QPushButton("↓ Jump to latest", self.viewport())
+        self.jump_button.setObjectName("jumpToLatest")
+        self.jump_button.setToolTip("Scroll to the newest message and follow the answer again")
+        self.jump_button.setCursor(Qt.PointingHandCursor)
+        self.jump_button.clicked.connect(self.jump_to_latest)
+        self.jump_button.hide()
+
+    def _scrolled(self, value: int) -> None:
+        self._at_end = value >= self.verticalScrollBar().maximum() - 8
+        self._update_jump()
 
     def _follow_end(self, _min, maximum):
         if self._at_end:
             self.verticalScrollBar().setValue(maximum)
+        self._update_jump()
+
+    def _update_jump(self) -> None:
+        show = not self._at_end and self.verticalScrollBar().maximum() > 0
+        if show:
+            self._place_jump()
+        self.jump_button.setVisible(show)
+
+    def _place_jump(self) -> None:
+        self.jump_button.adjustSize()
+        room = self.viewport().rect()
+        self.jump_button.move(room.right() - self.jump_button.width() - 16,
+                              room.bottom() - self.jump_button.height() - 12)
+
+    def resizeEvent(self, event):
+        super().resizeEvent(event)
+        self._place_jump()
+
+    def jump_to_latest(self) -> None:
+        self._at_end = True
+        self.verticalScrollBar().setValue(self.verticalScrollBar().maximum())
+        self.jump_button.hide()
 
     def clear(self) -> None:
         for widget in self.widgets:

@@ -137,6 +137,16 @@ QFrame#assistantMessage {{
     border-radius: 10px;
     padding: 6px 10px;
 }}
+QFrame#userMessage QTextBrowser, QFrame#assistantMessage QTextBrowser {{
+    background: transparent;
+}}
+QPushButton#jumpToLatest {{
+    background: {highlight};
+    color: {highlighted_text};
+    border: none;
+    border-radius: 12px;
+    padding: 5px 14px;
+}}
 QLabel#badge {{
     color: {muted};
     font-size: 9pt;

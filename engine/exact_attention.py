@@ -87,7 +87,7 @@ def rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
     status = library().kvb_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1),
                                      None if mask is None else mask.data_ptr(), mask_heads, int(causal),
                                      out.data_ptr(), batch, heads, kv_heads, nq, nk, dim, ctypes.c_float(scale),
-                                     max(1, torch.get_num_threads()))
+                                     1 if nq * batch == 1 else max(1, torch.get_num_threads()))
     if status != 0:
         raise MemoryError("no scratch memory for attention")
     return out

@@ -86,7 +86,7 @@ def test_a_remote_answer_streams_into_the_window_and_the_key_stays_out_of_the_da
     answer = send(qtbot, tab, "What is the capital of France?")
     assert "Paris" in answer["text"] and len(deltas) > 1 and "".join(deltas) == answer["text"]
     widget = tab.chat_view.widgets[-1]
-    assert widget.badge.text().startswith("remote smollm2 · ") and "reused there" in widget.badge.text()
+    assert widget.badge.text().startswith("remote smollm2 · ") and "from cache there" in widget.badge.text()
     widget.map_button.setChecked(True)
     assert "reused" in widget.cache_map.toPlainText() and "prompt tokens" in widget.cache_map.toPlainText()
     saved = db.messages(tab.conversation_id)[-1]

@@ -53,7 +53,8 @@ def test_send_streams_the_answer_and_saves_it(qtbot, window):
     assert messages[1]["stats"]["prompt_tokens"] == answer["stats"]["prompt_tokens"] > 0
     widget = tab.chat_view.widgets[-1]
     assert widget.text == answer["text"]
-    assert "reused" in widget.badge.text() and "TTFT" in widget.badge.text()
+    assert "from cache" in widget.badge.text() and "first token in" in widget.badge.text()
+    assert "reused from the KV cache" in widget.badge.toolTip()  # the engine's words: on hover
     qtbot.mouseClick(widget.copy_button, Qt.LeftButton)
     assert QGuiApplication.clipboard().text() == answer["text"]
     assert tab.composer.toPlainText() == "" and tab.send_button.isEnabled()
