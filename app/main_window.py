@@ -19,12 +19,9 @@ from PySide6.QtCore import QStandardPaths, Qt, QTimer, QUrl
 from PySide6.QtGui import QAction, QDesktopServices, QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QApplication,
-    QDockWidget,
     QFileDialog,
     QHBoxLayout,
     QLabel,
-    QLineEdit,
-    QListWidget,
     QListWidgetItem,
     QMainWindow,
     QPushButton,
@@ -38,7 +35,9 @@ from . import theme as themes
 from .conversation_tab import ConversationTab
 from .model_menu import ModelMenu
 from .settings import ApiServer
+from .sidebar import Sidebar
 from .status_bar import fill_status_bar
+from .toolbar import MainToolbar
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +77,17 @@ class MainWindow(QMainWindow):
         self.tabs.tabCloseRequested.connect(self.on_tabs_tab_close_requested)
         self.tabs.tabBarDoubleClicked.connect(self.on_tabs_tab_bar_double_clicked)
         self.tabs.tabBar().tabMoved.connect(lambda *_: self._save_tab_order())
+        self.tabs.currentChanged.connect(lambda _: self._current_changed())
         outer.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
 
-        self._build_sidebar()
+        self.sidebar = Sidebar(self.db, self.open_conversation)
+        self.addDockWidget(Qt.LeftDockWidgetArea, self.sidebar)
+        self.conversation_list, self.search_edit = self.sidebar.conversation_list, self.sidebar.search_edit
         self.model_menu = ModelMenu(self)
         self._build_menus()
+        self.toolbar = MainToolbar(self)
+        self.addToolBar(self.toolbar)
         self._build_status_bar()
         client.model_loading.connect(self.on_client_model_loading)
         client.load_stage_changed.connect(self.on_client_load_stage_changed)
@@ -102,28 +106,6 @@ class MainWindow(QMainWindow):
         self.refresh_sidebar()
 
     # -- building ------------------------------------------------------------------------------------------
-    def _build_sidebar(self) -> None:
-        dock = QDockWidget("Conversations", self)
-        dock.setObjectName("conversationsDock")
-        dock.setFeatures(QDockWidget.DockWidgetMovable | QDockWidget.DockWidgetClosable)
-        inner = QWidget()
-        layout = QVBoxLayout(inner)
-        layout.setContentsMargins(4, 4, 4, 4)
-        self.search_edit = QLineEdit()
-        self.search_edit.setPlaceholderText("Search all messages…")
-        self.search_edit.setClearButtonEnabled(True)
-        self.search_edit.textChanged.connect(lambda _: self.refresh_sidebar())
-        layout.addWidget(self.search_edit)
-        self.conversation_list = QListWidget()
-        self.conversation_list.setWordWrap(True)
-        self.conversation_list.itemActivated.connect(self.on_conversation_list_item_activated)
-        self.conversation_list.itemClicked.connect(self.on_conversation_list_item_activated)
-        layout.addWidget(self.conversation_list, 1)
-        dock.setWidget(inner)
-        dock.setMinimumWidth(230)
-        self.addDockWidget(Qt.LeftDockWidgetArea, dock)
-        self.sidebar = dock
-
     def _build_menus(self) -> None:
         def action(menu, text, slot, shortcut=None, name=None):
             act = QAction(text, self)
@@ -212,7 +194,7 @@ class MainWindow(QMainWindow):
     def _add_tab(self, conversation: dict) -> ConversationTab:
         tab = ConversationTab(conversation, self.db, self.client, self.theme)
         tab.error_raised.connect(self.show_error)
-        tab.generation_state_changed.connect(lambda _: self.refresh_sidebar())
+        tab.generation_state_changed.connect(lambda _: self._current_changed())
         tab.title_changed.connect(lambda title, t=tab: self._on_tab_title_changed(t, title))
         self.tabs.addTab(tab, conversation["title"])
         return tab
@@ -281,25 +263,19 @@ class MainWindow(QMainWindow):
 
     # -- sidebar -------------------------------------------------------------------------------------------
     def refresh_sidebar(self) -> None:
-        self.conversation_list.clear()
-        query = self.search_edit.text().strip()
-        if query:
-            for hit in self.db.search_messages(query):
-                item = QListWidgetItem(f"{hit['title']}\n{hit['snippet']}")
-                item.setData(Qt.UserRole, (hit["conversation_id"], hit["message_id"]))
-                self.conversation_list.addItem(item)
-            return
-        open_ids = {self.tabs.widget(i).conversation_id for i in range(self.tabs.count())}
-        for conversation in self.db.conversations():
-            mark = "" if conversation["id"] in open_ids else "  (closed)"
-            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(conversation["updated_at"]))
-            item = QListWidgetItem(f"{conversation['title']}{mark}\n{when}")
-            item.setData(Qt.UserRole, (conversation["id"], None))
-            self.conversation_list.addItem(item)
+        current = self.current_tab()
+        self.sidebar.refresh({self.tabs.widget(i).conversation_id for i in range(self.tabs.count())},
+                             current.conversation_id if current is not None else None)
+
+    def _current_changed(self) -> None:
+        """The sidebar highlights the conversation on screen; the gauge shows its share of the context."""
+        self.refresh_sidebar()
+        tab = self.current_tab()
+        if hasattr(self, "toolbar"):
+            self.toolbar.follow(tab.conversation_id if tab is not None else None)
 
     def on_conversation_list_item_activated(self, item: QListWidgetItem) -> None:
-        conversation_id, message_id = item.data(Qt.UserRole)
-        self.open_conversation(conversation_id, message_id)
+        self.sidebar.on_item_activated(item)
 
     # -- conversation settings, import/export ------------------------------------------------------------
     def edit_conversation_settings(self) -> None:
@@ -444,6 +420,8 @@ class MainWindow(QMainWindow):
         self.load_bar.hide()
         weights = info.get("weights") or {}
         held = f"{weights['format']} ({weights['resident_bytes'] / 2**20:.0f} MB)" if weights else info["dtype"]
+        self.toolbar.show_loaded(info)
+        self._current_changed()
         self.model_label.setText(f"{Path(info['name']).name} · {info['device']} · {held}")
         details = (f"Context: {info['max_context']} tokens · KV reuse: {info['reuse']} · "
                    f"loaded in {info['load_s']:.1f} s")
