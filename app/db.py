@@ -44,6 +44,9 @@ DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 DEFAULT_TITLE = "New chat"  # a conversation named so takes its first question's words (app.conversation_tab)
 _UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
 
+MATCH_START, MATCH_END = "\x02", "\x03"  # around each match in a search snippet (search_messages)
+
+
 class Database(DocumentTables):
     """The app's SQLite file.
 
@@ -294,7 +297,8 @@ class Database(DocumentTables):
             return self._db.execute("UPDATE messages SET status = 'interrupted' WHERE status = 'streaming'").rowcount
 
     def search_messages(self, query: str, limit: int = 50) -> list[dict]:
-        """Messages containing every word of `query`, best bm25 first, with a [marked] snippet.
+        """Messages containing every word of `query`, best bm25 first, with a snippet whose matches are between
+        MATCH_START and MATCH_END (control characters no message shows; the sidebar makes them bold).
 
         Any user text is safe: words are passed as quoted FTS5 strings, so operators and punctuation
         are searched for literally (foo-bar is the phrase "foo bar").
@@ -305,7 +309,7 @@ class Database(DocumentTables):
         rows = self._db.query(
             """
             SELECT m.conversation_id, c.title, m.id AS message_id, m.position, m.role,
-                   snippet(messages_fts, 0, '[', ']', '…', 12) AS snippet
+                   snippet(messages_fts, 0, char(2), char(3), '…', 12) AS snippet
             FROM messages_fts
             JOIN messages AS m ON m.id = messages_fts.rowid
             JOIN conversations AS c ON c.id = m.conversation_id

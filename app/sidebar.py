@@ -3,11 +3,21 @@ messages whose hits open the conversation at the message."""
 
 from __future__ import annotations
 
+import html
 import time
 from typing import Callable
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QDockWidget, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QDockWidget, QLabel, QLineEdit, QListWidget, QListWidgetItem, QVBoxLayout, QWidget
+
+from .db import MATCH_END, MATCH_START
+
+
+def hit_html(title: str, snippet: str) -> str:
+    """A search hit as rich text: the conversation's title, then the snippet with its matches in bold (everything
+    else escaped: messages are shown, never interpreted)."""
+    marked = html.escape(snippet).replace(MATCH_START, "<b>").replace(MATCH_END, "</b>")
+    return f"<b>{html.escape(title)}</b><br>{marked}"
 
 
 class Sidebar(QDockWidget):
@@ -44,9 +54,20 @@ class Sidebar(QDockWidget):
         query = self.search_edit.text().strip()
         if query:
             for hit in self.db.search_messages(query):
-                item = QListWidgetItem(f"{hit['title']}\n{hit['snippet']}")
+                plain = hit["snippet"].replace(MATCH_START, "").replace(MATCH_END, "")
+                item = QListWidgetItem(f"{hit['title']}\n{plain}")
                 item.setData(Qt.UserRole, (hit["conversation_id"], hit["message_id"]))
+                item.setToolTip(plain)
                 self.conversation_list.addItem(item)
+                label = QLabel(hit_html(hit["title"], hit["snippet"]))  # the matches in bold
+                label.setWordWrap(True)
+                label.setTextFormat(Qt.RichText)
+                label.setContentsMargins(4, 2, 4, 2)
+                label.setAttribute(Qt.WA_TransparentForMouseEvents)
+                item.setSizeHint(label.sizeHint())
+                item.setForeground(Qt.transparent)  # the label shows the text; the item keeps it for search
+                item.setData(Qt.AccessibleTextRole, f"{hit['title']}: {plain}")
+                self.conversation_list.setItemWidget(item, label)
             return
         for conversation in self.db.conversations():
             mark = "" if conversation["id"] in open_ids else "  (closed)"

@@ -315,7 +315,7 @@ def test_search_finds_stemmed_words_and_marks_them_in_the_snippet(db: Database):
     db.add_message(cid, "assistant", "Nothing relevant here")
     (hit,) = db.search_messages("runs meeting")
     assert (hit["conversation_id"], hit["title"], hit["role"], hit["position"]) == (cid, "Runner", "user", 0)
-    assert "[running]" in hit["snippet"] and "[meeting]" in hit["snippet"]
+    assert "\x02running\x03" in hit["snippet"] and "\x02meeting\x03" in hit["snippet"]
 
 
 def test_search_needs_every_word_and_ranks_denser_matches_first(db: Database):

@@ -61,3 +61,16 @@ def test_the_gauge_shows_the_conversations_share_of_the_context_and_warns_before
     window.db.update_message(answer["id"], stats={"prompt_tokens": int(2048 * WARN_SHARE), "generated_tokens": 10})
     toolbar.follow(tab.conversation_id)
     assert toolbar.context_gauge.property("warning") and "new chat" in toolbar.context_gauge.toolTip()
+
+
+def test_search_hits_show_their_matches_in_bold_not_between_brackets(qtbot, idle_window):
+    window = idle_window
+    db = window.db
+    other = db.create_conversation(title="Garden <notes>")
+    db.add_message(other["id"], "user", "When do [tulips] bloom? <b>soon</b>")
+    qtbot.keyClicks(window.search_edit, "tulips")
+    item = window.conversation_list.item(0)
+    label = window.conversation_list.itemWidget(item)
+    assert "<b>tulips</b>" in label.text() and "[<b>tulips</b>]" in label.text()  # its own brackets stay
+    assert "&lt;b&gt;soon&lt;/b&gt;" in label.text() and "Garden &lt;notes&gt;" in label.text()
+    assert "\x02" not in item.text() and "tulips" in item.text()
