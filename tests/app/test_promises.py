@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Slot
-from PySide6.QtGui import QDesktopServices, QFont, QTextFormat
+from PySide6.QtGui import QDesktopServices, QFont
 from PySide6.QtWidgets import QApplication, QInputDialog, QLineEdit, QPushButton
 from qt_helpers import WAIT_MS
 
@@ -131,10 +131,10 @@ def test_answers_render_markdown_bold_and_code_blocks(qtbot, db, client):
         block = block.next()
     code = [b for b in blocks if b.text() == "print('harbour')"]
     assert len(code) == 1, [b.text() for b in blocks]
-    code_format = code[0].blockFormat()  # a fenced code block: its language kept, lines never wrapped
-    assert code_format.property(QTextFormat.Property.BlockCodeLanguage) == "python"
+    code_format = code[0].blockFormat()  # a fenced code block: lines never wrapped, under its language and Copy
     assert code_format.nonBreakableLines()
-    assert "<pre" in document.toHtml()
+    assert "<pre" in document.toHtml() and 'href="copy:0"' in document.toHtml()
+    assert "python" in [b.text() for b in blocks] and "Copy" in plain
     bold = []
     for b in blocks:
         it = b.begin()
