@@ -73,11 +73,20 @@ def main(argv=None) -> int:
         print(f"kvboost-server: the server needs its extra: pip install 'kvboost-desktop[server]' ({exc})",
               file=sys.stderr)
         return 2
+    from engine import EngineWorker
+
+    # The model is loaded on the thread that will answer: torch keeps its threads per calling thread, and a second
+    # thread's set shares the cores with the first's (torch-computed models decoded 2x slower answering on another
+    # thread than the one that loaded them).
+    worker = EngineWorker(name="kvboost-server-engine", max_batch=args.max_batch)
+    loaded: dict = {}
     try:
-        engine = load_engine(args)
+        list(worker.submit(lambda cancel: loaded.update(engine=load_engine(args)), source="load"))
     except (ModelLoadError, ValueError) as exc:
+        worker.stop(5)
         print(f"kvboost-server: error: {exc}", file=sys.stderr)
         return 2
+    engine = loaded["engine"]
     model_id = args.model_name or Path(engine.info()["name"]).name.removesuffix(".gguf")
     print(f"kvboost-server: serving {model_id!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
@@ -85,9 +94,11 @@ def main(argv=None) -> int:
         serve(engine, model_id=model_id, host=args.host, port=args.port, api_key=args.api_key,
               log_level="info" if args.verbose else "warning",
               timeouts=Timeouts(header_s=args.header_timeout, body_s=args.body_timeout,
-                                keep_alive_s=args.keep_alive_timeout), max_batch=args.max_batch)
+                                keep_alive_s=args.keep_alive_timeout), max_batch=args.max_batch, worker=worker)
     except KeyboardInterrupt:
         pass
+    finally:
+        worker.stop(5)
     return 0
 
 
