@@ -392,7 +392,7 @@ class EngineClient(QObject):
         self._engine = engine
         self._prefill_rates = []  # another model: another rate
         info = engine.info()
-        from engine.loader import describe_weights
+        from engine.weights_report import describe_weights
 
         self._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=time.perf_counter() - t0,
                           weights_text=describe_weights(info["weights"]))

@@ -110,7 +110,7 @@ def _v1_to_v2(rows: dict) -> dict:
 SETTINGS_MIGRATIONS: list[Callable[[dict], dict]] = [_v1_to_v2]
 
 
-def _allowed(cls, f: dataclasses.Field, value) -> bool:
+def _allowed(f: dataclasses.Field, value) -> bool:
     name = f.metadata.get("engine_option")
     if name is not None:
         choices = engine_options()[name].choices
@@ -124,7 +124,7 @@ def _allowed(cls, f: dataclasses.Field, value) -> bool:
     if kind.startswith("int"):
         return isinstance(value, int) and not isinstance(value, bool) and (f.name != "port" or 1 <= value <= 65535)
     if kind.startswith("str"):
-        return isinstance(value, str) and (cls is not Settings or f.name != "theme" or value in THEMES)
+        return isinstance(value, str)
     return False
 
 
@@ -138,7 +138,7 @@ def _typed(cls, stored, where: str):
     for f in dataclasses.fields(cls):
         if f.name not in stored:
             continue
-        if _allowed(cls, f, stored[f.name]):
+        if _allowed(f, stored[f.name]):
             values[f.name] = stored[f.name]
         else:
             log.warning("settings: %s.%s = %r is not allowed; using the default", where, f.name, stored[f.name])

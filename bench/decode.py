@@ -47,7 +47,8 @@ from engine.gguf_int4 import GGUFBlocks
 from engine.head import quantize_head
 from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
 from engine.live_cache import GrowingCache
-from engine.loader import load_model, pick_device, resolve_source, weights_report
+from engine.loader import load_model, pick_device, resolve_source
+from engine.weights_report import weights_report
 
 from .roofline import read_bandwidth, step_bytes
 

@@ -56,9 +56,9 @@ def _kind(opt):
 
 def engine_options(args) -> dict:
     """The load and engine options of parsed arguments (add_engine_options), by their flat names."""
-    values = {name: getattr(args, name) for name in options()}
-    return {name: None if value == "off" and None in (options()[name].choices or ()) else value
-            for name, value in values.items()}
+    table = options()
+    return {name: None if getattr(args, name) == "off" and None in (opt.choices or ()) else getattr(args, name)
+            for name, opt in table.items()}
 
 
 def _add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -87,7 +87,7 @@ def load_engine(args):
 
         torch.set_num_threads(args.threads)
     print("loading model ...", file=sys.stderr, flush=True)
-    from .loader import describe_weights
+    from .weights_report import describe_weights
 
     engine = KVBoost.from_pretrained(args.model, progress=_LoadProgress(sys.stderr), **engine_options(args))
     print(f"loaded {engine.name}: {describe_weights(engine.info()['weights'])}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ options reference of the documentation (docs/hooks/options.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -359,6 +360,11 @@ class Option:
     def flags(self) -> tuple[str, ...]:
         return self.field.metadata.get("flags", ())
 
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """Older keywords of the option: its older flags' names ("--gpu-cache-bytes": "gpu_cache_bytes")."""
+        return tuple(flag.lstrip("-").replace("-", "_") for flag in self.flags)
+
 
 def _flatten(owner: type, config_class: type, path: tuple[str, ...]) -> list[Option]:
     out = []
@@ -371,6 +377,7 @@ def _flatten(owner: type, config_class: type, path: tuple[str, ...]) -> list[Opt
     return out
 
 
+@functools.lru_cache(maxsize=1)
 def options() -> dict[str, Option]:
     """Every load and engine option by its flat name: the keywords of from_pretrained and the flags of the
     command lines (`--chunk-size` for "chunk_size")."""
@@ -389,9 +396,18 @@ def _with(config, path: tuple[str, ...], value):
 
 def split_options(values: dict, load: LoadOptions | None = None,
                   config: EngineConfig | None = None) -> tuple[LoadOptions, EngineConfig]:
-    """`load` and `config` (None: the defaults) with `values` (flat names: options()) applied, both validated. A
-    name that is no option is a TypeError naming it."""
+    """`load` and `config` (None: the defaults) with `values` (flat names: options(), or an option's older name)
+    applied, both validated. A name that is no option is a TypeError naming it; an option given under two names
+    with two values is a ValueError."""
     table = options()
+    values = dict(values)
+    for opt in table.values():
+        for alias in opt.aliases:
+            if alias in values:
+                value = values.pop(alias)
+                if values.get(opt.name, value) != value:
+                    raise ValueError(f"{opt.name} and {alias} are the same option; pass one of them")
+                values[opt.name] = value
     unknown = sorted(set(values) - set(table))
     if unknown:
         raise TypeError(f"unknown option(s) {unknown}; the options are {sorted(table)}")

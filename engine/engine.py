@@ -38,6 +38,7 @@ from .rope import rope_params, rotary_module
 from .stream_setup import Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .thread_math import settle_thread_math
 from .tiered_store import build_store
+from .weights_report import weights_report
 
 
 class UnsupportedModelError(ValueError):
@@ -140,17 +141,17 @@ class KVBoost:
     @classmethod
     def from_pretrained(cls, source=None, *, load: LoadOptions | None = None, config: EngineConfig | None = None,
                         quiet: bool = False, cancel: threading.Event | None = None, progress=None,
-                        repair_options: dict | None = None, gpu_cache_bytes: int | None = None,
-                        awq_streaming: bool | None = None, **options) -> "KVBoost":
+                        repair_options: dict | None = None, awq_streaming: bool | None = None,
+                        **options) -> "KVBoost":
         """The engine over `source` (a model folder, a .gguf file, a hub id in the local cache; None: the
         embedded model), loaded as `load` says (engine.config.LoadOptions: device, dtype, weights, kernels, layer
         streaming, a draft model) and run as `config` says (engine.config.EngineConfig: reuse, chunking, repair,
         the KV tiers, the shared tier, speculation). Every option may also be given by its flat name as a
         keyword (`weights="int4"`, `chunk_size=64`, `repair="none"`: engine.config.options() lists them, with
-        their defaults, allowed values and help); keywords apply over `load` and `config`. Sugar kept for
-        callers of earlier versions: `repair_options` (a dict of RepairConfig fields), `gpu_cache_bytes` (the
-        same budget as `cache_bytes`) and `awq_streaming` (layer_streaming's old name, with a
-        DeprecationWarning). A draft model turns speculative="prompt-lookup" into "draft-model".
+        their defaults, allowed values, help and older names such as `gpu_cache_bytes`); keywords apply over `load`
+        and `config`. Sugar kept for callers of earlier versions: `repair_options` (a dict of RepairConfig fields)
+        and `awq_streaming` (layer_streaming's old name, with a DeprecationWarning). A draft model turns
+        speculative="prompt-lookup" into "draft-model".
 
         `quiet`: only errors from transformers' logging (no warnings or progress bars), for front ends.
         `cancel`: checked between the stages of the load; once set, the load stops there with engine.Cancelled.
@@ -163,10 +164,6 @@ class KVBoost:
             if options.get("layer_streaming") and not awq_streaming:
                 raise ValueError("layer_streaming=True and awq_streaming=False disagree; pass layer_streaming only")
             options["layer_streaming"] = bool(options.get("layer_streaming") or awq_streaming)
-        if gpu_cache_bytes is not None:
-            if options.get("cache_bytes") is not None and options["cache_bytes"] != gpu_cache_bytes:
-                raise ValueError("cache_bytes and gpu_cache_bytes are the same budget; pass one of them")
-            options["cache_bytes"] = gpu_cache_bytes
         for name, value in (repair_options or {}).items():
             options.setdefault(name, value)
         opts, config = split_options(options, load, config)
@@ -226,8 +223,6 @@ class KVBoost:
         """with_config over this engine's config with `changes` by their flat names (engine.config.options(),
         e.g. reuse="off", chunk_size=64, repair="none"); the model stays as loaded, so a load option is a
         ValueError."""
-        if "gpu_cache_bytes" in changes:
-            changes["cache_bytes"] = changes.pop("gpu_cache_bytes")
         table = config_options()
         loading = sorted(n for n in changes if n in table and table[n].owner is LoadOptions)
         if loading:
@@ -407,7 +402,7 @@ class KVBoost:
     def info(self) -> dict:
         """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
         disk cache folder (None when off) and why it is off, why AWQ layer streaming could not run, and the
-        weights (`format`, `kernel`, `resident_bytes`, ...: engine.loader.weights_report)."""
+        weights (`format`, `kernel`, `resident_bytes`, ...: engine.weights_report)."""
         return {
             "name": self.name,
             "model_type": self.model.config.model_type,
@@ -433,9 +428,9 @@ class KVBoost:
         return bool(report["num_int4_linears"]) or report.get("kernel") == "gguf_blocks"
 
     def _weights(self) -> dict:
-        """loader.weights_report of the model, made once (the weights never change under an engine)."""
+        """weights_report of the model, made once (the weights never change under an engine)."""
         if self._weights_report is None:
-            report = loader.weights_report(self.model)
+            report = weights_report(self.model)
             if self.streaming is not None:  # streamed layers' images are off the device: count what is on it
                 report["resident_bytes"] = self.streaming.streamer.resident_bytes()
                 report["streaming"] = self.streaming.report()

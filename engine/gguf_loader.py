@@ -28,7 +28,7 @@ quantized decoder layers where the int8 kernel runs, else float), built from the
 at a time; int4 ones take the file's codes when the tensor is Q4_0 / Q4_1 / Q4_K, else RTN at `group_size`.
 
 What was loaded in which form is `model.gguf_tensors` ({"Q4_K->int4": {"tensors", "file_bytes", "bytes"}}),
-which engine.loader.weights_report shows. A file that disagrees with its config (a missing tensor, a shape,
+which engine.weights_report shows. A file that disagrees with its config (a missing tensor, a shape,
 a type no path reads) is a GGUFFormatError naming the tensor, raised before anything is allocated for it.
 """
 

@@ -97,8 +97,8 @@ def test_the_model_options_it_keeps_are_the_engines_own():
             continue
         assert name in table and f.default == table[name].default
     assert set(ModelChoice().engine_options()) <= set(table)
-    for bad in table["reuse"].choices:  # every allowed value is kept, anything else is not
-        assert settings.from_rows({"model": {"reuse": bad}}).model.reuse == bad
+    for value in table["reuse"].choices:  # every allowed value is kept, anything else is not
+        assert settings.from_rows({"model": {"reuse": value}}).model.reuse == value
     assert settings.from_rows({"model": {"reuse": "off-ish"}}).model.reuse == table["reuse"].default
 
 

@@ -90,7 +90,7 @@ def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_
     same = KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=123_456, gpu_cache_bytes=123_456,
                                    disk_cache_bytes=0)
     assert same.cache_stats()["budget_bytes"] == 123_456
-    with pytest.raises(ValueError, match="same budget"):
+    with pytest.raises(ValueError, match="same option"):
         KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=1, gpu_cache_bytes=2)
     with pytest.raises(ValueError, match="eviction"):
         KVBoost.from_pretrained(model_folder, device="cpu", eviction="fifo")

@@ -16,7 +16,8 @@ from tiny_models import random_ids
 
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
 from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
-from engine.loader import default_model_path, fingerprint, load_model, resolve_source, weights_report
+from engine.loader import default_model_path, fingerprint, load_model, resolve_source
+from engine.weights_report import weights_report
 
 
 def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ from engine.head import (
     quantize_rows_int8,
 )
 from engine.int4 import Int4Linear, dequantize_codes, quantize_rtn
-from engine.loader import fingerprint, load_model, resolve_source, weights_report
+from engine.loader import fingerprint, load_model, resolve_source
+from engine.weights_report import weights_report
 
 CPU_INT8 = int8_kernel_unavailable("cpu_int8pack", "cpu")
 needs_int8_kernel = pytest.mark.skipif(CPU_INT8 is not None, reason=f"no CPU int8 kernel: {CPU_INT8}")

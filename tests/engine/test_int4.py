@@ -22,7 +22,8 @@ from engine.awq import unpack_awq
 from engine.config import ChunkingConfig, EngineConfig
 from engine.exact_attention import EXACT
 from engine.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
-from engine.loader import fingerprint, load_model, resolve_source, weights_report
+from engine.loader import fingerprint, load_model, resolve_source
+from engine.weights_report import weights_report
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,8 @@ from tiny_models import build_model, build_tokenizer
 from engine import gguf_blocks, weight_sizes
 from engine.gguf_loader import auto_block_types
 from engine.head import int8_kernel_unavailable
-from engine.loader import load_model, resolve_source, weights_report
+from engine.loader import load_model, resolve_source
+from engine.weights_report import weights_report
 
 CPU = torch.device("cpu")
 
