@@ -1,5 +1,7 @@
 """Resolving a model source to (model, tokenizer), choosing dtype/device and the weight format (float, int4 at
-load, AWQ int4) and fingerprinting the weights; what a load holds is described by engine.weights_report."""
+load, AWQ int4) and fingerprinting the weights; what a load holds is described by engine.weights_report.
+One subject, from a source to a loaded model, over ~500 lines: the format choice and the dispatch to each loader
+(GGUF, AWQ, GPTQ, float-to-int4) read the same checked config and must stay in one place."""
 
 from __future__ import annotations
 
