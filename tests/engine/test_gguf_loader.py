@@ -26,8 +26,8 @@ from engine.loader import (
     load_model,
     quiet_transformers,
     resolve_source,
-    weights_report,
 )
+from engine.weights_report import weights_report
 
 CPU = torch.device("cpu")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
