@@ -27,7 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from . import gguf_blocks
 from .exact_attention import ROWS
-from .gguf_blocks import BLOCK_TYPES, BlockLinear
+from .gguf_blocks import BlockLinear
 from .live_cache import GrowingCache, GrowingLayer
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -247,7 +247,7 @@ class OneCallForward:
             for part, name in PROJECTIONS:
                 linear = getattr(getattr(layer, part), name)
                 weight = getattr(entry, name)
-                weight.type = BLOCK_TYPES[linear.type_name][0]
+                weight.type = linear.type_id
                 weight.n, weight.k = linear.out_features, linear.in_features
                 weight.row_bytes = linear.blocks.shape[1]
                 weight.w = linear.blocks.data_ptr()

@@ -135,6 +135,79 @@ static inline int block_bytes(int type) {
 }
 static inline int activation_block(int type) { return type == KVB_Q4_K || type == KVB_Q6_K ? 256 : 32; }
 
+/* The float steps of a 32-value block, the same on every path (the vector ones lane by lane): the block's exact
+   integer dot `sum` of weight codes and activation codes (Q4_0: minus 8 times the activations' code sum), times
+   the weight's scale and the activations', added to the output in one rounding (fmaf), blocks in order; Q4_1's
+   offsets (the weight's m times the activations' sum) in their own sum. Output = acc + offsets. Each output is
+   thus the same whatever number of rows and columns are computed together, on whichever path of this build. */
+static inline __attribute__((always_inline)) void block32_float(int type, int32_t sum, float dw, float mw, float dr,
+                                                                  int32_t sr, float *acc, float *offsets) {
+    if (type == KVB_Q4_0) sum -= 8 * sr;
+    *acc = fmaf((float)sum, dw * dr, *acc);
+    if (type == KVB_Q4_1) *offsets = *offsets + (mw * dr) * (float)sr;
+}
+
+/* ---- 16-row tiles: the layout the AVX-512 kernel reads (kvb_repack) ----
+   A weight whose row count is a multiple of 16, of a 32-value type, is held as tiles of 16 rows: tile t, block b is
+   the 16 rows' block b side by side, 16 * block_bytes bytes (the same bytes as the file's, in another order):
+     16 fp16 d (row c at 2c); Q4_1: 16 fp16 m; then the codes, pair by pair (pair p: values 2p and 2p + 1):
+     Q8_0  pair p at 32 p: row c's two int8 codes at 2c, 2c + 1
+     Q4_*  four pairs in each 64 bytes (pairs 4g .. 4g + 3 at 64 g): pair 4g + e (e = 0, 1) in the low nibbles of
+           bytes 32 e + 2c, 32 e + 2c + 1; pair 4g + 2 + e in their high nibbles.
+   So a pair of all 16 rows widens to one vector of 16 int32 lanes, each two int16 codes of one row. */
+#define KVB_TILED 256 /* added to a type: its weight is held as tiles */
+
+static inline int tile_codes_start(int type) { return type == KVB_Q4_1 ? 64 : 32; }
+
+/* where code i of row c lies in a tiled block's codes: the byte, and in a Q4 type which nibble (*high) */
+static inline int tile_code_at(int type, int c, int i, int *high) {
+    const int p = i / 2, j = i % 2;
+    if (type == KVB_Q8_0) {
+        *high = 0;
+        return 32 * p + 2 * c + j;
+    }
+    *high = p % 4 >= 2;
+    return 64 * (p / 4) + 32 * (p % 2) + 2 * c + j;
+}
+
+/* code i of a file block of a 32-value type (Q4: 0-15, Q8_0: -128-127) */
+static inline int file_code(int type, const uint8_t *blk, int i) {
+    if (type == KVB_Q8_0) return (int8_t)blk[2 + i];
+    const uint8_t byte = blk[(type == KVB_Q4_1 ? 4 : 2) + i % 16];
+    return i < 16 ? byte & 0x0f : byte >> 4;
+}
+
+/* the tiled block of 16 rows' blocks (rows[c]: row c's file block) */
+static void tile_block(int type, const uint8_t *const rows[16], uint8_t *t) {
+    const int start = tile_codes_start(type);
+    memset(t, 0, (size_t)(16 * block_bytes(type)));
+    for (int c = 0; c < 16; c++) {
+        memcpy(t + 2 * c, rows[c], 2);
+        if (type == KVB_Q4_1) memcpy(t + 32 + 2 * c, rows[c] + 2, 2);
+        for (int i = 0; i < 32; i++) {
+            int high;
+            const int at = start + tile_code_at(type, c, i, &high), code = file_code(type, rows[c], i);
+            t[at] = (uint8_t)(type == KVB_Q8_0 ? code : t[at] | (high ? code << 4 : code));
+        }
+    }
+}
+
+/* row c's file block back from a tiled block, into out[34] (the largest 32-value block) */
+static void untile_block(int type, const uint8_t *t, int c, uint8_t out[34]) {
+    const int start = tile_codes_start(type), codes = type == KVB_Q4_1 ? 4 : 2;
+    memset(out, 0, 34);
+    memcpy(out, t + 2 * c, 2);
+    if (type == KVB_Q4_1) memcpy(out + 2, t + 32 + 2 * c, 2);
+    for (int i = 0; i < 32; i++) {
+        int high;
+        const uint8_t byte = t[start + tile_code_at(type, c, i, &high)];
+        if (type == KVB_Q8_0)
+            out[2 + i] = byte;
+        else
+            out[codes + i % 16] |= (uint8_t)(((high ? byte >> 4 : byte & 0x0f)) << (i < 16 ? 0 : 4));
+    }
+}
+
 /* ---- dot products: out[r] = (weight row w) . (activation row r), for R activation rows at once (a weight
    block is decoded once for all R); each row's sums are the same whatever R is. ---- */
 
@@ -173,56 +246,99 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
    tok/s on a 2-core Xeon, 102-105 with it; 2048-8192 bytes measured alike, 256 barely helped). */
 #define PREFETCH_BYTES 4096
 
-/* Q4_0, Q4_1, Q8_0 against A32 (int16 activations): per block an exact integer dot (the codes widened to int16,
-   _mm256_madd_epi16), then one float multiply-add; two accumulators (even and odd blocks) so that consecutive
-   blocks do not wait on each other. The loop takes the blocks two at a time so that which accumulator a block
-   adds into is known when compiling: indexed by a running parity, the accumulators lived in memory and every
-   block waited on a store and a load of the one before (half the decode time of a Q4_1 model). */
-static inline __attribute__((always_inline)) void block32(int type, int R, const uint8_t *w, int64_t nb, int64_t b,
-                                                            const int16_t *xs, const float *d, const int32_t *s,
-                                                            int64_t k, __m256 acc[4][2], float offsets[4][2],
-                                                            const int slot) {
-    const __m128i low = _mm_set1_epi8(0x0f);
-    const float dw = half_at(w);
-    __m256i first, second; /* the block's 32 codes as int16: values 0-15, then 16-31 */
-    float mw = 0.0f;
-    if (type == KVB_Q8_0) {
-        first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 2)));
-        second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 18)));
-    } else {
-        const __m128i t = _mm_loadu_si128((const __m128i *)(w + (type == KVB_Q4_0 ? 2 : 4)));
-        first = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
-        second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
-        if (type == KVB_Q4_1) mw = half_at(w + 2);
-    }
-    for (int r = 0; r < R; r++) {
-        const int64_t at = r * nb + b;
-        const int16_t *x = xs + r * k + b * 32;
-        __m256i p = _mm256_add_epi32(_mm256_madd_epi16(first, load32(x)), _mm256_madd_epi16(second, load32(x + 16)));
-        if (type == KVB_Q4_0) p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(8 * s[at])));
-        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * d[at]), acc[r][slot]);
-        if (type == KVB_Q4_1) offsets[r][slot] += mw * d[at] * (float)s[at];
-    }
-}
+#define MAX_ROWS 8 /* activation rows multiplied at once */
 
+/* Q4_0, Q4_1, Q8_0 against A32 (int16 activations), one weight row at a time (the AVX2 path, and on AVX-512
+   the weight rows that do not fill a tile): a block's exact integer dot (the codes widened to int16,
+   _mm256_madd_epi16, the eight lanes summed in integers), then the float steps of block32_float. */
 static inline __attribute__((always_inline)) void dots32(int type, int R, const uint8_t *w, int64_t nb,
                                                            const int8_t *q, const float *d, const int32_t *s,
                                                            int64_t k, float *out, int64_t stride) {
     const int16_t *xs = (const int16_t *)q;
     const int bytes = block_bytes(type);
-    __m256 acc[4][2];
-    float offsets[4][2];
-    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps(), offsets[r][0] = offsets[r][1] = 0.0f;
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2, w += 2 * bytes) {
-        _mm_prefetch((const char *)(w + PREFETCH_BYTES), _MM_HINT_T0);
-        block32(type, R, w, nb, b, xs, d, s, k, acc, offsets, 0);
-        block32(type, R, w + bytes, nb, b + 1, xs, d, s, k, acc, offsets, 1);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    float acc[MAX_ROWS], offsets[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = offsets[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        if ((b & 1) == 0) _mm_prefetch((const char *)(w + PREFETCH_BYTES), _MM_HINT_T0);
+        __m256i first, second; /* the block's 32 codes as int16: values 0-15, then 16-31 */
+        if (type == KVB_Q8_0) {
+            first = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 2)));
+            second = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 18)));
+        } else {
+            const __m128i t = _mm_loadu_si128((const __m128i *)(w + (type == KVB_Q4_0 ? 2 : 4)));
+            first = _mm256_cvtepu8_epi16(_mm_and_si128(t, low));
+            second = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(t, 4), low));
+        }
+        const float dw = half_at(w), mw = type == KVB_Q4_1 ? half_at(w + 2) : 0.0f;
+        for (int r = 0; r < R; r++) {
+            const int64_t at = r * nb + b;
+            const int16_t *x = xs + r * k + b * 32;
+            const __m256i p = madd_add(_mm256_madd_epi16(first, load32(x)), second, load32(x + 16));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+            block32_float(type, _mm_cvtsi128_si32(h), dw, mw, d[at], s[at], &acc[r], &offsets[r]);
+        }
     }
-    if (b < nb) block32(type, R, w, nb, b, xs, d, s, k, acc, offsets, 0);
-    for (int r = 0; r < R; r++)
-        out[r * stride] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + (offsets[r][0] + offsets[r][1]);
+    for (int r = 0; r < R; r++) out[r * stride] = acc[r] + offsets[r];
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVB_TILES 1 /* 16 weight rows at a time, one output per vector lane */
+
+/* Q4_0, Q4_1, Q8_0 against A32 for one 16-row tile (w: its first block) and R activation rows: per block each pair
+   of the 16 rows widens to one vector (lane c: row c), multiplied with the activations' pair p
+   (_mm512_dpwssd_epi32): 16 exact integer dots at once; then block32_float's steps for the 16 outputs, lane by
+   lane. A tile's block is widened once for the R rows. out[r * stride + c]. */
+static inline __attribute__((always_inline)) void tile32(int type, int R, const uint8_t *w, int64_t nb,
+                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           int64_t k, float *out, int64_t stride) {
+    const int16_t *xs = (const int16_t *)q;
+    const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MAX_ROWS], offsets[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = offsets[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        for (int line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
+        __m512i v[16]; /* pair p of the 16 rows: lane c = row c's codes 2p, 2p + 1 as int16 */
+        if (type == KVB_Q8_0) {
+            for (int p = 0; p < 16; p++)
+                v[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + start + 32 * p)));
+        } else {
+            for (int g = 0; g < 4; g++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(w + start + 64 * g));
+                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                v[4 * g] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+                v[4 * g + 1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+                v[4 * g + 2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+                v[4 * g + 3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        const __m512 mw = type == KVB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)))
+                                           : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int64_t at = r * nb + b;
+            const int32_t *x = (const int32_t *)(xs + r * k + b * 32); /* the activations' pairs */
+            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+            for (int p = 0; p < 16; p += 2) {
+                even = _mm512_dpwssd_epi32(even, v[p], _mm512_set1_epi32(x[p]));
+                odd = _mm512_dpwssd_epi32(odd, v[p + 1], _mm512_set1_epi32(x[p + 1]));
+            }
+            __m512i dot = _mm512_add_epi32(even, odd);
+            if (type == KVB_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * s[at]));
+            const __m512 dr = _mm512_set1_ps(d[at]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dr), acc[r]);
+            if (type == KVB_Q4_1)
+                offsets[r] = _mm512_add_ps(offsets[r], _mm512_mul_ps(_mm512_mul_ps(mw, dr),
+                                                                     _mm512_set1_ps((float)s[at])));
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, _mm512_add_ps(acc[r], offsets[r]));
+}
+#endif
 
 /* Q4_K, Q6_K against A256: a block's products times their integer sub-scales summed in int32 over the whole
    block, then one float multiply-add for the block (and one for Q4_K's mins, from the activations' sums per 16). */
@@ -231,7 +347,7 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                                                             int64_t k, float *out, int64_t stride) {
     const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
     const int bytes = block_bytes(type);
-    __m256 acc[4], mins[4];
+    __m256 acc[MAX_ROWS], mins[MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         for (int line = 0; line < bytes; line += 64)
@@ -316,10 +432,9 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
             } else {
                 const uint8_t *nib = blk + (type == KVB_Q4_0 ? 2 : 4);
                 for (int i = 0; i < 16; i++) sum += (nib[i] & 0x0f) * x[i] + (nib[i] >> 4) * x[16 + i];
-                if (type == KVB_Q4_0) sum -= 8 * s[at];
-                if (type == KVB_Q4_1) offsets += half_at(blk + 2) * d[at] * (float)s[at];
             }
-            acc += (float)sum * (half_at(blk) * d[at]);
+            block32_float(type, sum, half_at(blk), type == KVB_Q4_1 ? half_at(blk + 2) : 0.0f, d[at], s[at], &acc,
+                          &offsets);
         }
         out[r * stride] = acc + offsets;
     }
@@ -384,9 +499,17 @@ typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, const float *, 
                          float *out, int64_t stride) {                                                            \
         KIND(TYPE, 1, w, nb, q, d, (const SUMS *)s, k, out, stride);                                              \
     }                                                                                                            \
+    static void NAME##_2(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const void *s, int64_t k, \
+                         float *out, int64_t stride) {                                                            \
+        KIND(TYPE, 2, w, nb, q, d, (const SUMS *)s, k, out, stride);                                              \
+    }                                                                                                            \
     static void NAME##_4(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const void *s, int64_t k, \
                          float *out, int64_t stride) {                                                            \
         KIND(TYPE, 4, w, nb, q, d, (const SUMS *)s, k, out, stride);                                              \
+    }                                                                                                            \
+    static void NAME##_8(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const void *s, int64_t k, \
+                         float *out, int64_t stride) {                                                            \
+        KIND(TYPE, 8, w, nb, q, d, (const SUMS *)s, k, out, stride);                                              \
     }
 DOTS(dot_q4_0, dots32, KVB_Q4_0, int32_t)
 DOTS(dot_q4_1, dots32, KVB_Q4_1, int32_t)
@@ -394,20 +517,54 @@ DOTS(dot_q8_0, dots32, KVB_Q8_0, int32_t)
 DOTS(dot_q4_k, dots256, KVB_Q4_K, int16_t)
 DOTS(dot_q6_k, dots256, KVB_Q6_K, int16_t)
 
-static int dots_for(int type, dot_fn *one, dot_fn *four) {
+typedef void (*tile_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const int32_t *, int64_t, float *,
+                        int64_t);
+
+#ifdef KVB_TILES
+#define TILES(NAME, TYPE, R)                                                                                        \
+    static void NAME##_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *s,         \
+                           int64_t k, float *out, int64_t stride) {                                               \
+        tile32(TYPE, R, w, nb, q, d, s, k, out, stride);                                                          \
+    }
+#define ALL_TILES(NAME, TYPE) TILES(NAME, TYPE, 1) TILES(NAME, TYPE, 2) TILES(NAME, TYPE, 4) TILES(NAME, TYPE, 8)
+ALL_TILES(tile_q4_0, KVB_Q4_0)
+ALL_TILES(tile_q4_1, KVB_Q4_1)
+ALL_TILES(tile_q8_0, KVB_Q8_0)
+#endif
+
+/* the 16-row tiles for 1, 2, 4 and 8 activation rows (tiles[0..3]), or 0 where this build has none for the type */
+static int tiles_for(int type, tile_fn tiles[4]) {
+#ifdef KVB_TILES
+#define KVB_TILE_SET(NAME) tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_4, tiles[3] = NAME##_8
     switch (type) {
-    case KVB_Q4_0: *one = dot_q4_0_1, *four = dot_q4_0_4; return 1;
-    case KVB_Q4_1: *one = dot_q4_1_1, *four = dot_q4_1_4; return 1;
-    case KVB_Q8_0: *one = dot_q8_0_1, *four = dot_q8_0_4; return 1;
-    case KVB_Q4_K: *one = dot_q4_k_1, *four = dot_q4_k_4; return 1;
-    case KVB_Q6_K: *one = dot_q6_k_1, *four = dot_q6_k_4; return 1;
+    case KVB_Q4_0: KVB_TILE_SET(tile_q4_0); return 1;
+    case KVB_Q4_1: KVB_TILE_SET(tile_q4_1); return 1;
+    case KVB_Q8_0: KVB_TILE_SET(tile_q8_0); return 1;
+    default: break;
+    }
+#undef KVB_TILE_SET
+#endif
+    (void)type, (void)tiles;
+    return 0;
+}
+
+/* the dot for 1, 2, 4 and 8 activation rows at once (dots[0..3]) */
+static int dots_for(int type, dot_fn dots[4]) {
+#define KVB_DOTS(NAME) dots[0] = NAME##_1, dots[1] = NAME##_2, dots[2] = NAME##_4, dots[3] = NAME##_8
+    switch (type) {
+    case KVB_Q4_0: KVB_DOTS(dot_q4_0); return 1;
+    case KVB_Q4_1: KVB_DOTS(dot_q4_1); return 1;
+    case KVB_Q8_0: KVB_DOTS(dot_q8_0); return 1;
+    case KVB_Q4_K: KVB_DOTS(dot_q4_k); return 1;
+    case KVB_Q6_K: KVB_DOTS(dot_q6_k); return 1;
     default: return 0;
     }
+#undef KVB_DOTS
 }
 
 int kvb_supports(int type) {
-    dot_fn one, four;
-    return dots_for(type, &one, &four);
+    dot_fn dots[4];
+    return dots_for(type, dots);
 }
 
 int kvb_activation_block(int type) { return activation_block(type); }
@@ -422,10 +579,11 @@ int kvb_vector_path(void) { /* 2: AVX2 with VNNI, 1: AVX2, 0: portable C */
 #endif
 }
 
-#define ROWS_PER_TASK 16
+#define ROWS_PER_TASK 16 /* weight rows a task takes: one 16-row tile where the type has tiles */
 
 typedef struct {
-    dot_fn one, four;
+    dot_fn dots[4];
+    tile_fn tiles[4]; /* or NULL */
     const uint8_t *w, *acts, *sum_bytes;
     const float *d;
     int64_t n, k, nb, row_bytes, row, per_block, m;
@@ -438,28 +596,36 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
     for (int64_t t = first_task; t < end_task; t++) {
         const int64_t first = t * ROWS_PER_TASK, last = first + ROWS_PER_TASK < n ? first + ROWS_PER_TASK : n;
         int64_t i = 0;
-        for (; i + 4 <= m; i += 4)
-            for (int64_t r = first; r < last; r++)
-                j->four(j->w + r * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
-                        j->sum_bytes + i * nb * per_block, j->k, j->y + i * n + r, n);
-        for (; i < m; i++)
-            for (int64_t r = first; r < last; r++)
-                j->one(j->w + r * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
-                       j->sum_bytes + i * nb * per_block, j->k, j->y + i * n + r, n);
+        for (int size = 3; size >= 0; size--) /* activation rows 8, then 4, 2 and 1 at a time */
+            for (; i + (1 << size) <= m; i += 1 << size) {
+                const int8_t *acts = (const int8_t *)(j->acts + i * row);
+                const float *d = j->d + i * nb;
+                const uint8_t *sums = j->sum_bytes + i * nb * per_block;
+                if (j->tiles[0]) { /* tiled: the task is one tile */
+                    j->tiles[size](j->w + first * j->row_bytes, nb, acts, d, (const int32_t *)sums, j->k,
+                                   j->y + i * n + first, n);
+                    continue;
+                }
+                for (int64_t r = first; r < last; r++)
+                    j->dots[size](j->w + r * j->row_bytes, nb, acts, d, sums, j->k, j->y + i * n + r, n);
+            }
     }
 }
 
-/* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums);
-   returns 0, or -1 for a type this file does not multiply. Output rows are split between threads in tasks of
-   ROWS_PER_TASK weight rows; a task takes the activation rows four at a time, the rest one at a time. */
+/* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums); type
+   + KVB_TILED: W held as tiles (kvb_repack). Returns 0, or -1 for a type or layout this build does not multiply.
+   Output rows are split between threads in tasks of ROWS_PER_TASK weight rows; a task takes the activation rows eight at a time, then four, two and one (a weight
+   block is decoded once for the rows taken together; each row's sums are the same however they are taken). */
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads) {
-    dot_fn one, four;
-    if (!dots_for(type, &one, &four)) return -1;
+    matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y};
+    const int tiled = type >= KVB_TILED;
+    type = tiled ? type - KVB_TILED : type;
+    if (!dots_for(type, job.dots) || (tiled && (!tiles_for(type, job.tiles) || n % 16))) return -1;
     const int block = activation_block(type);
-    matmul_job job = {one, four, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, k / block, row_bytes,
-                      block == 32 ? 2 * k : k /* bytes of one activation row */,
-                      block == 32 ? 4 : 32 /* bytes of sums per activation block */, m, y};
+    job.nb = k / block;
+    job.row = block == 32 ? 2 * k : k;            /* bytes of one activation row */
+    job.per_block = block == 32 ? 4 : 32;         /* bytes of sums per activation block */
     kvb_parallel((n + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads, matmul_tasks, &job);
     return 0;
 }
@@ -469,9 +635,8 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
    be had. */
 int kvb_linear(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const float *x, int64_t m,
                float *y, int threads) {
-    dot_fn one, four;
-    if (!dots_for(type, &one, &four)) return -1;
-    const int block = activation_block(type);
+    if (!kvb_supports(type % KVB_TILED)) return -1;
+    const int block = activation_block(type % KVB_TILED);
     const int64_t nb = k / block, sum_bytes = block == 32 ? m * nb * 4 : m * (k / 16) * 2;
     const int64_t act_bytes = block == 32 ? 2 * m * k : m * k;
     uint8_t *scratch = malloc((size_t)(act_bytes + m * nb * 4 + sum_bytes + 64));
@@ -549,17 +714,68 @@ typedef struct {
     int64_t k, row_bytes;
     const int64_t *idx;
     float *out;
+    int tiled; /* 0, or the 32-value type whose tiles w holds */
 } dequantize_job;
 
 static void dequantize_rows(void *ctx, int64_t first, int64_t end) {
     const dequantize_job *j = ctx;
-    for (int64_t i = first; i < end; i++) j->row(j->w + j->idx[i] * j->row_bytes, j->k, j->out + i * j->k);
+    for (int64_t i = first; i < end; i++) {
+        if (!j->tiled) {
+            j->row(j->w + j->idx[i] * j->row_bytes, j->k, j->out + i * j->k);
+            continue;
+        }
+        const int64_t tile = j->idx[i] / 16, bytes = block_bytes(j->tiled);
+        const uint8_t *t = j->w + tile * 16 * j->row_bytes;
+        uint8_t block[34];
+        for (int64_t b = 0; b < j->k / 32; b++) {
+            untile_block(j->tiled, t + b * 16 * bytes, (int)(j->idx[i] % 16), block);
+            j->row(block, 32, j->out + i * j->k + b * 32);
+        }
+    }
 }
 
-/* out[i, :] = row idx[i] of W, for n_idx rows (each index checked by the caller); returns 0, or -1 for a type
-   this file does not read. */
+/* 16 when this build multiplies tiles (AVX-512 with VNNI), else 0 */
+int kvb_tile_rows(void) {
+    tile_fn tiles[4];
+    return tiles_for(KVB_Q4_1, tiles) ? 16 : 0;
+}
+
+typedef struct {
+    int type;
+    const uint8_t *w;
+    int64_t k, row_bytes;
+    uint8_t *out;
+} repack_job;
+
+static void repack_tiles(void *ctx, int64_t first, int64_t end) {
+    const repack_job *j = ctx;
+    const int64_t bytes = block_bytes(j->type);
+    for (int64_t t = first; t < end; t++)
+        for (int64_t b = 0; b < j->k / 32; b++) {
+            const uint8_t *rows[16];
+            for (int c = 0; c < 16; c++) rows[c] = j->w + (16 * t + c) * j->row_bytes + b * bytes;
+            tile_block(j->type, rows, j->out + 16 * t * j->row_bytes + b * 16 * bytes);
+        }
+}
+
+/* out: the n rows of w (a 32-value type, n a multiple of 16) as tiles; the same number of bytes. Returns 0, or -1
+   for a type or shape that has no tiles. */
+int kvb_repack(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, uint8_t *out, int threads) {
+    if (activation_block(type) != 32 || !kvb_supports(type) || n % 16 || k % 32 ||
+        row_bytes != k / 32 * block_bytes(type))
+        return -1;
+    repack_job job = {type, w, k, row_bytes, out};
+    kvb_parallel(n / 16, threads, repack_tiles, &job);
+    return 0;
+}
+
+/* out[i, :] = row idx[i] of W, for n_idx rows (each index checked by the caller); type + KVB_TILED: W held as
+   tiles. Returns 0, or -1 for a type this file does not read. */
 int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, const int64_t *idx, int64_t n_idx,
                    float *out, int threads) {
+    const int tiled = type >= KVB_TILED ? type - KVB_TILED : 0;
+    if (tiled && activation_block(tiled) != 32) return -1;
+    type = tiled ? tiled : type;
     void (*row)(const uint8_t *, int64_t, float *) = 0;
     switch (type) {
     case KVB_Q4_0: row = row_q4_0; break;
@@ -569,7 +785,7 @@ int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, con
     case KVB_Q6_K: row = row_q6_k; break;
     default: return -1;
     }
-    dequantize_job job = {row, w, k, row_bytes, idx, out};
+    dequantize_job job = {row, w, k, row_bytes, idx, out, tiled};
     kvb_parallel(n_idx, n_idx > 64 ? threads : 1, dequantize_rows, &job);
     return 0;
 }

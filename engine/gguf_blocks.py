@@ -165,6 +165,9 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_decoder_packed.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
+    lib.kvb_tile_rows.restype = i32
+    lib.kvb_repack.argtypes = [i32, p, i64, i64, i64, p, i32]
+    lib.kvb_repack.restype = i32
     for name, (type_id, _, _) in BLOCK_TYPES.items():
         assert lib.kvb_supports(type_id) and lib.kvb_activation_block(type_id) == activation_block(name), name
     return lib
@@ -214,10 +217,34 @@ def vector_path() -> str:
 
 
 def numerics() -> str:
-    """Which float sums this build's outputs come from: "avx2" (with or without VNNI: the integer sums are exact,
-    the float ones the same) or "portable" (its float sums run in another order: other bits). Part of a model's
-    fingerprint, so that a shared store never hands KV of one to the other."""
-    return "portable" if _library().kvb_vector_path() == 0 else "avx2"
+    """Which float sums this build's outputs come from: "avx2" (with or without VNNI or AVX-512: the integer sums
+    are exact, the float ones the same) or "portable" (the K-quants' float sums run in another order there: other
+    bits; the 32-value types' are the same on every path). "-2": since the 32-value types' float steps became one
+    rounding per block (gguf_blocks.c, block32_float). Part of a model's fingerprint, so that a shared store never
+    hands KV of one to the other."""
+    return ("portable" if _library().kvb_vector_path() == 0 else "avx2") + "-2"
+
+
+TILED = 256  # added to a type's id in a call: its weight is held as 16-row tiles (gguf_blocks.c, kvb_repack)
+
+
+def tile_rows() -> int:
+    """16 where this build multiplies weights held as 16-row tiles (AVX-512 with VNNI), else 0."""
+    return _library().kvb_tile_rows()
+
+
+def as_tiles(blocks: torch.Tensor, type_name: str, columns: int) -> torch.Tensor | None:
+    """The weight whose rows are `blocks` as 16-row tiles (the same bytes in the order the AVX-512 kernel reads),
+    or None where this build has no tiles, the type is not a 32-value one or the row count is not a multiple of
+    16."""
+    _check_blocks(blocks, type_name, columns)
+    if not tile_rows() or activation_block(type_name) != 32 or blocks.shape[0] % 16:
+        return None
+    out = torch.empty_like(blocks)
+    status = _library().kvb_repack(BLOCK_TYPES[type_name][0], _ptr(blocks), blocks.shape[0], columns,
+                                   blocks.shape[1], _ptr(out), _threads())
+    assert status == 0, type_name
+    return out
 
 
 def row_bytes(type_name: str, columns: int) -> int:
@@ -266,40 +293,46 @@ def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, tor
     return q, d, sums
 
 
-def _check_blocks(blocks: torch.Tensor, type_name: str, columns: int) -> None:
+def _check_blocks(blocks: torch.Tensor, type_name: str, columns: int, tiled: bool = False) -> int:
+    """The kernel's id for the weight (its type's, + TILED when held as tiles); ValueError for blocks that are not
+    its rows."""
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or \
             blocks.device.type != "cpu" or blocks.shape[1] != row_bytes(type_name, columns):
         raise ValueError(f"{type_name} blocks {blocks.dtype} {list(blocks.shape)} are not rows of {columns} values")
+    if tiled and (activation_block(type_name) != 32 or blocks.shape[0] % 16 or not tile_rows()):
+        raise ValueError(f"{type_name} blocks of {blocks.shape[0]} rows cannot be tiles in this build")
+    return BLOCK_TYPES[type_name][0] + (TILED if tiled else 0)
 
 
-def matmul(blocks: torch.Tensor, type_name: str, columns: int, x: torch.Tensor) -> torch.Tensor:
-    """x float32 [rows, columns] times the weight whose rows are `blocks` (uint8 [out, row bytes]) -> float32
-    [rows, out]."""
+def matmul(blocks: torch.Tensor, type_name: str, columns: int, x: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """x float32 [rows, columns] times the weight whose rows are `blocks` (uint8 [out, row bytes]; `tiled`: as
+    as_tiles holds them) -> float32 [rows, out]."""
     out = blocks.shape[0]
-    _check_blocks(blocks, type_name, columns)
+    type_id = _check_blocks(blocks, type_name, columns, tiled)
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[-1] != columns or not x.is_contiguous():
         raise ValueError(f"activations {x.dtype} {list(x.shape)} are not contiguous float32 rows of {columns}")
     y = torch.empty(x.shape[0], out, dtype=torch.float32)
-    status = _library().kvb_linear(BLOCK_TYPES[type_name][0], _ptr(blocks), out, columns, blocks.shape[1], _ptr(x),
-                                   x.shape[0], _ptr(y), _threads())
+    status = _library().kvb_linear(type_id, _ptr(blocks), out, columns, blocks.shape[1], _ptr(x), x.shape[0], _ptr(y),
+                                   _threads())
     if status == -2:
         raise MemoryError(f"no scratch memory for {x.shape[0]} rows of activations")
     assert status == 0, type_name
     return y
 
 
-def dequantize(blocks: torch.Tensor, type_name: str, columns: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(blocks: torch.Tensor, type_name: str, columns: int, rows: torch.Tensor | None = None,
+               tiled: bool = False) -> torch.Tensor:
     """float32 values of the rows `rows` (int64 indices, each checked against the row count; None: all) of the
-    weight held as `blocks`, gguf-py's dequantization bit for bit."""
-    _check_blocks(blocks, type_name, columns)
+    weight held as `blocks` (`tiled`: as as_tiles holds them), gguf-py's dequantization bit for bit."""
+    type_id = _check_blocks(blocks, type_name, columns, tiled)
     if rows is None:
         rows = torch.arange(blocks.shape[0])
     rows = rows.reshape(-1).to(torch.int64).contiguous()
     if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
         raise IndexError(f"row index out of range for a table of {blocks.shape[0]} rows")
     out = torch.empty(rows.numel(), columns, dtype=torch.float32)
-    status = _library().kvb_dequantize(BLOCK_TYPES[type_name][0], _ptr(blocks), columns, blocks.shape[1], _ptr(rows),
-                                       rows.numel(), _ptr(out), _threads())
+    status = _library().kvb_dequantize(type_id, _ptr(blocks), columns, blocks.shape[1], _ptr(rows), rows.numel(),
+                                       _ptr(out), _threads())
     assert status == 0, type_name
     return out
 
@@ -315,11 +348,15 @@ class BlockLinear(nn.Module):
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(type_name, in_features):
             raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} are not rows of {in_features} values")
         self.type_name, self.in_features, self.out_features = type_name, in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        _library()  # built or BlockKernelUnavailable, before a forward needs it
+        blocks = blocks.contiguous()
+        tiles = as_tiles(blocks, type_name, in_features)  # where this CPU multiplies tiles: the order it reads
+        self.tiled = tiles is not None
+        self.register_buffer("blocks", blocks if tiles is None else tiles)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.fallback_reason: str | None = None
-        _library()  # built or BlockKernelUnavailable, before a forward needs it
-        self._call = (BLOCK_TYPES[type_name][0], blocks.shape[1])
+        self.type_id = BLOCK_TYPES[type_name][0] + (TILED if self.tiled else 0)  # the kernel's id of the weight
+        self._call = (self.type_id, blocks.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the checks of `matmul` were made once, here and in __init__; a forward is one call into the kernel
@@ -342,10 +379,11 @@ class BlockLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [out, in] weight: the file's dequantized values."""
-        return dequantize(self.blocks, self.type_name, self.in_features).to(dtype)
+        return dequantize(self.blocks, self.type_name, self.in_features, tiled=self.tiled).to(dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, type={self.type_name}"
+                + (", tiled" if self.tiled else ""))
 
 
 class BlockEmbedding(nn.Module):
@@ -353,17 +391,17 @@ class BlockEmbedding(nn.Module):
     values, in `dtype`, times a scaled table's `embed_scale`). May share its blocks with a BlockLinear head."""
 
     def __init__(self, blocks: torch.Tensor, type_name: str, embedding_dim: int, dtype: torch.dtype,
-                 embed_scale: torch.Tensor | None = None):
+                 embed_scale: torch.Tensor | None = None, tiled: bool = False):
         super().__init__()
         row_bytes(type_name, embedding_dim)
-        self.type_name, self.embedding_dim, self.dtype = type_name, embedding_dim, dtype
+        self.type_name, self.embedding_dim, self.dtype, self.tiled = type_name, embedding_dim, dtype, tiled
         self.num_embeddings = blocks.shape[0]
         self.register_buffer("blocks", blocks)
         self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().clone(),
                              persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.blocks, self.type_name, self.embedding_dim, ids).to(self.dtype)
+        rows = dequantize(self.blocks, self.type_name, self.embedding_dim, ids, self.tiled).to(self.dtype)
         if self.embed_scale is not None:
             rows = rows * self.embed_scale.to(self.dtype)
         return rows.reshape(*ids.shape, self.embedding_dim)

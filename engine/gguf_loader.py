@@ -452,8 +452,9 @@ def _place_blocks(model, loader: _Loader, head_name: str, table: TensorRecord, o
     replace_module(model, head_name, new_head)
     model.config.tie_word_embeddings = False  # the head no longer shares a Parameter with the table
     embed_scale = getattr(inputs, "embed_scale", None)  # Gemma's scaled table
+    tiled = False
     if own is None:
-        blocks = new_head.blocks
+        blocks, tiled = new_head.blocks, new_head.tiled
     elif table.type_name in loader.block_types and loader.row_order(table) is None:
         blocks = loader.block_rows(table, None)
         loader.count(table, "blocks", [blocks])
@@ -461,7 +462,8 @@ def _place_blocks(model, loader: _Loader, head_name: str, table: TensorRecord, o
         names = {id(m): n for n, m in model.named_modules()}
         loader.set_float(model, f"{names[id(inputs)]}.weight", table)
         return
-    model.set_input_embeddings(BlockEmbedding(blocks, table.type_name, table.shape[1], loader.dtype, embed_scale))
+    model.set_input_embeddings(BlockEmbedding(blocks, table.type_name, table.shape[1], loader.dtype, embed_scale,
+                                              tiled))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -90,9 +90,12 @@ def test_a_product_is_the_float64_product_of_the_files_values_and_the_rounded_ac
 @pytest.mark.parametrize("type_name", TYPES)
 def test_an_output_is_the_same_whatever_rows_and_threads_it_is_computed_with(type_name):
     blocks = torch.from_numpy(random_rows(type_name, 50, 512, seed=2))
-    x = torch.randn(11, 512)
+    x = torch.randn(19, 512)  # taken 8 + 8 + 2 + 1 rows at a time; split below into 4 + 2 + 1 and 8 + 4
     together = gguf_blocks.matmul(blocks, type_name, 512, x)
-    alone = torch.cat([gguf_blocks.matmul(blocks, type_name, 512, x[i:i + 1].contiguous()) for i in range(11)])
+    alone = torch.cat([gguf_blocks.matmul(blocks, type_name, 512, x[i:i + 1].contiguous()) for i in range(19)])
+    # weight rows 0-47 in 16-row tiles where the type has them, 48-49 one at a time; each row alone: one at a time
+    column_by_column = torch.cat([gguf_blocks.matmul(blocks[c:c + 1].contiguous(), type_name, 512, x)
+                                  for c in range(50)], dim=1)
     split = torch.cat([gguf_blocks.matmul(blocks, type_name, 512, x[:7].contiguous()),
                        gguf_blocks.matmul(blocks, type_name, 512, x[7:].contiguous())])
     threads = torch.get_num_threads()
@@ -102,6 +105,35 @@ def test_an_output_is_the_same_whatever_rows_and_threads_it_is_computed_with(typ
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(together, alone) and torch.equal(together, split) and torch.equal(together, one_thread)
+    assert torch.equal(together, column_by_column)
+
+
+TILE_TYPES = [name for name in TYPES if gguf_blocks.activation_block(name) == 32]
+
+
+@pytest.mark.parametrize("type_name", TILE_TYPES)
+def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
+    """Where the CPU multiplies 16-row tiles (AVX-512 with VNNI), a layer holds its weight in their order: the same
+    bytes, the same values read back, the same outputs bit for bit for any number of activation rows."""
+    if not gguf_blocks.tile_rows():
+        pytest.skip("this CPU's build has no tiles")
+    data = torch.from_numpy(random_rows(type_name, 48, 512, seed=5))
+    tiles = gguf_blocks.as_tiles(data, type_name, 512)
+    assert tiles.shape == data.shape and not torch.equal(tiles, data)
+    assert torch.equal(gguf_blocks.dequantize(tiles, type_name, 512, tiled=True),
+                       gguf_blocks.dequantize(data, type_name, 512))
+    rows = torch.tensor([0, 17, 47, 5, 31])
+    assert torch.equal(gguf_blocks.dequantize(tiles, type_name, 512, rows, tiled=True),
+                       gguf_blocks.dequantize(data, type_name, 512, rows))
+    for m in (1, 2, 3, 5, 8, 13):
+        x = torch.randn(m, 512)
+        assert torch.equal(gguf_blocks.matmul(tiles, type_name, 512, x, tiled=True),
+                           gguf_blocks.matmul(data, type_name, 512, x)), m
+    layer = BlockLinear(data, type_name, 512)
+    assert layer.tiled and torch.equal(layer.dequantize(), gguf_blocks.dequantize(data, type_name, 512))
+    assert gguf_blocks.as_tiles(data[:40].contiguous(), type_name, 512) is None  # not whole tiles: rows stay
+    with pytest.raises(ValueError, match="cannot be tiles"):
+        gguf_blocks.matmul(data[:40].contiguous(), type_name, 512, torch.randn(1, 512), tiled=True)
 
 
 def test_a_layer_and_a_table_over_the_same_blocks():
@@ -157,6 +189,8 @@ if out["unavailable"] is None:
         got = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x).double()
         exact = rebuilt_activations(x, gguf_blocks.activation_block(name)) @ reference_weight(data, name).double().T
         errors[name] = float((got - exact).abs().max() / exact.abs().max())
+        if gguf_blocks.activation_block(name) == 32:  # every path's float steps are the same: the bits to compare
+            out.setdefault("outputs", {})[name] = got.float().tolist()
     out["errors"] = errors
 elif len(sys.argv) > 2:  # a GGUF load where the kernel cannot be built
     from engine.loader import load_model, resolve_source
@@ -186,9 +220,30 @@ def test_the_portable_c_path_computes_the_same_products(tmp_path):
     if os.uname().machine == "x86_64":
         assert result["path"] == "portable C"
         # its float sums run in another order than the vector paths': other bits, another fingerprint (loader)
-        assert result["numerics"] == "portable"
-        assert gguf_blocks.vector_path() == "portable C" or gguf_blocks.numerics() == "avx2"
+        assert result["numerics"] == "portable-2"
+        assert gguf_blocks.vector_path() == "portable C" or gguf_blocks.numerics() == "avx2-2"
     assert max(result["errors"].values()) <= 2e-6, result
+
+
+def this_builds_outputs() -> dict:
+    outputs = {}
+    for name in gguf_blocks.BLOCK_TYPES:
+        if gguf_blocks.activation_block(name) == 32:
+            data = random_rows(name, 32, 512, seed=4)
+            x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+            outputs[name] = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x)
+    return outputs
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="builds for other x86 CPUs")
+@pytest.mark.parametrize("march", ["x86-64", "haswell"])
+def test_the_32_value_types_give_the_same_bits_on_every_path(tmp_path, march):
+    """Q4_0, Q4_1, Q8_0: portable C, AVX2 one weight row at a time and AVX-512's 16-row tiles take the same float
+    steps, so a build for another CPU of the same outputs (KV stored by one is the KV another computes)."""
+    result = child(tmp_path, KVBOOST_BLOCKS_MARCH=march)
+    assert result["path"] == ("portable C" if march == "x86-64" else "avx2")
+    for name, got in this_builds_outputs().items():
+        assert torch.equal(torch.tensor(result["outputs"][name]), got), name
 
 
 def test_without_a_compiler_the_kernel_says_why_and_loaders_keep_torchs_kernels(tmp_path):
