@@ -273,6 +273,13 @@ class OneCallForward:
         logits = self.model.lm_head(self.model.model.norm(kept))
         return CausalLMOutputWithPast(logits=logits[None], past_key_values=cache)
 
+    def layers_only(self, input_ids: torch.Tensor, cache) -> bool:
+        """Feeds `input_ids` [1, n] over `cache` through the layers in one call, no head (a prefill piece before
+        the last); False (nothing computed) where the one-call forward does not take the call."""
+        if not self._takes(input_ids, cache, {}) or not self._ready():
+            return False
+        return self._layers_over(input_ids.reshape(-1), [(cache, input_ids.shape[1])]) is not None
+
     def packed(self, tokens: list[list[int]], caches: list) -> torch.Tensor | None:
         """Logits [sum of lengths, V] of several requests' tokens, each fed over its own cache (positions from its
         length) in one call; None (nothing computed) where the one-call forward cannot take them, for the caller's

@@ -225,6 +225,10 @@ def numerics() -> str:
     return ("portable" if _library().kvb_vector_path() == 0 else "avx2") + "-2"
 
 
+# The arithmetic of engine/exact_attention.c (built into this library), in a model's fingerprint where it attends
+# with it: 2 since its exponentials are its own (exp_one / exp8) instead of libm's expf.
+ATTENTION_NUMERICS = 2
+
 TILED = 256  # added to a type's id in a call: its weight is held as 16-row tiles (gguf_blocks.c, kvb_repack)
 
 

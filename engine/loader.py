@@ -20,8 +20,8 @@ from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .builtin import builtin_model_path
 from .config import HEAD_CHOICES, WEIGHT_FORMATS
 from .float_int4 import CheckpointError, load_float_as_int4
+from .gguf_blocks import ATTENTION_NUMERICS, BlockEmbedding, BlockLinear
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
-from .gguf_blocks import BlockEmbedding, BlockLinear
 from .gguf_blocks import numerics as block_numerics
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
@@ -491,7 +491,10 @@ def fingerprint(model) -> str:
                                                                        "_model_name_or_path", "quantization_config")}
     h.update(json.dumps(relevant, sort_keys=True, default=str).encode())
     # The attention implementation (sdpa, eager, ...) rounds differently, and to_dict() leaves it out.
-    h.update(f"attn:{getattr(model.config, '_attn_implementation', None)}".encode())
+    attention = getattr(model.config, '_attn_implementation', None)
+    if attention == "rows_exact":  # engine.exact_attention's kernel: its arithmetic's version too
+        attention = f"{attention}-{ATTENTION_NUMERICS}"
+    h.update(f"attn:{attention}".encode())
     for name, param in model.named_parameters():
         flat = param.detach().reshape(-1)
         step = max(1, flat.numel() // 64)

@@ -16,6 +16,7 @@ from transformers import DynamicCache
 
 from .batching import PAUSE
 from .blend import blend
+from .block_forward import OneCallForward
 from .paged import KV, spilling
 from .plan import APPROXIMATE, MISS, Plan, Segment
 from .rope import rerotate_kv
@@ -50,6 +51,7 @@ def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCac
     batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
     blend_from = plan.first_approximate if batched else len(plan.ids)
     decoder = model.get_decoder()
+    one_call = model.forward if isinstance(getattr(model, "forward", None), OneCallForward) else None
     i = 0
     logits = None
     repaired = 0
@@ -74,7 +76,7 @@ def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCac
                 if final:
                     out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     logits = out.logits[0, -1]
-                else:
+                elif not (one_call is not None and one_call.layers_only(input_ids, cache)):
                     decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
                 if timing is not None:
                     if input_ids.device.type == "cuda":

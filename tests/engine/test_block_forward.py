@@ -180,6 +180,25 @@ def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_t
     assert engine.model.forward.one_call_forwards > 0
 
 
+def test_every_prefill_piece_runs_in_one_call_with_the_numbers_of_the_whole_prompt(files, one_thread):
+    from dataclasses import replace
+
+    from engine import EngineConfig, KVBoost
+
+    model, tokenizer = load_model(resolve_source(str(files("Q4_0"))), CPU, torch.float32, weights="int4",
+                                  kernel=gguf_blocks.KERNEL)
+    config = EngineConfig(disk_cache_bytes=0, reuse="off", prefill_piece_tokens=8, speculative=None)
+    engine = KVBoost(model, tokenizer, config)
+    forward = engine.model.forward
+    before = forward.one_call_forwards
+    pieces = engine.generate("a prompt of some words, cut into pieces " * 3, max_new_tokens=1, return_logits=True)
+    calls = forward.one_call_forwards - before
+    whole = engine.with_config(replace(config, prefill_piece_tokens=None)).generate(
+        "a prompt of some words, cut into pieces " * 3, max_new_tokens=1, return_logits=True)
+    assert calls == -(-pieces.stats.prompt_tokens // 8) > 1  # each piece one call, not only the last
+    assert torch.equal(pieces.first_logits, whole.first_logits)
+
+
 @pytest.mark.slow
 def test_reused_turns_of_the_embedded_model_give_the_uncached_logits_bit_for_bit(smollm):
     """The default load (the file's blocks on this CPU, or int4 layers): multi-turn chats answered with their

@@ -34,8 +34,9 @@ def test_rows_compute_the_softmax_attention_of_float64_sdpa():
     assert (rows(q, k, v, None, False, SCALE).double() - reference(q, k, v, causal=False)).abs().max() < 2e-6
 
 
-def test_a_row_is_the_same_however_the_queries_are_cut_batched_or_threaded():
-    q, k, v = qkv()
+@pytest.mark.parametrize("dim", [64, 128, 36])  # the sums held in registers (64, 128), in memory (36)
+def test_a_row_is_the_same_however_the_queries_are_cut_batched_or_threaded(dim):
+    q, k, v = qkv(dim=dim)
     whole = rows(q, k, v, None, True, SCALE)
     pieces = torch.cat([rows(q[:, :, :13], k[:, :, :13], v[:, :, :13], None, True, SCALE),
                         rows(q[:, :, 13:], k, v, None, True, SCALE)], dim=1)
