@@ -147,9 +147,9 @@ static inline __attribute__((always_inline)) void block32_float(int type, int32_
     if (type == KVB_Q4_1) *offsets = *offsets + (mw * dr) * (float)sr;
 }
 
-/* ---- 16-row tiles: the layout the AVX-512 kernel reads (kvb_repack) ----
+/* ---- 16-row tiles: the layout the vector kernels read (kvb_repack) ----
    A weight whose row count is a multiple of 16, of a 32-value type, is held as tiles of 16 rows: tile t, block b is
-   the 16 rows' block b side by side, 16 * block_bytes bytes (the same bytes as the file's, in another order):
+   the 16 rows' block b side by side, 16 * block_bytes bytes (the file's scales and codes, in another order):
      16 fp16 d (row c at 2c); Q4_1: 16 fp16 m; then the codes, pair by pair (pair p: values 2p and 2p + 1):
      Q8_0  pair p at 32 p: row c's two int8 codes at 2c, 2c + 1
      Q4_*  four pairs in each 64 bytes (pairs 4g .. 4g + 3 at 64 g): pair 4g + e (e = 0, 1) in the low nibbles of
@@ -248,8 +248,8 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
 
 #define MAX_ROWS 8 /* activation rows multiplied at once */
 
-/* Q4_0, Q4_1, Q8_0 against A32 (int16 activations), one weight row at a time (the AVX2 path, and on AVX-512
-   the weight rows that do not fill a tile): a block's exact integer dot (the codes widened to int16,
+/* Q4_0, Q4_1, Q8_0 against A32 (int16 activations), one weight row at a time (weights whose row count is not a
+   multiple of 16, and the portable build's twin below): a block's exact integer dot (the codes widened to int16,
    _mm256_madd_epi16, the eight lanes summed in integers), then the float steps of block32_float. */
 static inline __attribute__((always_inline)) void dots32(int type, int R, const uint8_t *w, int64_t nb,
                                                            const int8_t *q, const float *d, const int32_t *s,
@@ -284,8 +284,8 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
     for (int r = 0; r < R; r++) out[r * stride] = acc[r] + offsets[r];
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVB_TILES 1 /* 16 weight rows at a time, one output per vector lane */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 /* Q4_0, Q4_1, Q8_0 against A32 for one 16-row tile (w: its first block) and R activation rows: per block each pair
    of the 16 rows widens to one vector (lane c: row c), multiplied with the activations' pair p
@@ -337,6 +337,58 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, _mm512_add_ps(acc[r], offsets[r]));
+}
+#else
+/* The same tiles on AVX2: each half of a tile (rows 0-7, 8-15) one 8-lane vector; _mm256_madd_epi16 (or VNNI)
+   products summed in integers per lane, then block32_float's steps lane by lane: the same bits as AVX-512's. */
+static inline __attribute__((always_inline)) void tile32(int type, int R, const uint8_t *w, int64_t nb,
+                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           int64_t k, float *out, int64_t stride) {
+    const int16_t *xs = (const int16_t *)q;
+    const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
+    const __m128i low = _mm_set1_epi8(0x0f);
+    __m256 acc[MAX_ROWS][2], offsets[MAX_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = offsets[r][h] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, w += bytes) {
+        for (int line = 0; line < bytes; line += 64)
+            _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i v[16]; /* pair p of rows 8h .. 8h + 7: lane c = row 8h + c's codes 2p, 2p + 1 as int16 */
+            if (type == KVB_Q8_0) {
+                for (int p = 0; p < 16; p++)
+                    v[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + start + 32 * p + 16 * h)));
+            } else {
+                for (int g = 0; g < 4; g++)
+                    for (int e = 0; e < 2; e++) {
+                        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + start + 64 * g + 32 * e + 16 * h));
+                        v[4 * g + e] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+                        v[4 * g + 2 + e] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+                    }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * h)));
+            const __m256 mw = type == KVB_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * h)))
+                                               : _mm256_setzero_ps();
+            for (int r = 0; r < R; r++) {
+                const int64_t at = r * nb + b;
+                const int32_t *x = (const int32_t *)(xs + r * k + b * 32);
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int p = 0; p < 16; p += 2) {
+                    even = madd_add(even, v[p], _mm256_set1_epi32(x[p]));
+                    odd = madd_add(odd, v[p + 1], _mm256_set1_epi32(x[p + 1]));
+                }
+                __m256i dot = _mm256_add_epi32(even, odd);
+                if (type == KVB_Q4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * s[at]));
+                const __m256 dr = _mm256_set1_ps(d[at]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dr), acc[r][h]);
+                if (type == KVB_Q4_1)
+                    offsets[r][h] = _mm256_add_ps(offsets[r][h], _mm256_mul_ps(_mm256_mul_ps(mw, dr),
+                                                                               _mm256_set1_ps((float)s[at])));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * stride + 8 * h, _mm256_add_ps(acc[r][h], offsets[r][h]));
 }
 #endif
 
@@ -734,7 +786,7 @@ static void dequantize_rows(void *ctx, int64_t first, int64_t end) {
     }
 }
 
-/* 16 when this build multiplies tiles (AVX-512 with VNNI), else 0 */
+/* 16 when this build multiplies tiles (AVX2 or AVX-512), else 0 (portable C) */
 int kvb_tile_rows(void) {
     tile_fn tiles[4];
     return tiles_for(KVB_Q4_1, tiles) ? 16 : 0;

@@ -233,12 +233,12 @@ TILED = 256  # added to a type's id in a call: its weight is held as 16-row tile
 
 
 def tile_rows() -> int:
-    """16 where this build multiplies weights held as 16-row tiles (AVX-512 with VNNI), else 0."""
+    """16 where this build multiplies weights held as 16-row tiles (AVX2 or AVX-512), else 0 (portable C)."""
     return _library().kvb_tile_rows()
 
 
 def as_tiles(blocks: torch.Tensor, type_name: str, columns: int) -> torch.Tensor | None:
-    """The weight whose rows are `blocks` as 16-row tiles (the same bytes in the order the AVX-512 kernel reads),
+    """The weight whose rows are `blocks` as 16-row tiles (its values in the order the vector kernels read them),
     or None where this build has no tiles, the type is not a 32-value one or the row count is not a multiple of
     16."""
     _check_blocks(blocks, type_name, columns)

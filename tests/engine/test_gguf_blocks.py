@@ -113,7 +113,7 @@ TILE_TYPES = [name for name in TYPES if gguf_blocks.activation_block(name) == 32
 
 @pytest.mark.parametrize("type_name", TILE_TYPES)
 def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
-    """Where the CPU multiplies 16-row tiles (AVX-512 with VNNI), a layer holds its weight in their order: the same
+    """Where the CPU multiplies 16-row tiles (AVX2 or AVX-512), a layer holds its weight in their order: the same
     bytes, the same values read back, the same outputs bit for bit for any number of activation rows."""
     if not gguf_blocks.tile_rows():
         pytest.skip("this CPU's build has no tiles")
@@ -191,6 +191,9 @@ if out["unavailable"] is None:
         errors[name] = float((got - exact).abs().max() / exact.abs().max())
         if gguf_blocks.activation_block(name) == 32:  # every path's float steps are the same: the bits to compare
             out.setdefault("outputs", {})[name] = got.float().tolist()
+            tiles = gguf_blocks.as_tiles(torch.from_numpy(data.copy()), name, 512)
+            if tiles is not None:
+                out.setdefault("tiled", {})[name] = gguf_blocks.matmul(tiles, name, 512, x, tiled=True).tolist()
     out["errors"] = errors
 elif len(sys.argv) > 2:  # a GGUF load where the kernel cannot be built
     from engine.loader import load_model, resolve_source
@@ -242,8 +245,11 @@ def test_the_32_value_types_give_the_same_bits_on_every_path(tmp_path, march):
     steps, so a build for another CPU of the same outputs (KV stored by one is the KV another computes)."""
     result = child(tmp_path, KVBOOST_BLOCKS_MARCH=march)
     assert result["path"] == ("portable C" if march == "x86-64" else "avx2")
+    assert ("tiled" in result) == (march != "x86-64")  # AVX2 multiplies tiles too, portable C rows only
     for name, got in this_builds_outputs().items():
         assert torch.equal(torch.tensor(result["outputs"][name]), got), name
+        if march != "x86-64":
+            assert torch.equal(torch.tensor(result["tiled"][name]), got), name
 
 
 def test_without_a_compiler_the_kernel_says_why_and_loaders_keep_torchs_kernels(tmp_path):
