@@ -5,6 +5,7 @@ latest" button while the user reads further up."""
 from __future__ import annotations
 
 import html
+from typing import Callable
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QTextOption
@@ -21,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import markdown_view
+from .empty_state import EmptyState
 from .theme import KIND_COLORS
 
 RENDER_INTERVAL_MS = 60  # re-render streaming Markdown at most this often (a full re-layout per token is slow)
@@ -302,7 +304,7 @@ class ChatView(QScrollArea):
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
 
-    def __init__(self, theme: str, parent=None):
+    def __init__(self, theme: str, parent=None, choose_starter: Callable[[str], object] | None = None):
         super().__init__(parent)
         self.theme = theme
         self.setWidgetResizable(True)
@@ -310,6 +312,8 @@ class ChatView(QScrollArea):
         inner = QWidget()
         self._layout = QVBoxLayout(inner)
         self._layout.setSpacing(8)
+        self.empty_state = EmptyState(choose_starter)  # shown while there are no messages
+        self._layout.addWidget(self.empty_state, 0, Qt.AlignHCenter)
         self._layout.addStretch(1)
         self.setWidget(inner)
         self.widgets: list[MessageWidget] = []
@@ -357,6 +361,7 @@ class ChatView(QScrollArea):
         for widget in self.widgets:
             widget.deleteLater()
         self.widgets = []
+        self.empty_state.show()
 
     def add_message(self, message: dict) -> MessageWidget:
         widget = MessageWidget(message, self.theme)
@@ -364,6 +369,7 @@ class ChatView(QScrollArea):
         widget.regenerate_requested.connect(self.regenerate_requested)
         self._layout.insertWidget(self._layout.count() - 1, widget)
         self.widgets.append(widget)
+        self.empty_state.hide()
         self._at_end = True
         return widget
 
@@ -376,6 +382,7 @@ class ChatView(QScrollArea):
         for widget in self.widgets[index:]:
             widget.deleteLater()
         self.widgets = self.widgets[:index]
+        self.empty_state.setVisible(not self.widgets)
 
     def widget_for(self, message_id: int) -> MessageWidget | None:
         return next((w for w in self.widgets if w.message["id"] == message_id), None)

@@ -112,7 +112,7 @@ class ConversationTab(QWidget):
         docs_row.addWidget(self.add_docs_button)
         layout.addLayout(docs_row)
 
-        self.chat_view = ChatView(theme)
+        self.chat_view = ChatView(theme, choose_starter=lambda text: (self.composer.setPlainText(text), self.send()))
         self.chat_view.edit_requested.connect(self.on_chat_view_edit_requested)
         self.chat_view.regenerate_requested.connect(self.on_chat_view_regenerate_requested)
         layout.addWidget(self.chat_view, 1)
@@ -160,6 +160,7 @@ class ConversationTab(QWidget):
             reason = ""
         self.reason_label.setText(reason)
         self.reason_label.setVisible(bool(reason))
+        self.chat_view.empty_state.set_model_name((self.client.model_info or {}).get("name"))
         can_send = self.client.is_loaded and not self.is_generating
         self.send_button.setEnabled(can_send)
         self.send_button.setVisible(not self.is_generating)

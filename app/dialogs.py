@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
     QInputDialog,
     QLabel,
     QLineEdit,
+    QMessageBox,
     QPlainTextEdit,
     QPushButton,
     QRadioButton,
@@ -431,6 +432,15 @@ def streaming_tooltip(estimate: dict | None) -> str:
     return (f"{base}\nPredicted decode: about {speed:,.1f} tokens/s at most ({estimate['streamed_bytes'] / 2**20:,.0f}"
             f" MB of layers per token over a {estimate['bandwidth_bytes_per_s'] / 1e9:,.1f} GB/s copy link; "
             f"budget {budget:,.0f} MB).")
+
+
+def confirm_delete(parent: QWidget | None, title: str, messages: int) -> bool:
+    """Whether the user confirms deleting the conversation `title` and its `messages` messages (No by default)."""
+    what = f"its {messages} message{'s' if messages != 1 else ''}" if messages else "it"
+    answer = QMessageBox.question(parent, "Delete conversation",
+                                  f"Delete “{title}” and {what}? This cannot be undone.",
+                                  QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
+    return answer == QMessageBox.Yes
 
 
 def ask_rename(parent: QWidget | None, current: str) -> str | None:

@@ -81,7 +81,7 @@ class MainWindow(QMainWindow):
         outer.addWidget(self.tabs, 1)
         self.setCentralWidget(central)
 
-        self.sidebar = Sidebar(self.db, self.open_conversation)
+        self.sidebar = Sidebar(self.db, self.open_conversation, self.rename_conversation, self.delete_conversation)
         self.addDockWidget(Qt.LeftDockWidgetArea, self.sidebar)
         self.conversation_list, self.search_edit = self.sidebar.conversation_list, self.sidebar.search_edit
         self.model_menu = ModelMenu(self)
@@ -257,6 +257,37 @@ class MainWindow(QMainWindow):
             self.db.update_conversation(tab.conversation_id, title=title)
             self.tabs.setTabText(index, title)
             self.refresh_sidebar()
+
+    def rename_conversation(self, conversation_id: int, title: str | None = None) -> None:
+        """Renames a conversation from the sidebar, open in a tab or not (`title` None: asks for it)."""
+        if title is None:
+            title = dialogs.ask_rename(self, self.db.conversation(conversation_id)["title"])
+        if not title:
+            return
+        self.db.update_conversation(conversation_id, title=title)
+        tab = self.tab_for(conversation_id)
+        if tab is not None:
+            self.tabs.setTabText(self.tabs.indexOf(tab), title)
+        self.refresh_sidebar()
+
+    def delete_conversation(self, conversation_id: int, confirmed: bool | None = None) -> bool:
+        """Deletes a conversation and its messages after the user confirms (`confirmed` None: asks), closing its
+        tab first (an answer still streaming into it is stopped). Returns whether it was deleted."""
+        conversation = self.db.conversation(conversation_id)
+        if confirmed is None:
+            count = len(self.db.messages(conversation_id))
+            confirmed = dialogs.confirm_delete(self, conversation["title"], count)
+        if not confirmed:
+            return False
+        tab = self.tab_for(conversation_id)
+        if tab is not None:
+            tab.close_down()
+            self.tabs.removeTab(self.tabs.indexOf(tab))
+            tab.deleteLater()
+            self._save_tab_order()
+        self.db.delete_conversation(conversation_id)
+        self.refresh_sidebar()
+        return True
 
     def _save_tab_order(self) -> None:
         self.db.set_tab_order([self.tabs.widget(i).conversation_id for i in range(self.tabs.count())])

@@ -26,7 +26,8 @@ def test_the_first_question_names_the_conversation_and_a_rename_sticks(qtbot, wi
     send(qtbot, tab, "What is the capital of France?")
     assert window.tabs.tabText(window.tabs.indexOf(tab)) == "What is the capital of France?"
     assert db.conversation(tab.conversation_id)["title"] == "What is the capital of France?"
-    assert window.conversation_list.item(0).text().startswith("What is the capital of France?")
+    assert window.conversation_list.item(0).text() == "Today"  # a heading, then the day's conversations
+    assert window.conversation_list.item(1).text().startswith("What is the capital of France?")
 
     window.rename_tab(window.tabs.indexOf(tab), "Geography")
     send(qtbot, tab, "And of Spain?")
