@@ -37,6 +37,7 @@ from .model_menu import ModelMenu
 from .settings import ApiServer
 from .sidebar import Sidebar
 from .status_bar import fill_status_bar
+from .text_size import TextSize
 from .toolbar import MainToolbar
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ class MainWindow(QMainWindow):
         for choice in themes.THEMES:
             action(view_menu, f"Theme: {choice}", lambda _=False, c=choice: self.set_theme(c))
         view_menu.addAction(self.sidebar.toggleViewAction())
+        self.text_size = TextSize(self.db, view_menu.addMenu("Text size"), self.refresh_sidebar)
         help_menu = bar.addMenu("&Help")
         action(help_menu, "Open logs folder", self.open_logs_folder, name="openLogsAction")
         # Esc stops the answer of the current tab wherever the focus is.
@@ -271,8 +273,7 @@ class MainWindow(QMainWindow):
         self.refresh_sidebar()
 
     def delete_conversation(self, conversation_id: int, confirmed: bool | None = None) -> bool:
-        """Deletes a conversation and its messages after the user confirms (`confirmed` None: asks), closing its
-        tab first (an answer still streaming into it is stopped). Returns whether it was deleted."""
+        """Deletes a conversation and its messages once confirmed (None: asks), its tab closed first; True if done."""
         conversation = self.db.conversation(conversation_id)
         if confirmed is None:
             count = len(self.db.messages(conversation_id))

@@ -23,9 +23,10 @@ from engine.config import options as engine_options
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 2  # 1: the untyped rows of earlier versions (no "schema_version" row)
-ROWS = ("model", "recent_models", "remote", "api_server", "theme")  # the settings table's keys besides the version
+ROWS = ("model", "recent_models", "remote", "api_server", "theme", "text_size")  # the table's keys besides the version
 RECENT_MAX = 8
 THEMES = ("system", "light", "dark")  # app.theme applies them
+TEXT_SIZES = range(-4, 9)  # steps of app.text_size from the system's font size
 
 
 class SettingsError(ValueError):
@@ -76,6 +77,7 @@ class Settings:
     remote: RemoteServer = field(default_factory=RemoteServer)
     api_server: ApiServer = field(default_factory=ApiServer)
     theme: str = "system"  # one of app.theme.THEMES
+    text_size: int = 0  # View > Larger / Smaller text: steps in TEXT_SIZES
 
     def remembering(self, choice: ModelChoice) -> "Settings":
         """`choice` as the model to load at start and the newest recent one (an earlier entry of the same source and
@@ -159,17 +161,24 @@ def from_rows(rows: dict[str, Any]) -> Settings:
     if theme not in THEMES:
         log.warning("settings: theme %r is not one of %s; using the default", theme, THEMES)
         theme = "system"
+    text_size = rows.get("text_size", 0)
+    if isinstance(text_size, bool) or text_size not in TEXT_SIZES:
+        log.warning("settings: text_size %r is not one of %s..%s; using the default", text_size, TEXT_SIZES[0],
+                    TEXT_SIZES[-1])
+        text_size = 0
     return Settings(model=_typed(ModelChoice, rows.get("model"), "model"),
                     recent_models=tuple(_typed(ModelChoice, e, "recent_models")
                                         for e in recent[:RECENT_MAX] if isinstance(e, dict)),
                     remote=_typed(RemoteServer, rows.get("remote"), "remote"),
-                    api_server=_typed(ApiServer, rows.get("api_server"), "api_server"), theme=theme)
+                    api_server=_typed(ApiServer, rows.get("api_server"), "api_server"), theme=theme,
+                    text_size=text_size)
 
 
 def to_rows(settings: Settings) -> dict[str, Any]:
     rows = {name: dataclasses.asdict(getattr(settings, name)) for name in ("model", "remote", "api_server")}
     rows["recent_models"] = [dataclasses.asdict(e) for e in settings.recent_models]
     rows["theme"] = settings.theme
+    rows["text_size"] = settings.text_size
     rows["schema_version"] = SCHEMA_VERSION
     return rows
 

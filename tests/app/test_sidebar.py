@@ -108,3 +108,32 @@ def test_an_empty_conversation_names_the_model_and_a_starter_sends_itself(qtbot,
     messages = window.db.messages(tab.conversation_id)
     assert messages[0]["role"] == "user" and messages[0]["content"] == STARTERS[0][1]
     assert not state.isVisibleTo(tab)
+
+
+def test_text_size_grows_shrinks_resets_and_is_kept(qtbot, window):
+    from PySide6.QtWidgets import QApplication
+
+    from app import settings
+
+    base = window.text_size.base
+    larger, smaller, normal = window.text_size.actions
+    assert "Ctrl+=" in [k.toString() for k in larger.shortcuts()]
+    larger.trigger()
+    larger.trigger()
+    assert QApplication.font().pointSizeF() == pytest.approx(base * 1.21)
+    assert settings.load(window.db).text_size == 2
+    for _ in range(20):  # held down: stops at the smallest size the settings allow
+        smaller.trigger()
+    assert settings.load(window.db).text_size == settings.TEXT_SIZES[0]
+    assert QApplication.font().pointSizeF() == pytest.approx(base * 1.1 ** settings.TEXT_SIZES[0])
+    normal.trigger()
+    assert QApplication.font().pointSizeF() == pytest.approx(base) and settings.load(window.db).text_size == 0
+
+
+def test_a_stored_text_size_out_of_range_reads_as_the_default(db):
+    from app import settings
+
+    db.set_settings({"schema_version": settings.SCHEMA_VERSION, "text_size": 99})
+    assert settings.load(db).text_size == 0
+    db.set_settings({"schema_version": settings.SCHEMA_VERSION, "text_size": True})
+    assert settings.load(db).text_size == 0
