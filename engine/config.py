@@ -36,19 +36,61 @@ SPECULATIVE_MODES = ("prompt-lookup", "draft-model", None)
 
 
 def option(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING, choices=None,
-           name: str | None = None, flags: tuple[str, ...] = ()):
+           name: str | None = None, flags: tuple[str, ...] = (), kind: type | None = None, low=None, above=None,
+           high=None, optional: bool = False):
     """A dataclass field with its default (or default factory), one line of help, and where it has them its
     allowed values (`choices`), its flat name where that is not the field's own (`name`: ChunkingConfig.size is
-    "chunk_size") and older command-line spellings kept working (`flags`)."""
+    "chunk_size") and older command-line spellings kept working (`flags`). `kind` (int, float, bool, str) with
+    its bounds (`low` <= value, `above` < value, value <= `high`; `optional`: None allowed too) is what
+    check_fields holds the value to."""
     if not help:
         raise ValueError("an option needs its help text")
     return field(default=default, default_factory=factory,
-                 metadata={"help": help, "choices": choices, "name": name, "flags": tuple(flags)})
+                 metadata={"help": help, "choices": choices, "name": name, "flags": tuple(flags), "kind": kind,
+                           "low": low, "above": above, "high": high, "optional": optional})
 
 
 def _check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _wanted(meta: dict) -> str:
+    """What a field's kind and bounds ask for, in words: "an integer >= 1", "a number in [0, 1]", ..."""
+    kind, low, above, high = meta["kind"], meta["low"], meta["above"], meta["high"]
+    noun = {int: "an integer", float: "a number", bool: "True or False", str: "a string"}[kind]
+    if low is not None and high is not None:
+        noun += f" in {low}..{high}" if kind is int else f" in [{low}, {high}]"
+    elif above is not None and high is not None:
+        noun += f" in ({above}, {high}]"
+    elif low is not None:
+        noun += f" >= {low}"
+    elif above is not None:
+        noun += f" > {above}"
+    return noun + (" or None" if meta["optional"] else "")
+
+
+def check_fields(config) -> None:
+    """The one check of every field declared with a `kind`: its type (a bool is no number, a number is finite)
+    and its bounds; ValueError naming the option by its flat name, what it must be and what it got."""
+    for f in dataclasses.fields(config):
+        meta = f.metadata
+        kind = meta.get("kind")
+        if kind is None:
+            continue
+        value = getattr(config, f.name)
+        if value is None and meta["optional"]:
+            continue
+        if kind is bool:
+            fits = isinstance(value, bool)
+        elif kind is str:
+            fits = isinstance(value, str)
+        else:
+            fits = not isinstance(value, bool) and isinstance(value, int if kind is int else (int, float)) and \
+                math.isfinite(value) and (meta["low"] is None or value >= meta["low"]) and \
+                (meta["above"] is None or value > meta["above"]) and (meta["high"] is None or value <= meta["high"])
+        if not fits:
+            raise ValueError(f"{meta['name'] or f.name} must be {_wanted(meta)}, got {value!r}")
 
 
 def help_of(config_class, name: str) -> str:
@@ -65,16 +107,15 @@ class ChunkingConfig:
     """
 
     mode: str = option("fixed", "how chunks are cut", choices=CHUNKING_MODES, name="chunking")
-    size: int = option(128, "tokens a chunk (fixed, adaptive) or at most (semantic); >= 8", name="chunk_size")
+    size: int = option(128, "tokens a chunk (fixed, adaptive) or at most (semantic); >= 8", name="chunk_size",
+                       kind=int, low=8)
     window: int = option(16, "adaptive: how far (tokens) a cut may move to a sentence or line break",
-                         name="chunk_window")
+                         name="chunk_window", kind=int, low=0)
 
     def validate(self) -> None:
-        if self.mode not in CHUNKING_MODES:
-            raise ValueError(f"chunking must be one of {CHUNKING_MODES}, got {self.mode!r}")
-        if not isinstance(self.size, int) or self.size < 8:
-            raise ValueError(f"chunk_size must be an integer >= 8, got {self.size!r}")
-        if self.mode == "adaptive" and (not isinstance(self.window, int) or not 0 <= self.window < self.size // 2):
+        _check_choice("chunking", self.mode, CHUNKING_MODES)
+        check_fields(self)
+        if self.mode == "adaptive" and not self.window < self.size // 2:
             raise ValueError(f"adaptive window must be in [0, chunk_size/2), got {self.window!r}")
 
 
@@ -84,28 +125,17 @@ class RepairConfig:
 
     mode: str = option("selective", "seam repair of APPROXIMATE hits (chosen by measurement)", choices=REPAIR_MODES,
                        name="repair")
-    selective_tokens: int = option(16, "selective: tokens recomputed after each seam")
-    selective_before: int = option(0, "selective: reused tokens recomputed just before each seam")
-    blend_ratio: float = option(0.15, "cacheblend: share of reused tokens recomputed past the probe layer")
-    probe_layer: int = option(1, "cacheblend: the layer whose value deviation picks those tokens")
-    blend_seam_tokens: int = option(0, "cacheblend: also always recompute this many tokens after each seam")
+    selective_tokens: int = option(16, "selective: tokens recomputed after each seam", kind=int, low=0)
+    selective_before: int = option(0, "selective: reused tokens recomputed just before each seam", kind=int, low=0)
+    blend_ratio: float = option(0.15, "cacheblend: share of reused tokens recomputed past the probe layer",
+                                kind=float, low=0.0, high=1.0)
+    probe_layer: int = option(1, "cacheblend: the layer whose value deviation picks those tokens", kind=int, low=0)
+    blend_seam_tokens: int = option(0, "cacheblend: also always recompute this many tokens after each seam",
+                                    kind=int, low=0)
 
     def validate(self) -> None:
-        if self.mode not in REPAIR_MODES:
-            raise ValueError(f"repair must be one of {REPAIR_MODES}, got {self.mode!r}")
-        if isinstance(self.selective_tokens, bool) or not isinstance(self.selective_tokens, int) \
-                or self.selective_tokens < 0:
-            raise ValueError(f"selective_tokens must be an integer >= 0, got {self.selective_tokens!r}")
-        if isinstance(self.selective_before, bool) or not isinstance(self.selective_before, int) \
-                or self.selective_before < 0:
-            raise ValueError(f"selective_before must be an integer >= 0, got {self.selective_before!r}")
-        if not isinstance(self.blend_ratio, (int, float)) or not 0.0 <= self.blend_ratio <= 1.0:
-            raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio!r}")
-        if isinstance(self.blend_seam_tokens, bool) or not isinstance(self.blend_seam_tokens, int) \
-                or self.blend_seam_tokens < 0:
-            raise ValueError(f"blend_seam_tokens must be an integer >= 0, got {self.blend_seam_tokens!r}")
-        if isinstance(self.probe_layer, bool) or not isinstance(self.probe_layer, int) or self.probe_layer < 0:
-            raise ValueError(f"probe_layer must be an integer >= 0, got {self.probe_layer!r}")
+        _check_choice("repair", self.mode, REPAIR_MODES)
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -143,11 +173,6 @@ class KVQuantConfig:
                 raise ValueError(f"kv_quant for the {tier} tier must be one of {KV_QUANT_MODES}, got {mode!r}")
 
 
-def _check_bytes(name: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """What an engine does with the model it serves: reuse, KV tiers, decoding (`KVBoost(model, tokenizer,
@@ -158,98 +183,83 @@ class EngineConfig:
     chunking: ChunkingConfig = option(factory=ChunkingConfig, help="how prompts are cut into chunks (below)")
     repair: RepairConfig = option(factory=RepairConfig, help="seam repair for reuse='approx' (below)")
     cache_bytes: int | None = option(None, "the device tier's KV budget (the GPU, or RAM on a CPU-only machine); "
-                                           "None: sized from the machine", flags=("--gpu-cache-bytes",))
-    cpu_cache_bytes: int | None = option(None, "the host RAM tier's budget; None: sized from the machine, 0: off")
-    disk_cache_bytes: int | None = option(None, "the disk tier's budget; None: sized from the disk, 0: off")
-    disk_cache_dir: str | None = option(None, "the disk tier's folder; None: engine.disk.default_cache_dir()")
-    disk_busy_timeout_s: float = option(30.0, "how long a disk index write waits for another process's lock")
+                                           "None: sized from the machine", flags=("--gpu-cache-bytes",), kind=int,
+                                     low=0, optional=True)
+    cpu_cache_bytes: int | None = option(None, "the host RAM tier's budget; None: sized from the machine, 0: off",
+                                         kind=int, low=0, optional=True)
+    disk_cache_bytes: int | None = option(None, "the disk tier's budget; None: sized from the disk, 0: off",
+                                          kind=int, low=0, optional=True)
+    disk_cache_dir: str | None = option(None, "the disk tier's folder; None: engine.disk.default_cache_dir()",
+                                        kind=str, optional=True)
+    disk_busy_timeout_s: float = option(30.0, "how long a disk index write waits for another process's lock",
+                                        kind=float, above=0)
     kv_quant: KVQuantConfig = option(factory=KVQuantConfig, help="KV quantization per tier (below), or one mode "
                                      "for host RAM and disk; lossless by default (int8/int4 hits are reported as "
                                      "QUANTIZED)", choices=KV_QUANT_MODES)
     eviction: str = option("importance-lru", "eviction policy (importance-lru measured +12% hit rate over LRU: "
                                              "bench/kv_tiers.py)", choices=EVICTION_POLICIES)
     live_kv_bytes: int | None = option(None, "device bytes for the live KV of the request being generated; "
-                                             "beyond it cold pages spill to host RAM (engine.paged); None: no limit")
-    live_page_tokens: int = option(128, "tokens per spilled page")
+                                             "beyond it cold pages spill to host RAM (engine.paged); None: no limit",
+                                       kind=int, low=1, optional=True)
+    live_page_tokens: int = option(128, "tokens per spilled page", kind=int, low=1)
     # On by default: `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle
     # questions and 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
     speculative: str | None = option("prompt-lookup", "drafts checked in the forward that feeds each token: "
                                                       "'prompt-lookup' (from the context), 'draft-model' (from "
                                                       "the load's draft model), or None (off)",
                                    choices=SPECULATIVE_MODES)
-    num_draft: int = option(4, "tokens drafted at most per forward")
+    num_draft: int = option(4, "tokens drafted at most per forward", kind=int, low=1, high=32)
     # The shared KV tier (engine.remote_tier). A read may take as long as the prefill it saves (the engine's
     # measured prefill rate times the tokens it restores), at least remote_timeout_s, at most remote_max_wait_s.
     remote_cache: str | None = option(None, "the shared KV tier: a redis://, rediss:// or unix:// URL of a Redis "
-                                            "or Valkey store; None: off")
+                                            "or Valkey store; None: off", kind=str, optional=True)
     remote_timeout_s: float = option(0.25, "a shared store silent this long while an answer is awaited is "
-                                           "failing; also the least a read may take", flags=("--remote-timeout",))
+                                           "failing; also the least a read may take", flags=("--remote-timeout",),
+                                      kind=float, above=0)
     remote_max_wait_s: float = option(10.0, "the longest a read of the shared tier may take, however much "
-                                            "prefill it saves", flags=("--remote-max-wait",))
-    remote_retry_s: float = option(5.0, "after a failure the shared store is left alone this long")
+                                            "prefill it saves", flags=("--remote-max-wait",), kind=float, above=0)
+    remote_retry_s: float = option(5.0, "after a failure the shared store is left alone this long", kind=float,
+                                   above=0)
     remote_max_value_bytes: int | None = option(None, "shared-tier values longer than this are refused unread; "
-                                                      "None: the most one chunk's KV and header can take")
+                                                      "None: the most one chunk's KV and header can take",
+                                                kind=int, low=1, optional=True)
     # So a request joining a batch stalls the others' decode steps for one piece at a time (engine.batching).
     prefill_piece_tokens: int | None = option(256, "computed prompt runs are forwarded in pieces ending at "
                                                    "multiples of this; the same pieces alone or batched; None: one "
-                                                   "pass")
+                                                   "pass", kind=int, low=1, optional=True)
     cuda_graphs: bool = option(True, "on a CUDA device, one-token decode steps replay a captured CUDA graph "
-                                     "(engine.graph_decode) where the model allows it")
+                                     "(engine.graph_decode) where the model allows it", kind=bool)
 
     def validate(self) -> None:
         _check_choice("reuse", self.reuse, REUSE_MODES)
+        _check_choice("eviction", self.eviction, EVICTION_POLICIES)
+        _check_choice("speculative", self.speculative, SPECULATIVE_MODES)
+        check_fields(self)
         self.repair.validate()
-        for name in ("cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "live_kv_bytes"):
-            _check_bytes(name, getattr(self, name))
-        if self.live_kv_bytes == 0:
-            raise ValueError("live_kv_bytes must be positive (None: no limit)")
-        if isinstance(self.live_page_tokens, bool) or not isinstance(self.live_page_tokens, int) \
-                or self.live_page_tokens < 1:
-            raise ValueError(f"live_page_tokens must be a positive integer, got {self.live_page_tokens!r}")
-        if isinstance(self.disk_busy_timeout_s, bool) or not isinstance(self.disk_busy_timeout_s, (int, float)) \
-                or not self.disk_busy_timeout_s > 0:
-            raise ValueError(f"disk_busy_timeout_s must be a positive number, got {self.disk_busy_timeout_s!r}")
-        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, str):
-            raise ValueError(f"disk_cache_dir must be a path string or None, got {self.disk_cache_dir!r}")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ValueError(f"eviction must be one of {EVICTION_POLICIES}, got {self.eviction!r}")
         self.kv_quant.validate()
         self.chunking.validate()
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
-        _check_choice("speculative", self.speculative, SPECULATIVE_MODES)
-        if isinstance(self.num_draft, bool) or not isinstance(self.num_draft, int) or not 1 <= self.num_draft <= 32:
-            raise ValueError(f"num_draft must be an integer in 1..32, got {self.num_draft!r}")
-        if self.remote_cache is not None and (not isinstance(self.remote_cache, str) or
-                                              self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES):
-            shown = self.remote_cache.rsplit("@", 1)[-1] if isinstance(self.remote_cache, str) else self.remote_cache
-            raise ValueError(f"remote_cache must be a redis://, rediss:// or unix:// URL or None, got {shown!r}")
-        for name in ("remote_timeout_s", "remote_max_wait_s", "remote_retry_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.remote_cache is not None and self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES:
+            raise ValueError("remote_cache must be a redis://, rediss:// or unix:// URL or None, got "
+                             f"{self.remote_cache.rsplit('@', 1)[-1]!r}")  # never the password
         if self.remote_max_wait_s < self.remote_timeout_s:
             raise ValueError(f"remote_max_wait_s ({self.remote_max_wait_s!r}) must be at least remote_timeout_s "
                              f"({self.remote_timeout_s!r})")
-        value = self.remote_max_value_bytes
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"remote_max_value_bytes must be a positive integer or None, got {value!r}")
-        piece = self.prefill_piece_tokens
-        if piece is not None and (isinstance(piece, bool) or not isinstance(piece, int) or piece < 1):
-            raise ValueError(f"prefill_piece_tokens must be a positive integer or None, got {piece!r}")
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
     """How one answer is sampled (the keywords of generate / chat / stream)."""
 
-    max_new_tokens: int = option(128, "the answer's length at most, in tokens")
-    temperature: float = option(0.0, "0 (or below 1e-30): greedy; above: sampling at this temperature")
-    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens holding this probability")
-    top_k: int = option(0, "sample among the k likeliest tokens only; 0: all")
-    repetition_penalty: float = option(1.0, "divides the logits of tokens already in the prompt or answer")
+    max_new_tokens: int = option(128, "the answer's length at most, in tokens", kind=int, low=1)
+    temperature: float = option(0.0, "0 (or below 1e-30): greedy; above: sampling at this temperature", kind=float,
+                                low=0)
+    top_p: float = option(1.0, "nucleus sampling: the smallest set of tokens holding this probability", kind=float,
+                          above=0, high=1)
+    top_k: int = option(0, "sample among the k likeliest tokens only; 0: all", kind=int, low=0)
+    repetition_penalty: float = option(1.0, "divides the logits of tokens already in the prompt or answer",
+                                       kind=float, above=0)
     stop: tuple[str, ...] = option((), "strings that end the answer (not included in it)")
-    seed: int | None = option(None, "the sampling seed; None: a fresh one each request")
+    seed: int | None = option(None, "the sampling seed; None: a fresh one each request", kind=int, optional=True)
 
     @classmethod
     def from_kwargs(cls, *, stop=None, **kwargs) -> "SamplingConfig":
@@ -264,28 +274,10 @@ class SamplingConfig:
         return cfg
 
     def validate(self) -> None:
-        def number(name, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name} must be a finite number, got {value!r}")
-
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        number("top_p", self.top_p)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        check_fields(self)
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -307,12 +299,15 @@ class LoadOptions:
     kernel: str = option("auto", "the matmul of 4-bit layers: the GGUF block kernel or an int4 one",
                          choices=KERNEL_CHOICES)
     layer_streaming: bool = option(False, "4-bit decoder layers that do not fit the weight budget live off the "
-                                          "device and are copied in one at a time before they run")
+                                          "device and are copied in one at a time before they run", kind=bool)
     weight_budget_bytes: int | None = option(None, "layer streaming: device bytes for the weights; None: 90% of "
-                                                   "free VRAM (CUDA) or of available RAM (CPU)")
-    stream_slots: int = option(STREAM_SLOTS, "layer streaming: device slots streamed layers are copied into")
+                                                   "free VRAM (CUDA) or of available RAM (CPU)", kind=int, low=0,
+                                             optional=True)
+    stream_slots: int = option(STREAM_SLOTS, "layer streaming: device slots streamed layers are copied into",
+                               kind=int, low=1)
     draft_model: str | None = option(None, "a smaller model of the same tokenizer that drafts tokens (a source "
-                                           "like the model's; implies speculative='draft-model')")
+                                           "like the model's; implies speculative='draft-model')", kind=str,
+                                     optional=True)
 
     def validate(self) -> None:
         if not isinstance(self.device, str) or self.device.split(":", 1)[0] not in DEVICE_KINDS or (
@@ -324,13 +319,7 @@ class LoadOptions:
         _check_choice("group_size", self.group_size, GROUP_SIZES)
         _check_choice("head", self.head, HEAD_CHOICES)
         _check_choice("kernel", self.kernel, KERNEL_CHOICES)
-        if not isinstance(self.layer_streaming, bool):
-            raise ValueError(f"layer_streaming must be True or False, got {self.layer_streaming!r}")
-        _check_bytes("weight_budget_bytes", self.weight_budget_bytes)
-        if isinstance(self.stream_slots, bool) or not isinstance(self.stream_slots, int) or self.stream_slots < 1:
-            raise ValueError(f"stream_slots must be a positive integer, got {self.stream_slots!r}")
-        if self.draft_model is not None and not isinstance(self.draft_model, str):
-            raise ValueError(f"draft_model must be a source string or None, got {self.draft_model!r}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Screenshots of the main views for the README: `xvfb-run -a .venv/bin/python scripts/screenshots.py OUTDIR`.
 
-Starts the real app in a throwaway home folder, drops two Markdown notes on a conversation, asks about them,
-opens the cache map of the answer, and saves light and dark screenshots."""
+Starts the real app in a throwaway home folder, drops two Markdown notes on a conversation, asks about them, then
+for a code block and a table (the built-in 135M model's own answers, greedy: right in form, not always in content),
+and saves light and dark screenshots at 1024 x 700 and 1600 x 1000 (app-THEME-WIDTH.png)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ NOTES = {
                       "the light since 1998.\n\nFerries leave the harbour at eight and return at six.\n",
     "harbour.md": "# Harbour rules\n\nBoats moor at the north pier. Mooring costs forty crowns per night.\n",
 }
+QUESTIONS = (("Who keeps the lighthouse on Gull Island?", 40), ("How much does mooring cost?", 40),
+             ("Write a Python function that adds two numbers.", 30),
+             ("Make a Markdown table of three fruits and their colors.", 36))
+SIZES = ((1024, 700), (1600, 1000))
 
 
 async def shoot(window, out: Path) -> None:
@@ -27,14 +32,15 @@ async def shoot(window, out: Path) -> None:
         await wait_for(client.model_loaded, 300, failure=client.model_load_failed)
     tab = window.current_tab()
     window.rename_tab(window.tabs.indexOf(tab), "Gull Island")
-    window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 40})
+
     folder = Path(tempfile.mkdtemp())
     for name, text in NOTES.items():
         (folder / name).write_text(text, encoding="utf-8")
     await tab.ingest([str(folder)])
     if tab._warm_job is not None:
         await wait_for(client.warm_finished, 300)
-    for question in ("Who keeps the lighthouse on Gull Island?", "How much does mooring cost?"):
+    for question, tokens in QUESTIONS:
+        window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": tokens})
         tab.composer.setPlainText(question)
         pending = asyncio.ensure_future(wait_for(client.generation_finished, 300, failure=client.generation_failed))
         await asyncio.sleep(0)
@@ -43,12 +49,15 @@ async def shoot(window, out: Path) -> None:
     window.new_conversation()
     window.rename_tab(window.tabs.count() - 1, "Recipes")
     window.tabs.setCurrentIndex(0)
-    tab.chat_view.widgets[-1].map_button.setChecked(True)
     window.memory_meter.update_now()
-    for theme in ("light", "dark"):
-        window.set_theme(theme)
-        await asyncio.sleep(0.5)
-        window.grab().save(str(out / f"app-{theme}.png"))
+    for width, height in SIZES:
+        window.resize(width, height)
+        for theme in ("light", "dark"):
+            window.set_theme(theme)
+            await asyncio.sleep(0.5)
+            tab.chat_view.jump_to_latest()
+            await asyncio.sleep(0.2)
+            window.grab().save(str(out / f"app-{theme}-{width}.png"))
 
 
 def main() -> int:
@@ -74,7 +83,7 @@ def main() -> int:
     with loop:
         loop.run_until_complete(shoot(window, out))
     client.shutdown()
-    print(f"saved {out}/app-light.png and {out}/app-dark.png")
+    print(f"saved {', '.join(f'app-{t}-{w}.png' for w, _ in SIZES for t in ('light', 'dark'))} in {out}")
     return 0
 
 

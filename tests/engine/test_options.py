@@ -121,3 +121,41 @@ def test_with_config_runs_the_same_model_under_another_config(smollm):
     assert engine.config == config and engine.model is smollm.model
     messages = [{"role": "user", "content": "Name a colour."}]
     assert engine.chat(messages, max_new_tokens=6).text == smollm.chat(messages, max_new_tokens=6).text
+
+
+def _with(config, path: tuple[str, ...], value):
+    """`config` with the field at `path` (nested dataclasses) set to `value`, without its checks."""
+    if len(path) == 1:
+        return dataclasses.replace(config, **{path[0]: value})
+    return dataclasses.replace(config, **{path[0]: _with(getattr(config, path[0]), path[1:], value)})
+
+
+def _checked_options():
+    from engine.config import SamplingConfig
+
+    out = [(o.name, o.owner(), o.path, o.field.metadata) for o in options().values()
+           if o.field.metadata.get("kind")]
+    out += [(f.name, SamplingConfig(), (f.name,), f.metadata) for f in dataclasses.fields(SamplingConfig)
+            if f.metadata.get("kind")]
+    return out
+
+
+@pytest.mark.parametrize("name, config, path, meta", _checked_options(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_declared_option_is_checked_by_its_kind_and_bounds_with_its_name(name, config, path, meta):
+    config.validate()  # the defaults pass
+    kind = meta["kind"]
+    wrong = ["text", 1.5, None] if kind is int else ["text", True, None] if kind is float else [1, None]
+    if kind is bool:
+        wrong = [1, "yes", None]
+    bounds = [meta["low"] - 1 if meta["low"] is not None else None,
+              meta["above"] if meta["above"] is not None else None,
+              meta["high"] + 1 if meta["high"] is not None else None]
+    bad = [v for v in wrong if not (v is None and meta["optional"])] + [b for b in bounds if b is not None]
+    if kind is float:
+        bad.append(float("nan"))
+    assert bad
+    for value in bad:
+        with pytest.raises(ValueError, match=rf"^{name} must be .*got {value!r}"):
+            _with(config, path, value).validate()
+    if meta["optional"]:
+        _with(config, path, None).validate()
