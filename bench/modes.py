@@ -15,7 +15,8 @@ def mode_options(mode: str) -> dict:
     "approx:REPAIR" with REPAIR none | selective | cacheblend, optionally "@VALUE" (selective: tokens
     recomputed after each seam, or "A/B": A after and B before it; cacheblend: share of reused tokens recomputed, then
     "+N" to also recompute the
-    N tokens after each seam), e.g. "approx:cacheblend@0.3" or "approx:cacheblend@0.15+16"."""
+    N tokens after each seam, "~random" to draw them at random instead of by deviation, "^L" for probe layer L),
+    e.g. "approx:cacheblend@0.3", "approx:cacheblend@0.15+16" or "approx:cacheblend@0.05~random^4"."""
     if mode == PEER:
         return {}
     reuse, _, repair = mode.partition(":")
@@ -24,11 +25,17 @@ def mode_options(mode: str) -> dict:
     if not repair:
         return {"reuse": reuse}
     repair, _, value = repair.partition("@")
+    value, _, probe = value.partition("^")
+    value, _, select = value.partition("~")
     value, _, seam = value.partition("+")
     if repair not in REPAIR_MODES or (value and repair == "none") \
-            or (seam and repair != "cacheblend"):
+            or ((seam or select or probe) and repair != "cacheblend"):
         raise ValueError(f"unknown repair in mode {mode!r}")
     options = {"reuse": reuse, "repair": repair}
+    if select:
+        options["blend_select"] = select
+    if probe:
+        options["probe_layer"] = probe
     try:
         if value and repair == "selective":
             after, _, before = value.partition("/")
@@ -39,6 +46,8 @@ def mode_options(mode: str) -> dict:
             options[REPAIR_PARAM[repair]] = float(value)
         if seam:
             options["blend_seam_tokens"] = int(seam)
+        if probe:
+            options["probe_layer"] = int(probe)
     except ValueError:
         raise ValueError(f"bad repair value in mode {mode!r}") from None
     return options

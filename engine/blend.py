@@ -132,7 +132,7 @@ def blend_forward(model, ids: Sequence[int], start: int, layers_k, layers_v, reu
         cache.active = positions[keep]
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
         if layer_idx == probe_layer + 1 and probe_layer >= 0:
-            keep = _select(cache.deviation, reused, repair.blend_ratio, num_reused)
+            keep = _select(cache.deviation, reused, repair.blend_ratio, num_reused, repair.blend_select)
             hidden = hidden[:, keep]
             cache.active = positions[keep]
         active = cache.active
@@ -145,10 +145,15 @@ def blend_forward(model, ids: Sequence[int], start: int, layers_k, layers_v, reu
     return model.lm_head(hidden)[0, -1]
 
 
-def _select(deviation: torch.Tensor, reused: torch.Tensor, ratio: float, num_reused: int) -> torch.Tensor:
+def _select(deviation: torch.Tensor, reused: torch.Tensor, ratio: float, num_reused: int,
+            how: str = "deviation") -> torch.Tensor:
     """Indices (into the blended range, sorted) of every computed token plus the `ratio` most deviating
-    reused tokens. The last token is always computed (it is never reused)."""
+    reused tokens ("random": as many reused tokens drawn with a fixed seed, the same on every run: a control for
+    the selection). The last token is always computed (it is never reused)."""
     num_keep = int(round(ratio * num_reused))
+    if how == "random":
+        draw = torch.rand(deviation.shape[0], generator=torch.Generator().manual_seed(0))
+        deviation = draw.to(deviation.device)
     score = deviation.masked_fill(~reused, float("inf"))
     keep = torch.topk(score, int((~reused).sum()) + num_keep).indices
     return torch.sort(keep).values

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 REUSE_MODES = ("off", "prefix", "chunk", "approx")
 CHUNKING_MODES = ("fixed", "semantic", "adaptive")
 REPAIR_MODES = ("none", "selective", "cacheblend")
+BLEND_SELECTIONS = ("deviation", "random")
 KV_QUANT_MODES = ("none", "int8", "int4")
 EVICTION_POLICIES = ("lru", "importance-lru")
 REMOTE_SCHEMES = ("redis", "rediss", "unix")
@@ -132,9 +133,13 @@ class RepairConfig:
     probe_layer: int = option(1, "cacheblend: the layer whose value deviation picks those tokens", kind=int, low=0)
     blend_seam_tokens: int = option(0, "cacheblend: also always recompute this many tokens after each seam",
                                     kind=int, low=0)
+    blend_select: str = option("deviation", "cacheblend: which reused tokens are recomputed: the most deviating at "
+                                            "the probe layer, or (to diagnose the selection) a random choice of as "
+                                            "many", choices=BLEND_SELECTIONS)
 
     def validate(self) -> None:
         _check_choice("repair", self.mode, REPAIR_MODES)
+        _check_choice("blend_select", self.blend_select, BLEND_SELECTIONS)
         check_fields(self)
 
 

@@ -288,3 +288,18 @@ def test_selective_repair_equals_an_independent_reference(parts, arch, batch_rep
                           (cache.layers[layer].values, ref_cache.layers[layer].values)]:
             assert got.shape == want.shape
             assert torch.max(torch.abs(got - want)).item() < tolerance, f"layer {layer}"
+
+
+def test_a_random_selection_recomputes_as_many_reused_tokens_the_same_on_every_run():
+    """The control for CacheBlend's deviation-based choice (blend_select="random"): every computed token, as many
+    reused ones as the ratio asks, drawn the same way every time."""
+    from engine.blend import _select
+
+    reused = torch.tensor([True] * 30 + [False] * 4 + [True] * 20 + [False])
+    deviation = torch.arange(55, dtype=torch.float32)  # by deviation: the last reused ones
+    by_deviation = _select(deviation, reused, 0.2, 50)
+    drawn = _select(deviation, reused, 0.2, 50, "random")
+    assert torch.equal(drawn, _select(deviation, reused, 0.2, 50, "random"))
+    for keep in (by_deviation, drawn):
+        assert len(keep) == 5 + 10 and set(torch.nonzero(~reused).squeeze(1).tolist()) <= set(keep.tolist())
+    assert not torch.equal(drawn, by_deviation)

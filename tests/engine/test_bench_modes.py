@@ -13,13 +13,15 @@ from bench.modes import mode_options
                                "selective_before": 8}),
     ("approx:cacheblend@0.15+16", {"reuse": "approx", "repair": "cacheblend", "blend_ratio": 0.15,
                                    "blend_seam_tokens": 16}),
+    ("approx:cacheblend@0.05~random^4", {"reuse": "approx", "repair": "cacheblend", "blend_ratio": 0.05,
+                                         "blend_select": "random", "probe_layer": 4}),
 ])
 def test_mode_names_parse(mode, options):
     assert mode_options(mode) == options
 
 
 @pytest.mark.parametrize("mode", ["fast", "chunk:selective", "approx:magic", "approx:none@3", "approx:selective@x",
-                                  "approx:selective@4+2"])
+                                  "approx:selective@4+2", "approx:selective@4~random", "approx:cacheblend@0.1^x"])
 def test_bad_mode_names_are_named(mode):
     with pytest.raises(ValueError, match="mode"):
         mode_options(mode)
