@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import markdown_view
+from .elided_label import ElidedLabel
 from .empty_state import EmptyState
 from .theme import KIND_COLORS
 
@@ -154,7 +155,7 @@ class MessageWidget(QFrame):
         self.role_label.setStyleSheet("font-weight: bold")
         header.addWidget(self.role_label)
         header.addStretch(1)
-        self.badge = QLabel()
+        self.badge = ElidedLabel()  # cut with "…" in a narrow window rather than pushing the buttons out of it
         self.badge.setObjectName("badge")
         header.addWidget(self.badge)
         self.map_button = self._tool_button("Cache map", "Show which parts of the prompt came from cache")

@@ -83,3 +83,23 @@ def test_reading_above_offers_jump_to_latest_and_it_follows_the_answer_again(qtb
     assert bar.value() == bar.maximum() and not view.jump_button.isVisible()
     view.widgets[-1].append_text("and the end\n" * 20)
     qtbot.waitUntil(lambda: bar.maximum() > 0 and bar.value() == bar.maximum())  # following again
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_a_long_stats_line_is_cut_short_and_the_buttons_stay_inside_a_narrow_view(qtbot, theme):
+    """At the chat width a 1024 px window leaves (~700 px), an answer's stats line gives way ("…", the whole line
+    in its tooltip) instead of pushing Copy and Regenerate out of the view."""
+    view = ChatView(theme)
+    qtbot.addWidget(view)
+    view.resize(700, 400)
+    view.show()
+    stats = {"prompt_tokens": 176, "reused_tokens": 160, "ttft_ms": 78.0, "decode_tokens_per_s": 65.2,
+             "generated_tokens": 36, "recomputed_tokens": 16, "reuse": "chunk"}
+    widget = view.add_message({"id": 1, "role": "assistant", "content": ANSWER, "stats": stats})
+    widget.set_answer({"stats": stats, "segments": [{"kind": "EXACT", "start": 0, "end": 160}],
+                       "finish_reason": "length"})
+    qtbot.waitUntil(lambda: widget.regenerate_button.isVisible())
+    right = view.viewport().width()
+    for button in (widget.map_button, widget.copy_button, widget.regenerate_button):
+        assert button.mapTo(view.viewport(), button.rect().bottomRight()).x() <= right, button.text()
+    assert widget.badge.is_elided() and widget.badge.text() in widget.badge.toolTip()
