@@ -25,6 +25,10 @@ def _table(config_class, flat: dict) -> list[str]:
         keyword = f"`{name}`, `--{name.replace('_', '-')}`" if name else "(fields below)"
         choices = f.metadata.get("choices")
         allowed = ", ".join(f"`{c!r}`" for c in choices).replace("|", "\\|") if choices else ""
+        if not allowed and f.metadata.get("kind"):  # what engine.config.check_fields holds it to
+            from engine.config import _wanted
+
+            allowed = _wanted(f.metadata)
         rows.append(f"| `{f.name}` | {keyword} | {_default(f)} | {allowed} | {text} |")
     return rows + [""]
 
