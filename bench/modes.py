@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from engine.config import REPAIR_MODES, REUSE_MODES
 
 REPAIR_PARAM = {"selective": "selective_tokens", "cacheblend": "blend_ratio"}
@@ -25,9 +27,9 @@ def mode_options(mode: str) -> dict:
     if not repair:
         return {"reuse": reuse}
     repair, _, value = repair.partition("@")
-    value, _, probe = value.partition("^")
-    value, _, select = value.partition("~")
-    value, _, seam = value.partition("+")
+    marks = dict(re.findall(r"([+~^])([^+~^]*)", value))  # the suffixes, in any order
+    value = re.split(r"[+~^]", value, maxsplit=1)[0]
+    seam, select, probe = marks.get("+", ""), marks.get("~", ""), marks.get("^", "")
     if repair not in REPAIR_MODES or (value and repair == "none") \
             or ((seam or select or probe) and repair != "cacheblend"):
         raise ValueError(f"unknown repair in mode {mode!r}")

@@ -15,6 +15,8 @@ from bench.modes import mode_options
                                    "blend_seam_tokens": 16}),
     ("approx:cacheblend@0.05~random^4", {"reuse": "approx", "repair": "cacheblend", "blend_ratio": 0.05,
                                          "blend_select": "random", "probe_layer": 4}),
+    ("approx:cacheblend@0.15~random+16", {"reuse": "approx", "repair": "cacheblend", "blend_ratio": 0.15,
+                                          "blend_select": "random", "blend_seam_tokens": 16}),
 ])
 def test_mode_names_parse(mode, options):
     assert mode_options(mode) == options
