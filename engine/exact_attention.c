@@ -51,7 +51,8 @@ static inline void add_scaled(float *acc, float p, const float *x, int64_t n) { 
 
 /* exp(x) for x <= 0 (a score minus the row's largest), the same bits in every lane and in exp_one: x = n ln2 + r
    (n = nearest integer to x / ln2, ln2 in two parts), exp(r) by a degree-6 polynomial in r (Horner, fused
-   multiply-adds), times 2^n built in the exponent field; below -87.33 (about where exp leaves the normal floats): 0. Within 3 ulp of exp. */
+   multiply-adds), times 2^n built in the exponent field; below -87.33 (about where exp leaves the normal
+   floats): 0. Within 3 ulp of exp. */
 #define EXP_LOG2E 1.44269504088896341f
 #define EXP_LN2_HI 0.693359375f
 #define EXP_LN2_LO -2.12194440e-4f

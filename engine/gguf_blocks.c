@@ -666,8 +666,9 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
 
 /* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums); type
    + KVB_TILED: W held as tiles (kvb_repack). Returns 0, or -1 for a type or layout this build does not multiply.
-   Output rows are split between threads in tasks of ROWS_PER_TASK weight rows; a task takes the activation rows eight at a time, then four, two and one (a weight
-   block is decoded once for the rows taken together; each row's sums are the same however they are taken). */
+   Output rows are split between threads in tasks of ROWS_PER_TASK weight rows; a task takes the activation rows
+   eight at a time, then four, two and one (a weight block is decoded once for the rows taken together; each row's
+   sums are the same however they are taken). */
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads) {
     matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y};

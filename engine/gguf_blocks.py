@@ -2,9 +2,11 @@
 
 A Q4_0, Q4_1, Q4_K, Q6_K or Q8_0 tensor is held as its bytes, row after row: the resident weights are the file's
 tensor bytes (no second rounding, no wider format: a Q6_K tensor no longer becomes 8-bit rows), and loading is a
-read. The kernel rounds each activation row per block, to int8 per 256 values for the K-quants (as llama.cpp
-rounds its activations) and to int16 per 32 for the 32-value types (llama.cpp's int8 there moved the embedded
-model's answers; see gguf_blocks.c), and sums each block's products exactly in integers. Every float sum runs
+read; a Q4_0 / Q4_1 / Q8_0 layer of 16n rows is then reordered into 16-row tiles (`as_tiles`: the same bytes, one
+output per vector lane) where the CPU has AVX2. The kernel rounds each activation row per block, to int8 per 256
+values for the K-quants (as llama.cpp rounds its activations) and to int16 per 32 for the 32-value types
+(llama.cpp's int8 there moved the embedded model's answers; see gguf_blocks.c), and sums each block's products
+exactly in integers. Every float sum runs
 in an order fixed by the row's length, so an output does not depend on how many rows are multiplied together
 or on the thread count (reuse then never changes an answer through this kernel).
 
