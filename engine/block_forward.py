@@ -40,7 +40,7 @@ class RowNorm(nn.Module):
     """RMS norm by the C kernel (kvb_rmsnorm): each row's sum of squares in a fixed order, so a row's result is
     the same in any forward; float32 in, float32 out (other dtypes through float32)."""
 
-    own_rounding = True  # not transformers' rounding: part of the model's fingerprint (engine.loader)
+    own_rounding = True  # not transformers' rounding: part of the model's fingerprint (engine.fingerprint)
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()

@@ -27,6 +27,7 @@ from .config import EngineConfig, LoadOptions, SamplingConfig, split_options
 from .config import options as config_options
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
+from .fingerprint import fingerprint as model_fingerprint
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
@@ -97,7 +98,7 @@ class KVBoost:
         use_exact_attention(model)
         # Every layer in GGUF blocks under ROWS: the layers' forward in one C call (the same numbers, less overhead).
         use_block_forward(model)
-        self.fingerprint = fingerprint or loader.fingerprint(model)
+        self.fingerprint = fingerprint or model_fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.chunking}")
         self.store, self.disk_error = build_store(config, self.device, self._root, name, model)

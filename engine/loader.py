@@ -1,11 +1,10 @@
 """Resolving a model source to (model, tokenizer), choosing dtype/device and the weight format (float, int4 at
-load, AWQ int4) and fingerprinting the weights; what a load holds is described by engine.weights_report.
-One subject, from a source to a loaded model, over ~500 lines: the format choice and the dispatch to each loader
-(GGUF, AWQ, GPTQ, float-to-int4) read the same checked config and must stay in one place."""
+load, AWQ int4); what a load holds is described by engine.weights_report, its identity by engine.fingerprint.
+One subject, from a source to a loaded model: the format choice and the dispatch to each loader (GGUF, AWQ, GPTQ,
+float-to-int4) read the same checked config and stay in one place."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -20,17 +19,15 @@ from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .builtin import builtin_model_path
 from .config import HEAD_CHOICES, WEIGHT_FORMATS
 from .float_int4 import CheckpointError, load_float_as_int4
-from .gguf_blocks import ATTENTION_NUMERICS, BlockEmbedding, BlockLinear
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
-from .gguf_blocks import numerics as block_numerics
 from .gguf_config import gguf_config
 from .gguf_file import GGUFFormatError, read_gguf
 from .gguf_int4 import INT4_TYPES, GGUFBlocks, memoized_name_maps
 from .gguf_loader import Progress, load_gguf_model, unsupported
 from .gguf_tokenizer import load_gguf_tokenizer, tokenizer_cache_dir
 from .gptq import is_gptq_folder, load_gptq_model
-from .head import Int4Embedding, Int8Embedding, Int8Linear, auto_head, quantize_head
-from .int4 import Int4Linear, quantize_model
+from .head import auto_head, quantize_head
+from .int4 import quantize_model
 from .model_checks import WEIGHT_SUFFIXES, ConfigError, check_config, weight_file_bytes
 
 log = logging.getLogger(__name__)
@@ -474,51 +471,3 @@ def _load_own(source: ModelSource, folder: Path, kind: str, build, kernel: str, 
         raise ModelLoadError(f"could not load {kind} model from {source.describe()}: {type(exc).__name__}: {exc}") \
             from exc
     return model, tokenizer
-
-
-def fingerprint(model) -> str:
-    """A stable identity of the weights, dtype, RoPE/attention config and attention implementation.
-
-    Weights: names, shapes and a strided sample of every parameter's values (hashing all bytes of a
-    multi-GB model at each start would cost seconds), and of every int4 layer's buffers (packed codes, scales,
-    zeros; int8 codes and scales) with its group size and matmul path (the paths round differently, so their KV
-    must never be shared).
-    Deterministic across processes and machines.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    config = model.config.to_dict()
-    relevant = {k: config.get(k) for k in sorted(config) if k not in ("_name_or_path", "transformers_version",
-                                                                       "_model_name_or_path", "quantization_config")}
-    h.update(json.dumps(relevant, sort_keys=True, default=str).encode())
-    # The attention implementation (sdpa, eager, ...) rounds differently, and to_dict() leaves it out.
-    attention = getattr(model.config, '_attn_implementation', None)
-    if attention == "rows_exact":  # engine.exact_attention's kernel: its arithmetic's version too
-        attention = f"{attention}-{ATTENTION_NUMERICS}"
-    h.update(f"attn:{attention}".encode())
-    for name, param in model.named_parameters():
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // 64)
-        sample = flat[::step][:64].to(torch.float32).cpu().numpy().tobytes()
-        h.update(name.encode())
-        h.update(str(tuple(param.shape)).encode())
-        h.update(str(param.dtype).encode())
-        h.update(sample)
-    for name, module in model.named_modules():
-        if getattr(module, "own_rounding", False):  # engine.block_forward's norms and SiLU round their own way
-            h.update(f"{name}:{type(module).__name__}".encode())
-        if not isinstance(module, (Int4Linear, Int4Embedding, Int8Linear, Int8Embedding, BlockLinear, BlockEmbedding)):
-            continue
-        if isinstance(module, BlockLinear):  # the kernel's float sums: the same on every machine of one path
-            h.update(f"blocks:{block_numerics()}".encode())
-        h.update(f"{name}:{type(module).__name__}:g{getattr(module, 'group_size', 0)}:"
-                 f"{getattr(module, 'kernel', 'rows')}:{getattr(module, 'type_name', '')}".encode())
-        for buffer_name, buffer in module.named_buffers():
-            flat = buffer.reshape(-1)
-            step = max(1, flat.numel() // 64)
-            sample = flat[::step][:64].cpu()
-            sample = sample.to(torch.float32) if sample.is_floating_point() else sample.to(torch.int64)
-            h.update(buffer_name.encode())
-            h.update(str(tuple(buffer.shape)).encode())
-            h.update(str(buffer.dtype).encode())
-            h.update(sample.numpy().tobytes())
-    return h.hexdigest()

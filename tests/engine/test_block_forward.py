@@ -16,8 +16,9 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from engine import gguf_blocks
 from engine.block_forward import RowNorm, RowSiLU, unsupported, use_block_forward, uses_block_forward
 from engine.exact_attention import ROWS, use_exact_attention
+from engine.fingerprint import fingerprint
 from engine.live_cache import GrowingCache
-from engine.loader import fingerprint, load_model, quiet_transformers, resolve_source
+from engine.loader import load_model, quiet_transformers, resolve_source
 
 pytestmark = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
                                 reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")

@@ -16,7 +16,7 @@ from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import Cancelled, ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
 from engine.disk import default_disk_budget
-from engine.loader import fingerprint
+from engine.fingerprint import fingerprint
 from engine.tiers import default_device_budget, default_host_budget
 
 NEW_TOKENS = 12

@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType, quants
 from gguf_files import encode
 from tiny_models import random_ids
 
+from engine.fingerprint import fingerprint
 from engine.gguf_int4 import GGUFBlocks, decode_blocks
 from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
-from engine.loader import default_model_path, fingerprint, load_model, resolve_source
+from engine.loader import default_model_path, load_model, resolve_source
 from engine.weights_report import weights_report
 
 

@@ -11,6 +11,7 @@ import torch
 from tiny_models import build_model, random_ids
 from torch import nn
 
+from engine.fingerprint import fingerprint
 from engine.head import (
     Int4Embedding,
     Int8Embedding,
@@ -20,7 +21,7 @@ from engine.head import (
     quantize_rows_int8,
 )
 from engine.int4 import Int4Linear, dequantize_codes, quantize_rtn
-from engine.loader import fingerprint, load_model, resolve_source
+from engine.loader import load_model, resolve_source
 from engine.weights_report import weights_report
 
 CPU_INT8 = int8_kernel_unavailable("cpu_int8pack", "cpu")

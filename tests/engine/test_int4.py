@@ -21,8 +21,9 @@ from engine import KVBoost
 from engine.awq import unpack_awq
 from engine.config import ChunkingConfig, EngineConfig
 from engine.exact_attention import EXACT
+from engine.fingerprint import fingerprint
 from engine.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
-from engine.loader import fingerprint, load_model, resolve_source
+from engine.loader import load_model, resolve_source
 from engine.weights_report import weights_report
 
 CPU = torch.device("cpu")

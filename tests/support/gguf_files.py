@@ -356,3 +356,8 @@ def arch_gguf(path: Path, arch: str, linear_type: str = "Q8_0", metadata: dict |
     values = random_tensors(shapes, seed)
     typed = {n: (v, "F32" if v.ndim == 1 or n == "token_embd.weight" else linear_type) for n, v in values.items()}
     return write_gguf(path, typed, arch=arch, metadata=metadata)
+
+
+# metadata architectures need beyond the common keys (the tests' GGUF files of gemma2 / gemma3)
+ARCH_KEYS = {"gemma2": {"gemma2.attention.key_length": 64, "gemma2.attention.sliding_window": 32},
+             "gemma3": {"gemma3.attention.key_length": 64, "gemma3.attention.sliding_window": 32}}
