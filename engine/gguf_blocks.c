@@ -302,18 +302,28 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
-        __m512i v[16]; /* pair p of the 16 rows: lane c = row c's codes 2p, 2p + 1 as int16 */
+        /* pair by pair, each widened pair times every row's: R integer sums in registers, one vector of codes
+           live at a time (integer sums: the order does not change them) */
+        __m512i dot[MAX_ROWS];
+        for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+        const int32_t *x0 = (const int32_t *)(xs + b * 32); /* row r's pairs: x0 + r * k / 2 */
         if (type == KVB_Q8_0) {
-            for (int p = 0; p < 16; p++)
-                v[p] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + start + 32 * p)));
+            for (int p = 0; p < 16; p++) {
+                const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + start + 32 * p)));
+                for (int r = 0; r < R; r++)
+                    dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(x0[r * k / 2 + p]));
+            }
         } else {
             for (int g = 0; g < 4; g++) {
                 const __m512i raw = _mm512_loadu_si512((const void *)(w + start + 64 * g));
                 const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                v[4 * g] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
-                v[4 * g + 1] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
-                v[4 * g + 2] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
-                v[4 * g + 3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+                const __m512i v[4] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
+                                      _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                                      _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)),
+                                      _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+                for (int e = 0; e < 4; e++)
+                    for (int r = 0; r < R; r++)
+                        dot[r] = _mm512_dpwssd_epi32(dot[r], v[e], _mm512_set1_epi32(x0[r * k / 2 + 4 * g + e]));
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
@@ -321,16 +331,10 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                                            : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int64_t at = r * nb + b;
-            const int32_t *x = (const int32_t *)(xs + r * k + b * 32); /* the activations' pairs */
-            __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-            for (int p = 0; p < 16; p += 2) {
-                even = _mm512_dpwssd_epi32(even, v[p], _mm512_set1_epi32(x[p]));
-                odd = _mm512_dpwssd_epi32(odd, v[p + 1], _mm512_set1_epi32(x[p + 1]));
-            }
-            __m512i dot = _mm512_add_epi32(even, odd);
-            if (type == KVB_Q4_0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(8 * s[at]));
+            __m512i sum = dot[r];
+            if (type == KVB_Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * s[at]));
             const __m512 dr = _mm512_set1_ps(d[at]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dr), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dr), acc[r]);
             if (type == KVB_Q4_1)
                 offsets[r] = _mm512_add_ps(offsets[r], _mm512_mul_ps(_mm512_mul_ps(mw, dr),
                                                                      _mm512_set1_ps((float)s[at])));
@@ -354,16 +358,25 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
-            __m256i v[16]; /* pair p of rows 8h .. 8h + 7: lane c = row 8h + c's codes 2p, 2p + 1 as int16 */
+            __m256i dot[MAX_ROWS]; /* as in the AVX-512 tiles: pair by pair, R integer sums in registers */
+            for (int r = 0; r < R; r++) dot[r] = _mm256_setzero_si256();
+            const int32_t *x0 = (const int32_t *)(xs + b * 32); /* row r's pairs: x0 + r * k / 2 */
             if (type == KVB_Q8_0) {
-                for (int p = 0; p < 16; p++)
-                    v[p] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + start + 32 * p + 16 * h)));
+                for (int p = 0; p < 16; p++) {
+                    const __m128i raw = _mm_loadu_si128((const __m128i *)(w + start + 32 * p + 16 * h));
+                    const __m256i v = _mm256_cvtepi8_epi16(raw);
+                    for (int r = 0; r < R; r++) dot[r] = madd_add(dot[r], v, _mm256_set1_epi32(x0[r * k / 2 + p]));
+                }
             } else {
                 for (int g = 0; g < 4; g++)
                     for (int e = 0; e < 2; e++) {
                         const __m128i raw = _mm_loadu_si128((const __m128i *)(w + start + 64 * g + 32 * e + 16 * h));
-                        v[4 * g + e] = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-                        v[4 * g + 2 + e] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+                        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
+                        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
+                        for (int r = 0; r < R; r++) {
+                            dot[r] = madd_add(dot[r], lo, _mm256_set1_epi32(x0[r * k / 2 + 4 * g + e]));
+                            dot[r] = madd_add(dot[r], hi, _mm256_set1_epi32(x0[r * k / 2 + 4 * g + 2 + e]));
+                        }
                     }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * h)));
@@ -371,16 +384,10 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                                                : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * nb + b;
-                const int32_t *x = (const int32_t *)(xs + r * k + b * 32);
-                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
-                for (int p = 0; p < 16; p += 2) {
-                    even = madd_add(even, v[p], _mm256_set1_epi32(x[p]));
-                    odd = madd_add(odd, v[p + 1], _mm256_set1_epi32(x[p + 1]));
-                }
-                __m256i dot = _mm256_add_epi32(even, odd);
-                if (type == KVB_Q4_0) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * s[at]));
+                __m256i sum = dot[r];
+                if (type == KVB_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * s[at]));
                 const __m256 dr = _mm256_set1_ps(d[at]);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, dr), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, dr), acc[r][h]);
                 if (type == KVB_Q4_1)
                     offsets[r][h] = _mm256_add_ps(offsets[r][h], _mm256_mul_ps(_mm256_mul_ps(mw, dr),
                                                                                _mm256_set1_ps((float)s[at])));
@@ -642,14 +649,17 @@ typedef struct {
     float *y;
 } matmul_job;
 
+#define M_BLOCK 64
 static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
     const matmul_job *j = ctx;
     const int64_t n = j->n, nb = j->nb, row = j->row, per_block = j->per_block, m = j->m;
-    for (int64_t t = first_task; t < end_task; t++) {
+    for (int64_t from = 0; from < m; from += M_BLOCK) { /* activation rows a block at a time: they stay in cache */
+      const int64_t upto = from + M_BLOCK < m ? from + M_BLOCK : m;
+      for (int64_t t = first_task; t < end_task; t++) {
         const int64_t first = t * ROWS_PER_TASK, last = first + ROWS_PER_TASK < n ? first + ROWS_PER_TASK : n;
-        int64_t i = 0;
+        int64_t i = from;
         for (int size = 3; size >= 0; size--) /* activation rows 8, then 4, 2 and 1 at a time */
-            for (; i + (1 << size) <= m; i += 1 << size) {
+            for (; i + (1 << size) <= upto; i += 1 << size) {
                 const int8_t *acts = (const int8_t *)(j->acts + i * row);
                 const float *d = j->d + i * nb;
                 const uint8_t *sums = j->sum_bytes + i * nb * per_block;
@@ -661,6 +671,7 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
                 for (int64_t r = first; r < last; r++)
                     j->dots[size](j->w + r * j->row_bytes, nb, acts, d, sums, j->k, j->y + i * n + r, n);
             }
+      }
     }
 }
 

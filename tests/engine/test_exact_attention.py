@@ -3,6 +3,12 @@ float64 sdpa computes, and for every row the same bits however the queries are c
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +100,43 @@ def test_a_caches_view_of_its_first_positions_is_read_in_place_with_the_same_res
     assert torch.equal(rows(q, view_k, view_v, None, True, SCALE), rows(q, k, v, None, True, SCALE))
     with pytest.raises(ValueError, match="attention mask"):
         rows(q, k, v, torch.ones(2, 1, 40, 39, dtype=torch.bool), False, SCALE)
+
+
+# rows() of an AVX2 (haswell) build of the kernel, in a child process (a build's vector path is fixed at load)
+AVX2_CHILD = """
+import json, sys, torch
+from engine.exact_attention import rows
+from engine import gguf_blocks
+sys.path.insert(0, sys.argv[1])
+from test_exact_attention import cases
+print(json.dumps({"path": gguf_blocks.vector_path(),
+                  "out": [rows(q, k, v, mask, causal, scale).tolist() for q, k, v, mask, causal, scale in cases()]}))
+"""
+
+
+def cases():
+    """Shapes every path of the kernel takes: head sizes 64 and 128 (sums in registers, rows in pairs), 48 (keys
+    eight at a time, sums in memory), 36 (one key at a time); causal with more keys than queries; a mask."""
+    out = []
+    for dim, nq, nk in ((64, 21, 37), (128, 9, 9), (48, 5, 19), (36, 4, 11)):
+        q, k, v = qkv(batch=1, heads=4, kv_heads=2, n=nk, dim=dim, seed=dim)
+        out.append((q[:, :, nk - nq:], k, v, None, True, dim ** -0.5))
+    q, k, v = qkv(batch=1, heads=2, kv_heads=1, n=23, dim=64, seed=3)
+    mask = torch.rand(1, 1, 23, 23, generator=torch.Generator().manual_seed(1)) > 0.3
+    out.append((q, k, v, mask, False, SCALE))
+    return out
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="builds for another x86 CPU")
+def test_an_avx2_build_attends_with_the_same_bits_as_this_build(tmp_path):
+    """KV computed on a machine with AVX-512 is served to one with AVX2 only (disk, the shared tier): their row
+    attention must agree bit for bit (a lane's chain of multiply-adds is the same in 8 lanes as in 16)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KVBOOST_CACHE_DIR": str(tmp_path), "KVBOOST_BLOCKS_MARCH": "haswell"}
+    done = subprocess.run([sys.executable, "-c", AVX2_CHILD, str(Path(__file__).parent)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["path"] == "avx2"
+    for got, (q, k, v, mask, causal, scale) in zip(result["out"], cases(), strict=True):
+        assert torch.equal(torch.tensor(got), rows(q, k, v, mask, causal, scale))
