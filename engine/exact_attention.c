@@ -294,13 +294,27 @@ static int row_weights(const attention_job *job, int64_t r, float *scores, const
 #endif
     for (; j < span; j++) /* the rest one at a time; then masks and the largest, in order */
         if (!(mi ? !mi[j] : j > last)) scores[j] = dot_f32(qi, *kb + j * D, D) * job->scale;
-    for (j = 0; j < span; j++) {
-        if (mi ? !mi[j] : j > last) {
-            scores[j] = -INFINITY; /* weight 0 */
-            continue;
+    if (mi) {
+        for (j = 0; j < span; j++) {
+            if (!mi[j]) {
+                scores[j] = -INFINITY; /* weight 0 */
+                continue;
+            }
+            if (!any || scores[j] > top) top = scores[j];
+            any = 1;
         }
-        if (!any || scores[j] > top) top = scores[j];
+    } else if (span > 0) { /* every key up to span attended: the largest score, 8 lanes at a time */
         any = 1;
+        top = scores[0];
+        j = 0;
+#ifdef KVA_AVX2
+        __m256 lanes = _mm256_set1_ps(top);
+        for (; j + 8 <= span; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(scores + j), lanes);
+        float lane[8];
+        _mm256_storeu_ps(lane, lanes);
+        for (int l = 0; l < 8; l++) top = lane[l] > top ? lane[l] : top;
+#endif
+        for (; j < span; j++) top = scores[j] > top ? scores[j] : top;
     }
     /* the weights: exp over every score up to the last attended key (then summed, the attended ones, in position
        order, with the weighted sum) */
