@@ -310,6 +310,7 @@ class ChatView(QScrollArea):
         self.theme = theme
         self.setWidgetResizable(True)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setAccessibleName("Messages")
         inner = QWidget()
         self._layout = QVBoxLayout(inner)
         self._layout.setSpacing(8)

@@ -123,6 +123,7 @@ class ConversationTab(QWidget):
         row = QHBoxLayout()
         self.composer = Composer()
         self.composer.setPlaceholderText("Message (Enter sends, Shift+Enter new line)")
+        self.composer.setAccessibleName("Message")
         self.composer.setMaximumHeight(110)
         self.composer.submitted.connect(self.send)
         row.addWidget(self.composer, 1)

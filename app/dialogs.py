@@ -1,7 +1,9 @@
 """Modal dialogs: per-conversation settings, model choice, rename.
 
 They only collect and validate values; the caller decides what to do with values() after exec() accepts.
-"""
+
+Over 400 lines: the app's smaller dialogs side by side (conversation settings, model, rename, delete) with the
+checks of what each accepts."""
 
 from __future__ import annotations
 
@@ -362,7 +364,7 @@ class ModelDialog(QDialog):
         if sizes is None or "error" in sizes:
             return
         float_mb, int4_mb = sizes["float"] / 2**20, sizes["int4"] / 2**20
-        auto = sizes["auto"]  # engine.weight_sizes.estimate: what weights="auto" loads and why
+        auto = sizes["auto"]  # engine.weights.weight_sizes.estimate: what weights="auto" loads and why
         chosen = self._weights_combo.currentData()
         loads = f"auto loads {auto['loads']}" if chosen == "auto" else f"this loads {chosen}"
         self._weight_sizes_label.setText(
@@ -418,7 +420,7 @@ def remote_cache_problem(text: str) -> str | None:
 
 
 def streaming_tooltip(estimate: dict | None) -> str:
-    """What streaming would do for the chosen model, from the engine's estimate (engine.stream_setup)."""
+    """What streaming would do for the chosen model, from the engine's estimate (engine.weights.stream_setup)."""
     base = ("Int4 decoder layers that do not fit in the memory budget stay in host memory and are copied in, "
             "one layer at a time, while earlier layers compute.")
     if not estimate:

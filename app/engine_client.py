@@ -11,7 +11,9 @@ The window's jobs run in the order submitted and take turns with the API's (the 
 sources). Cancelling a job that is still queued drops it (it ends as cancelled without running); cancelling
 the running one stops it at the next token (the engine checks a threading.Event every decode step), or a
 model load at its next stage.
-"""
+
+Over 400 lines: the one door between the app and the engine (load, chat, warm, sizes, serving) in one class; local
+and remote answering still share it, in branches."""
 
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class EngineClient(QObject):
     server_started = Signal(str)  # base URL of the OpenAI-compatible API
     server_stopped = Signal()
     server_failed = Signal(str)
-    weights_estimated = Signal(str, dict)  # source ("" for the built-in model), engine.weight_sizes.estimate
+    weights_estimated = Signal(str, dict)  # source ("" for the built-in model), engine.weights.weight_sizes.estimate
 
     def __init__(self, parent=None, engine_options: dict | None = None):
         """`engine_options`: from_pretrained options applied to every load (the app's KV cache folder)."""
@@ -111,7 +113,7 @@ class EngineClient(QObject):
         def run():
             try:
                 import_engine()
-                from engine import stream_setup, weight_sizes
+                from engine.weights import stream_setup, weight_sizes
 
                 sizes = weight_sizes.estimate(source)
                 sizes["streaming"] = stream_setup.streaming_estimate(source, sizes)
@@ -122,10 +124,10 @@ class EngineClient(QObject):
         threading.Thread(target=run, name="kvboost-weight-sizes", daemon=True).start()
 
     def model_library(self, **options):
-        """The model library over the standard HF cache (engine.models.ModelHub; `options`: endpoint, cache_dir,
+        """The model library over the standard HF cache (hub.models.ModelHub; `options`: endpoint, cache_dir,
         token). Importing the engine takes seconds and the library's calls do network and disk I/O: call this and
         them off the UI thread and off the engine thread (app.models_dialog runs them on threads of its own)."""
-        from engine.models import ModelHub
+        from hub.models import ModelHub
 
         return ModelHub(**options)
 
@@ -392,7 +394,7 @@ class EngineClient(QObject):
         self._engine = engine
         self._prefill_rates = []  # another model: another rate
         info = engine.info()
-        from engine.weights_report import describe_weights
+        from engine.weights.weights_report import describe_weights
 
         self._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=time.perf_counter() - t0,
                           weights_text=describe_weights(info["weights"]))

@@ -8,7 +8,9 @@ into the log folder (or --self-test-dir), the timings from process start, exit 0
 One app runs per home: a second `kvboost-desktop [FILE ...]` on the same home hands its files to the running
 one (which comes to the front and adds them to the current conversation) and exits 0. A folder or database
 the app cannot use is one line on stderr naming it, and exit code 2.
-"""
+
+Over 400 lines: start-up and shut-down in one place: arguments, logging, one instance per home, the window or why it
+cannot open, and quitting within a deadline."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import QStandardPaths, Qt, QTimer, QUrl
-from PySide6.QtGui import QAction, QDesktopServices, QKeySequence, QShortcut
+from PySide6.QtGui import QAction, QDesktopServices, QKeySequence
 from PySide6.QtWidgets import (
     QApplication,
     QFileDialog,
@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
 from . import conversation_export, dialogs, settings
 from . import theme as themes
 from .conversation_tab import ConversationTab
+from .keyboard import add_keyboard_access
 from .model_menu import ModelMenu
 from .settings import ApiServer
 from .sidebar import Sidebar
@@ -133,7 +134,7 @@ class MainWindow(QMainWindow):
         conv_menu = bar.addMenu("&Conversation")
         action(conv_menu, "Rename…", lambda: self.rename_tab(self.tabs.currentIndex()), "F2")
         action(conv_menu, "Settings (system prompt, sampling)…", self.edit_conversation_settings, "Ctrl+,")
-        action(conv_menu, "Stop answer", lambda: self.current_tab() and self.current_tab().stop())
+        stop = action(conv_menu, "Stop answer", lambda: self.current_tab() and self.current_tab().stop())
         model_menu = bar.addMenu("&Model")
         action(model_menu, "Choose model…", self.choose_model, name="chooseModelAction")
         action(model_menu, "Models…", self.open_models_dialog, name="modelsAction")
@@ -151,11 +152,9 @@ class MainWindow(QMainWindow):
             action(view_menu, f"Theme: {choice}", lambda _=False, c=choice: self.set_theme(c))
         view_menu.addAction(self.sidebar.toggleViewAction())
         self.text_size = TextSize(self.db, view_menu.addMenu("Text size"), self.refresh_sidebar)
+        add_keyboard_access(self, view_menu, stop)
         help_menu = bar.addMenu("&Help")
         action(help_menu, "Open logs folder", self.open_logs_folder, name="openLogsAction")
-        # Esc stops the answer of the current tab wherever the focus is.
-        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=lambda: self.current_tab() and
-                  self.current_tab().stop())
 
     def logs_folder(self) -> Path:
         """The folder of the log being written (app.main.setup_logging), else the per-user log folder."""
@@ -436,7 +435,7 @@ class MainWindow(QMainWindow):
         self._show_load_progress()
 
     def on_client_load_progressed(self, done: int, total: int, what: str) -> None:
-        """A step of the load (engine.loader's progress): the bar fills by steps and the stage names it."""
+        """A step of the load (engine.weights.loader's progress): the bar fills by steps and the stage names it."""
         if total > 0:
             self.load_bar.setRange(0, total)
             self.load_bar.setValue(min(done, total))

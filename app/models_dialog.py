@@ -2,12 +2,14 @@
 (progress, speed, time left, cancel), and the downloaded models (size on disk, remove, load).
 
 The dialog never imports the engine: it is handed `open_library`, a callable returning the model library
-(EngineClient.model_library -> engine.models.ModelHub), and calls it and every library method on threads of its
+(EngineClient.model_library -> hub.models.ModelHub), and calls it and every library method on threads of its
 own (network, disk, the torch import for fits), never on the UI thread and never on the engine thread, so the
 window stays responsive and a generation goes on during a download. Results come back through queued signals;
 a result for a search or a repo that is no longer the current one is dropped. One download at a time; closing
 the dialog cancels it, and the next download of the same entry resumes from what is on disk.
-"""
+
+Over 400 lines: one dialog of three views (search, a repository's files, what is downloaded) and its background
+work."""
 
 from __future__ import annotations
 

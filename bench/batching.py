@@ -93,8 +93,8 @@ def newcomer(client, question: str, max_tokens: int, others: list[str]) -> dict:
 def run(weights: str, max_tokens: int, counts: list[int]) -> int:
     import openai
 
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
     from server.thread import ServerThread
 
     quiet_transformers()

@@ -3,10 +3,10 @@ resident weight bytes, and agreement with our float weights.
 
 Rows: plain transformers `generate()` on the float model; our float model; our int4 model per kernel path
 (reference, cpu_int4pack / tinygemm where available) and group size; the float model with an int8 output head
-(the head of a 135M model is a fifth of its weights and is read at every token: engine.head); for a GGUF with
-Q4_0 / Q4_1 tensors, those read as they are (engine.gguf_int4), with the output head in float, int8 (alone and
+(the head of a 135M model is a fifth of its weights and is read at every token: engine.weights.head); for a GGUF with
+Q4_0 / Q4_1 tensors, those read as they are (engine.weights.gguf_int4), with the output head in float, int8 (alone and
 with the embedding table in int8), int4 at each group size (alone and with an int4 table), and the file's own
-blocks under the block kernel (engine.gguf_blocks: every tensor it holds, head and table included); the model as
+blocks under the block kernel (engine.weights.gguf_blocks: every tensor it holds, head and table included); the model as
 weights="auto" loads it; llama.cpp on
 the same GGUF when `llama_cpp` is importable (in a child process: llama.cpp and torch in one process crash).
 
@@ -40,15 +40,15 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from engine import gguf_blocks
 from engine.block_forward import use_block_forward, uses_block_forward
 from engine.exact_attention import use_exact_attention
-from engine.gguf_int4 import GGUFBlocks
-from engine.head import quantize_head
-from engine.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
 from engine.live_cache import GrowingCache
-from engine.loader import load_model, pick_device, resolve_source
-from engine.weights_report import weights_report
+from engine.weights import gguf_blocks
+from engine.weights.gguf_int4 import GGUFBlocks
+from engine.weights.head import quantize_head
+from engine.weights.int4 import GROUP_SIZES, kernel_unavailable, quantize_model
+from engine.weights.loader import load_model, pick_device, resolve_source
+from engine.weights.weights_report import weights_report
 
 from .roofline import read_bandwidth, step_bytes
 

@@ -8,7 +8,7 @@ For each prompt (a passage of the Python documentation as the system message, a 
 each answer against an engine with reuse="off" on the same loaded weights. A divergence is a prompt whose greedy
 tokens differ anywhere; the rate is divergences over answers compared. Weight formats (FORMATS, `--formats`):
 float (the file dequantized), int4 (weights="auto": the file's Q4_1 codes on torch's int4 kernel), q4_1-blocks
-(the same codes as the file's blocks on the block kernel, engine.gguf_blocks), and from a Q8_0 copy of the
+(the same codes as the file's blocks on the block kernel, engine.weights.gguf_blocks), and from a Q8_0 copy of the
 embedded model written by llama.cpp's quantizer (when llama-cpp-python is found: KVBOOST_LLAMA_PYTHON or this
 Python) q8_0-blocks (auto: its blocks) and int8-rows (torch's kernels: int8 rows of its values).
 """
@@ -33,7 +33,7 @@ FOLLOW_UP = "Explain that in simpler words."
 def q8_0_copy() -> Path | None:
     """The embedded model requantized to Q8_0 by llama.cpp's quantizer (cached), or None without llama.cpp."""
     from bench.shapes import LLAMA_QUANTIZE, cache_folder, llama_python
-    from engine.loader import default_model_path
+    from engine.weights.loader import default_model_path
 
     target = cache_folder() / "SmolLM2-135M-Instruct.Q8_0.gguf"
     if target.is_file():

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.int4 import Int4Linear, kernel_unavailable
+from engine.weights.int4 import Int4Linear, kernel_unavailable
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
     """bfloat16 / float32 (CPU dry run) and int4 rows of one body at each context, with transformers' own greedy
     loop over the same model beside each (what the engine's own work per token costs)."""
     from engine import EngineConfig, KVBoost
-    from engine.int4 import quantize_model
+    from engine.weights.int4 import quantize_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokenizer = word_tokenizer(body.vocab)
@@ -180,7 +180,7 @@ def profile_rows(body: Body, kernel: str, device: torch.device, context: int, ne
     from torch.profiler import ProfilerActivity, profile
 
     from engine import EngineConfig, KVBoost
-    from engine.int4 import quantize_model
+    from engine.weights.int4 import quantize_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -1,5 +1,5 @@
 """The layer-streaming part of `python -m bench.gpu_check`: a Qwen2.5-32B-shaped stack of random int4 layers
-streamed through engine.streaming on a card capped at 8 GiB, without downloads.
+streamed through engine.weights.streaming on a card capped at 8 GiB, without downloads.
 
 Measured: bare pinned host-to-device bandwidth (one copy of a layer's image against one copy per tensor of the
 same bytes); per layer, the copy alone, the compute alone (one token) and the two overlapped (a streamed pass);
@@ -20,8 +20,8 @@ import time
 import torch
 from torch import nn
 
-from engine.copy_engines import CpuCopyEngine, CudaCopyEngine
-from engine.streaming import enable_streaming, layer_layout, plan_streaming
+from engine.weights.copy_engines import CpuCopyEngine, CudaCopyEngine
+from engine.weights.streaming import enable_streaming, layer_layout, plan_streaming
 
 CAP_BYTES = 8 << 30  # the card the issue is about
 KV_BYTES = 1 << 30  # room for a 4k-token KV of a 32B model (64 layers x 8 KV heads x 128 x 2 x bf16 = 256 KB/token)
@@ -48,7 +48,7 @@ class StreamLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    """What engine.streaming expects of a model: the layers at .model.layers."""
+    """What engine.weights.streaming expects of a model: the layers at .model.layers."""
 
     def __init__(self, layers: list[nn.Module]):
         super().__init__()

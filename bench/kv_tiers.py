@@ -47,8 +47,8 @@ def rag_messages(tokenizer, num_docs=NUM_DOCS, doc_tokens=DOC_TOKENS):
 def child(argv) -> int:
     """`--child warm|restore FOLDER QUANT`: load the model, then warm the rag prompt into FOLDER, or measure in
     this fresh process: the rag prompt served from the disk tier, then the same prompt with cold prefill."""
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
 
     quiet_transformers()
     action, folder, quant = argv
@@ -135,11 +135,11 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     (each document's chunks computed once by the model): a request looks up its document's chunks by chained
     key, counts hits, and stores the misses, as the engine does."""
     from engine.chunking import chunk_spans
-    from engine.eviction import POLICIES
     from engine.keys import content_key
+    from engine.kv.eviction import POLICIES
+    from engine.kv.store import ChunkStore, kv_nbytes
     from engine.plan import chain_keys
     from engine.prefill import slice_kv
-    from engine.store import ChunkStore, kv_nbytes
 
     num_hot, num_cold, doc_tokens = 6, 60, 256
     rng = random.Random(7)
@@ -195,9 +195,9 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
 def bench_memory(engine, print_) -> dict:
     import torch
 
-    from engine.payload_file import encode_file
-    from engine.store import kv_nbytes
-    from engine.tiers import encode_kv
+    from engine.kv.payload_file import encode_file
+    from engine.kv.store import kv_nbytes
+    from engine.kv.tiers import encode_kv
 
     messages = rag_messages(engine.tokenizer)
     ids = engine.encode(messages)[:1024]
@@ -293,8 +293,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sections = args.sections or list(SECTIONS)
 
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
 
     quiet_transformers()
     lines: list[str] = []

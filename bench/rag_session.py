@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--questions", type=int, default=5)
     p.add_argument("--model", default=None)
     args = p.parse_args(argv)
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
 
     quiet_transformers()
     base = KVBoost.from_pretrained(args.model, device="cpu" if args.model is None else "auto",

@@ -28,7 +28,7 @@ def read_bandwidth(threads: int, size_bytes: int = 1 << 30, repeats: int = 5) ->
 
 def step_bytes(model, resident_bytes: int, context: int, kv_element_bytes: int = 4) -> int:
     """Bytes one decode step at `context` tokens reads: every weight held (`resident_bytes`, as
-    engine.weights_report counts them) but the input table (one row of it is read; a table the head
+    engine.weights.weights_report counts them) but the input table (one row of it is read; a table the head
     shares is read whole), and the KV of the context (`kv_element_bytes` a value: float32 on the CPU)."""
     table, head = model.get_input_embeddings(), model.get_output_embeddings()
     shared = {t.data_ptr() for t in [*head.parameters(), *head.buffers()]}

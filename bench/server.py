@@ -57,8 +57,8 @@ def workloads(tokenizer, quick: bool):
 def run(quick: bool = False) -> int:
     import openai
 
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
     from server.thread import ServerThread
 
     quiet_transformers()

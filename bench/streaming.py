@@ -26,10 +26,10 @@ import torch
 from transformers import DynamicCache
 
 from bench.decode import prompt_ids
-from engine.copy_engines import CpuCopyEngine, CudaCopyEngine
-from engine.loader import load_model, pick_device, quiet_transformers, resolve_source
-from engine.streaming import decoder_layers, enable_streaming, kv_cache_bytes, layer_layout, plan_streaming
-from engine.weights_report import weights_report
+from engine.weights.copy_engines import CpuCopyEngine, CudaCopyEngine
+from engine.weights.loader import load_model, pick_device, quiet_transformers, resolve_source
+from engine.weights.streaming import decoder_layers, enable_streaming, kv_cache_bytes, layer_layout, plan_streaming
+from engine.weights.weights_report import weights_report
 
 MIB = 1 << 20
 

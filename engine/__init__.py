@@ -14,7 +14,7 @@ _EXPORTS = {
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
-    "ModelLoadError": "loader",
+    "ModelLoadError": "weights.loader",
     "MAX_BATCH": "worker", "EngineWorker": "worker", "WorkerStopped": "worker",  # the engine thread, its queue
 }
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .kv.store import ANCHOR_LEN, ChunkStore
 from .plan import APPROXIMATE, MISS, Segment
 from .rope import can_rerotate
-from .store import ANCHOR_LEN, ChunkStore
 
 # Shorter shared runs are not worth a re-rotation (and are mostly common phrases, not reused documents).
 MIN_APPROX_TOKENS = 16

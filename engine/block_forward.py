@@ -3,7 +3,7 @@
 transformers' forward runs ~40 PyTorch operations and a dozen module calls per layer; on a small model at decode
 that overhead takes longer than the arithmetic (the embedded 135M model: ~16 ms of a 30 ms step on a 2-core
 AVX2 machine, against llama.cpp's whole 10 ms step). Where every linear of every layer is a BlockLinear
-(engine.gguf_blocks), attention is ROWS (engine.exact_attention) and the cache is a GrowingCache,
+(engine.weights.gguf_blocks), attention is ROWS (engine.exact_attention) and the cache is a GrowingCache,
 `use_block_forward` routes a forward over input ids into `kvb_decoder_packed`, which runs the layers, writes the
 cache and returns the last hidden states; the embedding, the final norm and the head stay the model's own modules.
 A batch of requests (engine.batching) runs through the same call: their rows packed one after the other, each
@@ -25,10 +25,10 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import gguf_blocks
 from .exact_attention import ROWS
-from .gguf_blocks import BlockLinear
 from .live_cache import GrowingCache, GrowingLayer
+from .weights import gguf_blocks
+from .weights.gguf_blocks import BlockLinear
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
@@ -40,7 +40,7 @@ class RowNorm(nn.Module):
     """RMS norm by the C kernel (kvb_rmsnorm): each row's sum of squares in a fixed order, so a row's result is
     the same in any forward; float32 in, float32 out (other dtypes through float32)."""
 
-    own_rounding = True  # not transformers' rounding: part of the model's fingerprint (engine.fingerprint)
+    own_rounding = True  # not transformers' rounding: part of the model's fingerprint (engine.weights.fingerprint)
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()

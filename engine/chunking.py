@@ -2,7 +2,7 @@
 
 Every chunker is prefix-stable: the cuts it makes in a prompt are the cuts it makes in any extension of that
 prompt, except for the last, incomplete chunk, whose cut could still move once more text arrives. Only
-complete chunks get chained keys; the incomplete rest is the "tail" (see engine.store).
+complete chunks get chained keys; the incomplete rest is the "tail" (see engine.kv.store).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each option exists once, here: a field with its default, its allowed values and one line of help
 (`option(default, help, choices=...)`). Everything else is read from the fields: from_pretrained's and
 with_options' keywords (`split_options`: one flat name per option, e.g. "chunk_size" for ChunkingConfig.size),
-the command lines' flags (engine.cli.add_engine_options, one loop), the app's settings (app.settings) and the
+the command lines' flags (cli.kvboost.add_engine_options, one loop), the app's settings (app.settings) and the
 options reference of the documentation (docs/hooks/options.py).
 """
 
@@ -28,9 +28,9 @@ DTYPE_ALIASES = ("fp32", "bf16", "fp16")
 WEIGHT_FORMATS = ("float", "int4", "auto")
 GROUP_SIZES = (32, 64, 128)
 HEAD_FORMATS = ("float", "int8", "int8+embedding", "int4", "int4+embedding")
-HEAD_CHOICES = ("auto", *HEAD_FORMATS)  # "auto": engine.head.auto_head
+HEAD_CHOICES = ("auto", *HEAD_FORMATS)  # "auto": engine.weights.head.auto_head
 INT4_KERNELS = ("reference", "cpu_int4pack", "tinygemm")
-BLOCK_KERNEL = "gguf_blocks"  # engine.gguf_blocks
+BLOCK_KERNEL = "gguf_blocks"  # engine.weights.gguf_blocks
 KERNEL_CHOICES = ("auto", BLOCK_KERNEL, *INT4_KERNELS)
 STREAM_SLOTS = 2  # layer streaming's default copy slots
 SPECULATIVE_MODES = ("prompt-lookup", "draft-model", None)
@@ -145,7 +145,7 @@ class RepairConfig:
 
 @dataclass(frozen=True)
 class KVQuantConfig:
-    """How each tier stores KV: "none" (as computed), "int8" or "int4" (KIVI, engine.kv_quant).
+    """How each tier stores KV: "none" (as computed), "int8" or "int4" (KIVI, engine.kv.kv_quant).
 
     Every tier is lossless by default: reuse never changes an answer. int8/int4 are an explicit opt-in that
     trades exactness for memory (int8 1.9x, int4 3.6x smaller than float16); hits on quantized KV are reported
@@ -194,7 +194,7 @@ class EngineConfig:
                                          kind=int, low=0, optional=True)
     disk_cache_bytes: int | None = option(None, "the disk tier's budget; None: sized from the disk, 0: off",
                                           kind=int, low=0, optional=True)
-    disk_cache_dir: str | None = option(None, "the disk tier's folder; None: engine.disk.default_cache_dir()",
+    disk_cache_dir: str | None = option(None, "the disk tier's folder; None: engine.kv.disk.default_cache_dir()",
                                         kind=str, optional=True)
     disk_busy_timeout_s: float = option(30.0, "how long a disk index write waits for another process's lock",
                                         kind=float, above=0)
@@ -214,7 +214,7 @@ class EngineConfig:
                                                       "the load's draft model), or None (off)",
                                    choices=SPECULATIVE_MODES)
     num_draft: int = option(4, "tokens drafted at most per forward", kind=int, low=1, high=32)
-    # The shared KV tier (engine.remote_tier). A read may take as long as the prefill it saves (the engine's
+    # The shared KV tier (engine.kv.remote_tier). A read may take as long as the prefill it saves (the engine's
     # measured prefill rate times the tokens it restores), at least remote_timeout_s, at most remote_max_wait_s.
     remote_cache: str | None = option(None, "the shared KV tier: a redis://, rediss:// or unix:// URL of a Redis "
                                             "or Valkey store; None: off", kind=str, optional=True)

@@ -18,7 +18,6 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import loader
 from .batching import Forward, RequestStream, batching_unavailable
 from .blend import BLEND_MODEL_TYPES, blend_unavailable
 from .block_forward import use_block_forward
@@ -27,19 +26,20 @@ from .config import EngineConfig, LoadOptions, SamplingConfig, split_options
 from .config import options as config_options
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
-from .fingerprint import fingerprint as model_fingerprint
 from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
+from .kv.tiered_store import build_store
 from .paged import make_cache, spill_unsupported
 from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
-from .stream_setup import Streaming, load_for_streaming, start_streaming, streaming_refusal
 from .thread_math import settle_thread_math
-from .tiered_store import build_store
-from .weights_report import weights_report
+from .weights import loader
+from .weights.fingerprint import fingerprint as model_fingerprint
+from .weights.stream_setup import Streaming, load_for_streaming, start_streaming, streaming_refusal
+from .weights.weights_report import weights_report
 
 
 class UnsupportedModelError(ValueError):
@@ -48,7 +48,7 @@ class UnsupportedModelError(ValueError):
 
 def layer_streaming_unavailable(model_config, device: torch.device, weights: str = "auto") -> str | None:
     """Why layer streaming cannot run for a model of `model_config` loaded with `weights` on `device`, or None
-    when it can (engine.stream_setup.streaming_refusal)."""
+    when it can (engine.weights.stream_setup.streaming_refusal)."""
     return streaming_refusal(model_config, device, weights)
 
 
@@ -90,7 +90,7 @@ class KVBoost:
         self.tokenizer = tokenizer
         self.config = config
         self.name = name
-        self.streaming = streaming  # layer streaming under this model (engine.stream_setup), or None
+        self.streaming = streaming  # layer streaming under this model (engine.weights.stream_setup), or None
         self.draft_model = draft_model  # the smaller model drafting for speculative="draft-model", or None
         self.device = next(model.parameters()).device
         # bfloat16 int4/int8 kernels on the CPU: attention in float64, so a position's KV does not depend on how
@@ -157,7 +157,7 @@ class KVBoost:
         `quiet`: only errors from transformers' logging (no warnings or progress bars), for front ends.
         `cancel`: checked between the stages of the load; once set, the load stops there with engine.Cancelled.
         `progress(done, total, what)`: the load's steps as they happen, from the loading thread
-        (engine.loader.load_model: per decoder layer for GGUF and AWQ models; `total` 0 for a step of unknown
+        (engine.weights.loader.load_model: per decoder layer for GGUF and AWQ models; `total` 0 for a step of unknown
         length). info()["weights"] says what was loaded."""
         if awq_streaming is not None:
             warnings.warn("from_pretrained(awq_streaming=...) is now layer_streaming=... (it streams any int4 or "
@@ -403,7 +403,7 @@ class KVBoost:
     def info(self) -> dict:
         """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
         disk cache folder (None when off) and why it is off, why AWQ layer streaming could not run, and the
-        weights (`format`, `kernel`, `resident_bytes`, ...: engine.weights_report)."""
+        weights (`format`, `kernel`, `resident_bytes`, ...: engine.weights.weights_report)."""
         return {
             "name": self.name,
             "model_type": self.model.config.model_type,
@@ -463,7 +463,7 @@ class KVBoost:
         return report
 
     def cache_stats(self) -> dict:
-        """The store's statistics (engine.store.ChunkStore.stats: each tier under "tiers", the remote one too)."""
+        """The store's statistics (engine.kv.store.ChunkStore.stats: each tier under "tiers", the remote one too)."""
         stats = self.store.stats()
         stats["reuse"] = self.config.reuse
         if self.disk_error:

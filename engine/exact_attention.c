@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* engine/thread_pool.c */
+/* engine/weights/thread_pool.c */
 typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
 void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
 #if defined(__AVX2__) && defined(__FMA__)

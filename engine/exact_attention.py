@@ -18,7 +18,7 @@ straddle a bfloat16 rounding downstream (one in 2^16) to matter. That is not bit
 greedy divergence rate over many prompts is measured (bench, tests) and is zero. Cost: attention at twice its
 float32 time (prefill +15% at 700 tokens on the embedded model; decode +0.15 ms a layer at 1k context).
 
-Where the C kernels build (engine.gguf_blocks' library, engine/exact_attention.c), quantized CPU models use
+Where the C kernels build (engine.weights.gguf_blocks' library, engine/exact_attention.c), quantized CPU models use
 ROWS instead: attention computed one query row at a time in float32, keys in position order, each dot product
 and weighted sum in a fixed order (`row_attention`). A row's result then depends only on its query and on the
 keys and values it attends: bit-identical by construction however the prompt was cut, however many rows run
@@ -53,7 +53,7 @@ def register(name: str = ATTENTION) -> str:
 
 def rows_unavailable() -> str | None:
     """Why ROWS cannot run here (its C kernel cannot be built or loaded), or None."""
-    from .gguf_blocks import unavailable
+    from .weights.gguf_blocks import unavailable
 
     return unavailable("cpu")
 
@@ -64,7 +64,7 @@ def rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torc
     [B or 1, 1 or H, nq, nk] (True: attend) or None (`causal`: the queries are the last nq positions)."""
     import ctypes
 
-    from .gguf_blocks import library
+    from .weights.gguf_blocks import library
 
     batch, heads, nq, dim = query.shape
     kv_heads, nk = key.shape[1], key.shape[2]
@@ -133,11 +133,11 @@ def float64_attention(module, query, key, value, attention_mask, *args, **kwargs
 
 def needs_exact_attention(model) -> bool:
     """Whether `model` rounds activations in its linears on the CPU (to bfloat16 in the int4pack / int8pack
-    kernels, to int8 blocks in engine.gguf_blocks) under float32 attention, where attention's shape-dependent
+    kernels, to int8 blocks in engine.weights.gguf_blocks) under float32 attention, where attention's shape-dependent
     roundings would change reused answers."""
-    from .gguf_blocks import KERNEL, BlockLinear
-    from .head import Int8Linear
-    from .int4 import Int4Linear
+    from .weights.gguf_blocks import KERNEL, BlockLinear
+    from .weights.head import Int8Linear
+    from .weights.int4 import Int4Linear
 
     device = next(iter([*model.parameters(), *model.buffers()])).device
     if device.type != "cpu" or model.config._attn_implementation not in ("sdpa", *EXACT):

@@ -16,7 +16,9 @@ that takes the paged path only when the keys it is handed are the device part of
 on the calling thread and that layer has pages; for every other call (other threads, other caches, layers that
 never spilled) it calls the registered function unchanged. The entry is restored when the last `spilling` block
 in the process exits.
-"""
+
+Over 400 lines: one mechanism, the live KV spilled to host pages, with attention over the pages and its place in
+transformers' cache."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .exact_attention import ATTENTION, ROWS, rows
 from .live_cache import GrowingCache
 
-KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each [1, H_kv, T, D] (as engine.tiers.KV)
+KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per layer (k, v), each [1, H_kv, T, D] (as engine.kv.tiers.KV)
 
 PAGE_TOKENS = 128
 

@@ -19,7 +19,7 @@ from .chunking import Span
 from .keys import chain_key
 
 if TYPE_CHECKING:  # records and the store are only read here, never built
-    from .store import ChunkRecord, ChunkStore
+    from .kv.store import ChunkRecord, ChunkStore
 
 EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
 # An EXACT or PREFIX hit whose KV values are not the computed ones (served from a quantized tier, or computed over

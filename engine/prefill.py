@@ -17,10 +17,10 @@ from transformers import DynamicCache
 from .batching import PAUSE
 from .blend import blend
 from .block_forward import OneCallForward
+from .kv.store import ChunkStore
 from .paged import KV, spilling
 from .plan import APPROXIMATE, MISS, Plan, Segment
 from .rope import rerotate_kv
-from .store import ChunkStore
 
 
 def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,

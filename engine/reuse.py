@@ -5,7 +5,7 @@ Every entry a plan reuses is acquired (ref_count > 0: never evicted or moved) fr
 which the caller runs however the request ends. Stored KV is copied out of the live cache (engine.paged.kv_range,
 spilled pages included): a view would pin the whole cache tensor in memory and defeat the store's byte budget.
 
-With a remote tier (engine.remote_tier), the prompt's complete chunks that no local tier holds are asked of it
+With a remote tier (engine.kv.remote_tier), the prompt's complete chunks that no local tier holds are asked of it
 before planning (one pipelined round trip); what it holds comes into the memory tiers, is reported as served from
 "remote" and gets its disk copy with the request's new chunks, after the first token (never a copy back to the
 store it came from). How long that read may take follows what it saves: each request's prefill is timed, from the
@@ -21,11 +21,11 @@ from .approx import apply_selective, fill_approximate, merge_misses
 from .chunking import TokenBreaks, chunk_spans
 from .config import ChunkingConfig, RepairConfig
 from .keys import chain_key, content_key
+from .kv.remote_tier import RemoteEntry
+from .kv.store import ChunkRecord, ChunkStore
+from .kv.tiers import decode_kv
 from .paged import kv_range
 from .plan import EXACT, MISS, PREFIX, QUANTIZED, Plan, Segment, chain_keys, plan_prompt
-from .remote_tier import RemoteEntry
-from .store import ChunkRecord, ChunkStore
-from .tiers import decode_kv
 
 # Below this share of the prompt, reuse costs more than it saves (see KVReuse.plan).
 MIN_REUSE_FRACTION = 0.25

@@ -403,7 +403,7 @@ def serve(engine, *, model_id: str, host: str = "127.0.0.1", port: int = 8000, a
           log_level: str = "warning", timeouts: Timeouts = Timeouts(), max_batch: int = MAX_BATCH,
           worker: EngineWorker | None = None) -> None:
     """Runs the server in this thread until interrupted, its requests on `worker` (the thread that loaded the
-    engine, best: see server.cli) or an engine thread of its own, decoded up to `max_batch` at once (1: one at a
+    engine, best: see cli.server) or an engine thread of its own, decoded up to `max_batch` at once (1: one at a
     time)."""
     app = create_app(engine, model_id=model_id, api_key=api_key, loopback_only=host in Guard.LOOPBACK_HOSTS,
                      timeouts=timeouts, max_batch=max_batch, worker=worker)

@@ -19,7 +19,7 @@ WAIT_MS = 60_000
 
 
 def gguf_path() -> Path:
-    from engine.loader import default_model_path
+    from engine.weights.loader import default_model_path
 
     return default_model_path()
 
@@ -36,7 +36,7 @@ def hub():
 
 @pytest.fixture
 def library(hub, tmp_path):
-    from engine.models import ModelHub
+    from hub.models import ModelHub
 
     return ModelHub(endpoint=hub.url, cache_dir=tmp_path / "hf-cache", token=False)
 

@@ -321,7 +321,7 @@ def test_the_retrieved_layout_sends_the_top_four_passages(db, tmp_path):
 # -- `kvboost warm FILE` fills the disk cache ---------------------------------------------------------------
 def _kvboost() -> list[str]:
     script = Path(sys.executable).with_name("kvboost")
-    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from engine.cli import main; "
+    return [str(script)] if script.exists() else [sys.executable, "-c", "import sys; from cli.kvboost import main; "
                                                                           "sys.exit(main())"]
 
 
@@ -369,7 +369,7 @@ def test_a_gguf_load_fills_the_bar_layer_by_layer_and_says_what_auto_chose(qtbot
     assert "layer 2 of 2" in seen[2][4]
     assert not window.load_bar.isVisible()
     assert "auto: the file's decoder weights are 4-bit codes" in window.model_label.toolTip()
-    from engine.gguf_blocks import expected_unavailable
+    from engine.weights.gguf_blocks import expected_unavailable
 
     form = "blocks" if expected_unavailable() is None else "int4"  # the file's blocks where the block kernel runs
     assert f"Q4_K->{form} x14" in window.model_label.toolTip()

@@ -129,7 +129,7 @@ def tiny_server_process(tmp_path):
     tokenizer.save_pretrained(folder)
     port = free_port()
     env = {**os.environ, "KVBOOST_CACHE_DIR": str(tmp_path / "kv")}
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--model", str(folder), "--model-name", "tiny",
+    proc = subprocess.Popen([sys.executable, "-m", "cli.server", "--model", str(folder), "--model-name", "tiny",
                              "--port", str(port), "--api-key", KEY, "--device", "cpu"], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

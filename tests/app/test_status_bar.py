@@ -4,6 +4,8 @@ show a word cut mid-letter; a text too long for the width ends in "…" with the
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from PySide6.QtCore import QRect
 from PySide6.QtWidgets import QApplication
@@ -39,6 +41,8 @@ def test_the_status_bar_parts_never_overlap_or_cut_each_other(qtbot, db, client,
     memory = memory_text(int(3.4 * GB), ENGINE)  # a 32B model on a 24 GB card, every tier in use
     window.memory_meter.setText(memory)
     QApplication.processEvents()
+    # drawn at the screen's density, fractional scales kept (test_high_dpi runs this file at 150%)
+    assert window.devicePixelRatioF() == pytest.approx(float(os.environ.get("QT_SCREEN_SCALE_FACTORS", "1")))
     bar = window.statusBar()
     separator = getattr(window, "status_separator", None)
     parts = [w for w in (window.model_label, window.load_bar, window.api_label, separator, window.memory_meter)

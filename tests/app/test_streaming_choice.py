@@ -10,7 +10,7 @@ from PySide6.QtWidgets import QCheckBox, QComboBox, QLabel
 from app.dialogs import ModelDialog
 from app.memory_meter import memory_text
 
-# As engine.weight_sizes.estimate answers for a float folder that fits: auto loads it as float.
+# As engine.weights.weight_sizes.estimate answers for a float folder that fits: auto loads it as float.
 SIZES = {"float": 513 * 2**20, "int4": 171 * 2**20, "outside_layers": 110 * 2**20, "awq": False, "dtype": "float32",
          "auto": {"loads": "float", "why": "float weights (0.5 GB in float32) fit"}}
 NEEDS_INT4 = "needs int4 weights: an AWQ checkpoint, or Weights: int4 (float decoder layers are not streamed)"

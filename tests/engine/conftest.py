@@ -19,8 +19,8 @@ def smollm_int4_engine(smollm_float):
     import copy
 
     from engine import EngineConfig, KVBoost
-    from engine.head import quantize_head
-    from engine.int4 import kernel_unavailable, quantize_model
+    from engine.weights.head import quantize_head
+    from engine.weights.int4 import kernel_unavailable, quantize_model
 
     why = kernel_unavailable("cpu_int4pack", "cpu")
     if why is not None:  # torch builds without the CPU int4 kernel; this one has it, so the tests run here

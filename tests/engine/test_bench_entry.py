@@ -59,7 +59,7 @@ def test_commands_and_reuse_workloads_reach_their_module(argv, option, capsys):
 
 
 def test_kvboost_bench_runs_the_bench_entry_in_a_child_process():
-    code = "import sys; from engine.cli import main; sys.exit(main(['bench', '--help']))"
+    code = "import sys; from cli.kvboost import main; sys.exit(main(['bench', '--help']))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == usage() + "\n"

@@ -13,12 +13,12 @@ from cpu_kernels import needs_cpu_kernel
 from gguf_files import tiny_gguf
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine import gguf_blocks
 from engine.block_forward import RowNorm, RowSiLU, unsupported, use_block_forward, uses_block_forward
 from engine.exact_attention import ROWS, use_exact_attention
-from engine.fingerprint import fingerprint
 from engine.live_cache import GrowingCache
-from engine.loader import load_model, quiet_transformers, resolve_source
+from engine.weights import gguf_blocks
+from engine.weights.fingerprint import fingerprint
+from engine.weights.loader import load_model, quiet_transformers, resolve_source
 
 pytestmark = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
                                 reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")

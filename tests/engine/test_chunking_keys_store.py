@@ -13,9 +13,9 @@ import torch
 
 from engine.chunking import NO_BREAK, PARAGRAPH_BREAK, SENTENCE_BREAK, chunk_spans, classify_token_text
 from engine.config import ChunkingConfig
-from engine.eviction import LRU, ImportanceLRU
 from engine.keys import chain_key, content_key, root_key
-from engine.store import ChunkStore
+from engine.kv.eviction import LRU, ImportanceLRU
+from engine.kv.store import ChunkStore
 
 PERIOD, NEWLINES = 7, 9
 
@@ -140,7 +140,7 @@ def test_importance_lru_keeps_hot_entries_that_lru_evicts(policy, hot_survives):
 
 
 def importance_lru_order(entries, hit_weight=2.0):
-    """Eviction order by the rule in engine/eviction.py and docs/engine.md, from `entries`: name -> [importance,
+    """Eviction order by the rule in engine/kv/eviction.py and docs/engine.md, from `entries`: name -> [importance,
     hits, last_access]. An entry hit h times is kept as if touched hit_weight * log1p(h) * N operations later
     (N: entries competing), scaled by its importance over the competitors' mean; ties go to the older."""
     n = len(entries)

@@ -15,9 +15,9 @@ from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
-from engine.disk import INDEX_FILENAME, DiskTier
-from engine.eviction import LRU
-from engine.store import ChunkStore
+from engine.kv.disk import INDEX_FILENAME, DiskTier
+from engine.kv.eviction import LRU
+from engine.kv.store import ChunkStore
 
 DOC = random_ids(6 * CHUNK + 5, seed=41)
 OTHER_DOC = random_ids(6 * CHUNK + 5, seed=42)

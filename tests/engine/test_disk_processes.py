@@ -12,7 +12,7 @@ import pytest
 from processes import SUPPORT, child_env
 from tiny_models import build_model, build_tokenizer
 
-from engine.disk import DiskTier
+from engine.kv.disk import DiskTier
 
 WORKER = SUPPORT / "disk_worker.py"
 

@@ -12,13 +12,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.disk import DiskTier
-from engine.disk_rows import parse_row
-from engine.eviction import LRU
 from engine.keys import chain_key
-from engine.payload_file import MAGIC, PayloadError, _checksum, decode_bytes, encode_file
-from engine.store import ChunkStore
-from engine.tiers import decode_kv, encode_kv
+from engine.kv.disk import DiskTier
+from engine.kv.disk_rows import parse_row
+from engine.kv.eviction import LRU
+from engine.kv.payload_file import MAGIC, PayloadError, _checksum, decode_bytes, encode_file
+from engine.kv.store import ChunkStore
+from engine.kv.tiers import decode_kv, encode_kv
 
 ROOT = b"r" * 16
 TOKENS = tuple(range(5, 13))

@@ -106,7 +106,7 @@ def test_a_caches_view_of_its_first_positions_is_read_in_place_with_the_same_res
 AVX2_CHILD = """
 import json, sys, torch
 from engine.exact_attention import rows
-from engine import gguf_blocks
+from engine.weights import gguf_blocks
 sys.path.insert(0, sys.argv[1])
 from test_exact_attention import cases
 print(json.dumps({"path": gguf_blocks.vector_path(),

@@ -1,5 +1,5 @@
-"""Float safetensors folders quantized to int4 as they are read (engine.float_int4): the same layers, buffer for
-buffer, as engine.int4.quantize_model makes of the float model transformers loads; no float decoder weight ever
+"""Float safetensors folders quantized to int4 as they are read (engine.weights.float_int4): the same layers, buffer for
+buffer, as engine.weights.int4.quantize_model makes of the float model transformers loads; no float decoder weight ever
 registered; names without the model's prefix; missing, extra, mis-shaped and non-float tensors named in errors."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from tiny_models import ARCHS, build_model, random_ids
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.float_int4 import CheckpointError, load_float_as_int4
-from engine.int4 import Int4Linear, quantize_model
+from engine.weights.float_int4 import CheckpointError, load_float_as_int4
+from engine.weights.int4 import Int4Linear, quantize_model
 
 CPU = torch.device("cpu")
 GROUP = 32
@@ -51,7 +51,7 @@ def ours(folder, dtype=torch.float32, **options):
 
 
 def quantized_float_model(folder, dtype=torch.float32, kernel="reference"):
-    """What weights="int4" made before: transformers' float model, then engine.int4.quantize_model."""
+    """What weights="int4" made before: transformers' float model, then engine.weights.int4.quantize_model."""
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, attn_implementation="sdpa").eval()
     quantize_model(model, group_size=GROUP, kernel=kernel)
     return model

@@ -1,5 +1,5 @@
-"""The GGUF block kernel (engine.gguf_blocks, engine/gguf_blocks.c) against independent references: gguf-py's
-dequantization, float64 products of those values, its own activation rounding checked from its definition, and
+"""The GGUF block kernel (engine.weights.gguf_blocks, engine/weights/gguf_blocks.c) against independent references:
+gguf-py's dequantization, float64 products of those values, its own activation rounding checked from its definition, and
 the same outputs however many rows are multiplied together. Also what happens where it cannot be built."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine import gguf_blocks
-from engine.gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
+from engine.weights import gguf_blocks
+from engine.weights.gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
 
 pytestmark = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
                                 reason=f"block kernel unavailable: {gguf_blocks.unavailable()}")
@@ -175,7 +175,7 @@ CHILD = r"""
 import json, os, sys, numpy as np, torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from engine import gguf_blocks
+from engine.weights import gguf_blocks
 if os.environ.get("TEST_PREBUILT"):  # before anything asks for the kernel
     gguf_blocks.PREBUILT = Path(os.environ["TEST_PREBUILT"])
 from test_gguf_blocks import random_rows, reference_weight, rebuilt_activations
@@ -196,7 +196,7 @@ if out["unavailable"] is None:
                 out.setdefault("tiled", {})[name] = gguf_blocks.matmul(tiles, name, 512, x, tiled=True).tolist()
     out["errors"] = errors
 elif len(sys.argv) > 2:  # a GGUF load where the kernel cannot be built
-    from engine.loader import load_model, resolve_source
+    from engine.weights.loader import load_model, resolve_source
     source = resolve_source(sys.argv[2])
     model, _ = load_model(source, torch.device("cpu"), torch.float32, weights="int4")
     out["layers"] = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("q_proj")})
@@ -281,7 +281,7 @@ def test_without_a_compiler_the_build_shipped_with_the_installers_runs(tmp_path)
 POOL_CHILD = r"""
 import os, threading, torch
 torch.set_num_threads(2)
-from engine import gguf_blocks
+from engine.weights import gguf_blocks
 x = torch.randn(8, 256)
 def tasks():
     return len(os.listdir("/proc/self/task"))

@@ -7,9 +7,9 @@ import pytest
 from gguf_files import ARCH_KEYS, EOS, tiny_gguf, write_gguf
 from transformers import AutoConfig
 
-from engine.gguf_config import FAST_ARCHITECTURES, gguf_config
-from engine.gguf_file import read_gguf
-from engine.gguf_tokenizer import load_gguf_tokenizer, tokenizer_folder
+from engine.weights.gguf_config import FAST_ARCHITECTURES, gguf_config
+from engine.weights.gguf_file import read_gguf
+from engine.weights.gguf_tokenizer import load_gguf_tokenizer, tokenizer_folder
 
 
 @pytest.mark.parametrize("arch,name", [(a, "tiny") for a in FAST_ARCHITECTURES if a != "mistral"] +

@@ -11,8 +11,8 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from gguf_files import pack_q4_k, pack_q5_k, pack_q6_k, patch, string_end, tensor_info_fields, tensor_shapes, tiny_gguf
 
-from engine.gguf_file import read_gguf
-from engine.loader import ModelLoadError, load_model, resolve_source
+from engine.weights.gguf_file import read_gguf
+from engine.weights.loader import ModelLoadError, load_model, resolve_source
 
 CPU = torch.device("cpu")
 

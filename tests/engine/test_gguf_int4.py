@@ -14,11 +14,11 @@ from gguf import GGMLQuantizationType, quants
 from gguf_files import encode
 from tiny_models import random_ids
 
-from engine.fingerprint import fingerprint
-from engine.gguf_int4 import GGUFBlocks, decode_blocks
-from engine.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
-from engine.loader import default_model_path, load_model, resolve_source
-from engine.weights_report import weights_report
+from engine.weights.fingerprint import fingerprint
+from engine.weights.gguf_int4 import GGUFBlocks, decode_blocks
+from engine.weights.int4 import Int4Linear, decoder_linears, dequantize_codes, quantize_model
+from engine.weights.loader import default_model_path, load_model, resolve_source
+from engine.weights.weights_report import weights_report
 
 
 def kernel_bound(weight: torch.Tensor, scales: torch.Tensor, kernel_offsets: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,8 @@ def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm_float, on
 
 def test_the_gguf_loader_builds_the_int4_model_the_blocks_made_over_transformers_float_model(smollm_float, real_blocks,
                                                                                             one_thread):
-    # before engine.gguf_loader, weights="int4" was transformers' float model with each linear replaced by its blocks
+    # before engine.weights.gguf_loader, weights="int4" was transformers' float model with each linear replaced
+    # by its blocks
     before = copy.deepcopy(smollm_float.model)
     quantize_model(before, group_size=128, kernel="reference", layers_from=real_blocks.layer)
     now, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", kernel="reference",

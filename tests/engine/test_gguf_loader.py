@@ -1,5 +1,5 @@
-"""GGUF files loaded straight into their final form (engine.gguf_loader): each tensor type against the float model
-transformers' own GGUF loader builds from the same file (bit for bit for float and int4 codes on the reference
+"""GGUF files loaded straight into their final form (engine.weights.gguf_loader): each tensor type against the float
+model transformers' own GGUF loader builds from the same file (bit for bit for float and int4 codes on the reference
 path, within the stated roundings elsewhere), without a float decoder weight ever existing, the config read from
 the metadata, the tokenizer cache, and the real embedded model."""
 
@@ -13,19 +13,19 @@ from tiny_models import ARCHS
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from engine import gguf_blocks
-from engine.fingerprint import fingerprint
-from engine.gguf_file import read_gguf
-from engine.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
-from engine.head import Int4Embedding, Int8Embedding, Int8Linear
-from engine.int4 import Int4Linear, decoder_linears
-from engine.loader import (
+from engine.weights import gguf_blocks
+from engine.weights.fingerprint import fingerprint
+from engine.weights.gguf_file import read_gguf
+from engine.weights.gguf_loader import FLOAT_TYPES, ROW_TYPES, auto_weights, meta_model
+from engine.weights.head import Int4Embedding, Int8Embedding, Int8Linear
+from engine.weights.int4 import Int4Linear, decoder_linears
+from engine.weights.loader import (
     default_model_path,
     load_model,
     quiet_transformers,
     resolve_source,
 )
-from engine.weights_report import weights_report
+from engine.weights.weights_report import weights_report
 
 CPU = torch.device("cpu")
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -339,7 +339,7 @@ def test_auto_weights_say_int4_for_a_4_bit_file_and_float_otherwise(files):
 def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm_float):
     path = default_model_path()
     reference = transformers_model(path)
-    model = smollm_float.model  # loaded with weights="float" through engine.gguf_loader
+    model = smollm_float.model  # loaded with weights="float" through engine.weights.gguf_loader
     assert set(weights_report(model)["gguf"]) == {"F32->float32", "Q4_1->float32", "Q8_0->float32"}
     want = dict(reference.named_parameters())
     assert sorted(dict(model.named_parameters())) == sorted(want)
@@ -390,8 +390,8 @@ def test_a_load_reports_each_decoder_layer_as_it_is_filled(files, one_thread):
 def test_a_tensor_converted_a_few_rows_at_a_time_holds_what_one_pass_makes(files, kind, monkeypatch, one_thread):
     """Large tensors are dequantized CHUNK_ELEMENTS values at a time and packed for the CPU int4 kernel PACK_ROWS
     rows at a time (bounded memory at 7B); slices of 3 rows / 64-row tiles must give every buffer of one pass."""
-    import engine.gguf_tensors as gguf_tensors
-    import engine.int4 as int4
+    import engine.weights.gguf_tensors as gguf_tensors
+    import engine.weights.int4 as int4
 
     path = files(kind)
     whole = ours(path, weights="int4", head="int8+embedding", group_size=32)
@@ -410,7 +410,7 @@ def test_the_torch_dequantizers_give_gguf_pys_values_bit_for_bit(kind):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from engine.gguf_tensors import dequantize_q6_k, dequantize_q8_0
+    from engine.weights.gguf_tensors import dequantize_q6_k, dequantize_q8_0
 
     rng = np.random.default_rng(5)
     weight = (rng.standard_normal((48, 512)) * rng.uniform(0.01, 3, (48, 1))).astype(np.float32)

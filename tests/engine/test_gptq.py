@@ -1,5 +1,5 @@
-"""GPTQ checkpoints read by our own loader (engine.gptq): the test packer against a dequantization written here from
-the format, every loaded layer equal to the weight the checkpoint means (bit for bit on the reference path, zero 16
+"""GPTQ checkpoints read by our own loader (engine.weights.gptq): the test packer against a dequantization written here
+from the format, every loaded layer equal to the weight the checkpoint means (bit for bit on the reference path, zero 16
 and one group per row included), the model's logits against a float model of those weights, and the checkpoints
 it refuses, each with a GPTQFormatError naming the setting or tensor."""
 
@@ -18,8 +18,8 @@ from tiny_models import random_ids
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.gptq import GPTQFormatError, is_gptq_folder, load_gptq_model, unpack_columns, unpack_rows
-from engine.int4 import Int4Linear, weights_format
+from engine.weights.gptq import GPTQFormatError, is_gptq_folder, load_gptq_model, unpack_columns, unpack_rows
+from engine.weights.int4 import Int4Linear, weights_format
 
 CPU = torch.device("cpu")
 # The int4pack kernel computes in bfloat16 (activations, and each group's scale and offset): two decoder layers'

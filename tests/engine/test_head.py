@@ -1,4 +1,4 @@
-"""The output head and the embedding table in fewer bytes (engine.head): int8 rows against their dequantized
+"""The output head and the embedding table in fewer bytes (engine.weights.head): int8 rows against their dequantized
 weight, torch's int8 kernel within bfloat16 rounding of that, tables that look up the head's own codes, the
 fingerprint telling the formats apart, and the real model with an int8 head and table."""
 
@@ -11,8 +11,8 @@ import torch
 from tiny_models import build_model, random_ids
 from torch import nn
 
-from engine.fingerprint import fingerprint
-from engine.head import (
+from engine.weights.fingerprint import fingerprint
+from engine.weights.head import (
     Int4Embedding,
     Int8Embedding,
     Int8Linear,
@@ -20,9 +20,9 @@ from engine.head import (
     quantize_head,
     quantize_rows_int8,
 )
-from engine.int4 import Int4Linear, dequantize_codes, quantize_rtn
-from engine.loader import load_model, resolve_source
-from engine.weights_report import weights_report
+from engine.weights.int4 import Int4Linear, dequantize_codes, quantize_rtn
+from engine.weights.loader import load_model, resolve_source
+from engine.weights.weights_report import weights_report
 
 CPU_INT8 = int8_kernel_unavailable("cpu_int8pack", "cpu")
 needs_int8_kernel = pytest.mark.skipif(CPU_INT8 is not None, reason=f"no CPU int8 kernel: {CPU_INT8}")

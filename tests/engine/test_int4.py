@@ -18,13 +18,13 @@ from tiny_models import FIRST_WORD, VOCAB, build_model, build_tokenizer, random_
 from torch import nn
 
 from engine import KVBoost
-from engine.awq import unpack_awq
 from engine.config import ChunkingConfig, EngineConfig
 from engine.exact_attention import EXACT
-from engine.fingerprint import fingerprint
-from engine.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
-from engine.loader import load_model, resolve_source
-from engine.weights_report import weights_report
+from engine.weights.awq import unpack_awq
+from engine.weights.fingerprint import fingerprint
+from engine.weights.int4 import Int4Linear, dequantize_codes, kernel_unavailable, quantize_model, quantize_rtn
+from engine.weights.loader import load_model, resolve_source
+from engine.weights.weights_report import weights_report
 
 CPU = torch.device("cpu")
 REPO = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_an_awq_checkpoint_of_another_version_is_a_clear_error(awq_folders, tmp_
     config = json.loads((copy_dir / "config.json").read_text())
     config["quantization_config"]["version"] = "gemv"
     (copy_dir / "config.json").write_text(json.dumps(config))
-    from engine.loader import ModelLoadError
+    from engine.weights.loader import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="GEMM"):
         load(copy_dir, weights="int4")

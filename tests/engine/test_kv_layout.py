@@ -1,4 +1,4 @@
-"""The KV layout a payload read back must have (engine.tiers.KVLayout), shared by the disk and the remote tier: it is
+"""The KV layout a payload read back must have (engine.kv.tiers.KVLayout), shared by the disk and the remote tier: it is
 the layout the model computes for every supported architecture, it refuses payloads of any other shape, dtype or
 quantization even when their byte count is right, and it sizes the remote tier's limit on a value."""
 
@@ -12,14 +12,14 @@ from tiny_models import ARCHS, CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
-from engine.disk import DiskTier
-from engine.disk_rows import entry_fields
-from engine.eviction import LRU
 from engine.keys import chain_key
-from engine.payload_file import encode_file
-from engine.store import ChunkStore
-from engine.tiered_store import _max_value_bytes
-from engine.tiers import KVLayout, encode_kv
+from engine.kv.disk import DiskTier
+from engine.kv.disk_rows import entry_fields
+from engine.kv.eviction import LRU
+from engine.kv.payload_file import encode_file
+from engine.kv.store import ChunkStore
+from engine.kv.tiered_store import _max_value_bytes
+from engine.kv.tiers import KVLayout, encode_kv
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 

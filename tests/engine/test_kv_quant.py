@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_quant import bytes_ratio, dequantize, dequantize_kv, quantize, quantize_kv
+from engine.kv.kv_quant import bytes_ratio, dequantize, dequantize_kv, quantize, quantize_kv
 
 
 def f32_down(v: float) -> float:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from gguf_files import VOCAB, tiny_gguf
 
-from engine.loader import default_model_path, load_model, resolve_source
+from engine.weights.loader import default_model_path, load_model, resolve_source
 
 CPU = torch.device("cpu")
 REL_RMS_BOUND = 0.10

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tiny_models import build_model, build_tokenizer
 
 from engine import KVBoost, ModelLoadError, UnsupportedModelError
-from engine.model_checks import CONFIG_LIMITS
+from engine.weights.model_checks import CONFIG_LIMITS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from engine.config import EngineConfig, LoadOptions, options, split_options
 
 
 def _engine_flags() -> argparse.ArgumentParser:
-    from engine.cli import add_engine_options
+    from cli.kvboost import add_engine_options
 
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
@@ -24,8 +24,8 @@ def _dests(parser) -> dict[str, argparse.Action]:
 
 
 def _commands():
-    from engine.cli import build_parser
-    from server.cli import build_server_parser
+    from cli.kvboost import build_parser
+    from cli.server import build_server_parser
 
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     yield "kvboost-server", build_server_parser()
@@ -66,7 +66,7 @@ def test_every_dataclass_field_is_an_option():
 
 
 def test_parsed_flags_reach_the_load_options_and_the_engine_config():
-    from engine.cli import engine_options
+    from cli.kvboost import engine_options
 
     args = _engine_flags().parse_args([
         "--weights", "int4", "--group-size", "64", "--chunk-size", "64", "--repair", "none", "--speculative", "off",

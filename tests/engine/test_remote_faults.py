@@ -68,7 +68,7 @@ def test_a_killed_or_hung_store_changes_no_answer_and_slows_no_request(redis_ser
                                                                        caplog, one_thread):
     """Each request with the shared tier is timed against the same prompt on an engine without it, right before
     (the same cold prefill, under the same machine load): the difference is what the tier costs."""
-    caplog.set_level(logging.WARNING, logger="engine.remote_tier")
+    caplog.set_level(logging.WARNING, logger="engine.kv.remote_tier")
     base = make_engine(None, tmp_path / "base")
     shared = make_engine(redis_server.url, tmp_path / "shared")
     timed(base, 99), timed(shared, 98)  # one-time costs of a first request

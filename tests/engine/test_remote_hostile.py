@@ -19,11 +19,11 @@ from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
-from engine.kv_quant import QuantizedTensor, quantize
-from engine.payload_file import decode_bytes, encode_file, read_header
-from engine.remote_tier import RemoteEntry, RemoteTier
-from engine.store import ChunkRecord
-from engine.tiers import StoredKV, decode_kv, encode_kv
+from engine.kv.kv_quant import QuantizedTensor, quantize
+from engine.kv.payload_file import decode_bytes, encode_file, read_header
+from engine.kv.remote_tier import RemoteEntry, RemoteTier
+from engine.kv.store import ChunkRecord
+from engine.kv.tiers import StoredKV, decode_kv, encode_kv
 
 DOC_CHUNKS = 10
 DOC = random_ids(DOC_CHUNKS * CHUNK, seed=61)

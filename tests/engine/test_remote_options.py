@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from tiny_models import build_model, build_tokenizer
 
+from cli.kvboost import build_parser
+from cli.server import build_server_parser
 from engine import EngineConfig, KVBoost
-from engine.cli import build_parser
-from engine.remote_tier import remote_namespace, shown_url
-from server.cli import build_server_parser
+from engine.kv.remote_tier import remote_namespace, shown_url
 
 
 def test_the_namespace_follows_kv_quant_device_and_dtype():

@@ -22,9 +22,9 @@ from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.keys import chain_key
-from engine.payload_file import encode_file, read_header
-from engine.remote_tier import RemoteEntry, RemoteTier
-from engine.tiers import KVLayout, StoredKV, decode_kv, encode_kv
+from engine.kv.payload_file import encode_file, read_header
+from engine.kv.remote_tier import RemoteEntry, RemoteTier
+from engine.kv.tiers import KVLayout, StoredKV, decode_kv, encode_kv
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32)

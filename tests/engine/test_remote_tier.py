@@ -19,9 +19,9 @@ from tiny_models import CHUNK, build_model, build_tokenizer
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
-from engine.remote_tier import RemoteEntry, RemoteTier
-from engine.store import ChunkRecord
-from engine.tiers import encode_kv
+from engine.kv.remote_tier import RemoteEntry, RemoteTier
+from engine.kv.store import ChunkRecord
+from engine.kv.tiers import encode_kv
 
 pytestmark = NEEDS_REDIS
 
@@ -205,7 +205,7 @@ def test_a_full_store_that_refuses_writes_still_serves_reads(redis_server):
 
 
 def test_kvboost_cache_stats_shows_the_remote_tier(redis_server, tmp_path, capsys):
-    from engine.cli import main
+    from cli.kvboost import main
 
     run_worker(redis_server.url, tmp_path / "a", "warm", 5)
     assert main(["cache", "stats", "--dir", str(tmp_path / "a"), "--remote-cache", redis_server.url]) == 0

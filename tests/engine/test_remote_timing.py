@@ -21,9 +21,9 @@ from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
 from engine.keys import chain_key
-from engine.payload_file import encode_file
-from engine.remote_tier import DEFAULT_PREFILL_TOKENS_PER_S, RemoteEntry, RemoteTier
-from engine.tiers import encode_kv
+from engine.kv.payload_file import encode_file
+from engine.kv.remote_tier import DEFAULT_PREFILL_TOKENS_PER_S, RemoteEntry, RemoteTier
+from engine.kv.tiers import encode_kv
 
 ROOT = b"\0" * 16
 TOKENS = tuple(range(3, 103))  # one entry of 100 tokens

@@ -11,9 +11,9 @@ from redis_server import BINARY, RedisServer, make_certificates
 from tiny_models import CHUNK
 
 from engine.keys import chain_key
-from engine.remote_tier import RemoteEntry, RemoteTier
-from engine.store import ChunkRecord
-from engine.tiers import encode_kv
+from engine.kv.remote_tier import RemoteEntry, RemoteTier
+from engine.kv.store import ChunkRecord
+from engine.kv.tiers import encode_kv
 
 pytestmark = pytest.mark.skipif(BINARY is None, reason="redis-server is not installed")
 ROOT = b"\0" * 16
@@ -107,7 +107,7 @@ def test_a_reader_held_up_longer_than_the_silence_limit_still_takes_what_the_sto
 
     from fake_resp import FakeResp
 
-    from engine import resp
+    from engine.kv import resp
 
     with FakeResp() as server:
         server.values[b"k"] = b"x" * 4_000_000  # more than one receive takes

@@ -14,7 +14,7 @@ from tiny_models import ARCHS, COMMON, random_ids
 from transformers import LlamaConfig
 
 from engine import KVBoost, UnsupportedModelError
-from engine.stream_setup import probe_bandwidth
+from engine.weights.stream_setup import probe_bandwidth
 
 PROMPT = random_ids(54, seed=3)  # token ids (the tiny tokenizer knows few words)
 
@@ -104,10 +104,10 @@ def test_the_bandwidth_probe_measures_a_real_copy():
 def test_a_model_staged_on_the_host_computes_as_one_loaded_on_its_device(awq_folder, one_thread):
     """What a CUDA load for streaming does (load on the host in the reference layout, lay each layer out for the
     device's kernel and keep it on the host), with the CPU and its kernel standing in for the GPU and tinygemm."""
-    from engine.int4 import Int4Linear, kernel_unavailable
-    from engine.loader import load_model, resolve_source
-    from engine.stream_setup import stage_for_streaming
-    from engine.streaming import decoder_layers
+    from engine.weights.int4 import Int4Linear, kernel_unavailable
+    from engine.weights.loader import load_model, resolve_source
+    from engine.weights.stream_setup import stage_for_streaming
+    from engine.weights.streaming import decoder_layers
 
     if kernel_unavailable("cpu_int4pack", "cpu") is not None:
         pytest.skip("no CPU int4 kernel")

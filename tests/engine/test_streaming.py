@@ -13,10 +13,10 @@ from awq_checkpoints import write_awq_checkpoint
 from tiny_models import ARCHS, COMMON, random_ids
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config
 
-from engine.copy_engines import CpuCopyEngine, CudaCopyEngine
-from engine.int4 import Int4Linear, quantize_model
-from engine.loader import load_model, resolve_source
-from engine.streaming import decoder_layers, enable_streaming, layer_image, layer_layout, plan_streaming
+from engine.weights.copy_engines import CpuCopyEngine, CudaCopyEngine
+from engine.weights.int4 import Int4Linear, quantize_model
+from engine.weights.loader import load_model, resolve_source
+from engine.weights.streaming import decoder_layers, enable_streaming, layer_image, layer_layout, plan_streaming
 
 CPU = torch.device("cpu")
 NUM_LAYERS = 6  # more layers than slots, so slots are reused within a pass

@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from engine.disk import DiskTier
-from engine.eviction import LRU
 from engine.keys import chain_key
-from engine.payload_file import PayloadError, decode_file, encode_file
-from engine.store import ChunkStore, kv_nbytes
-from engine.tiers import MemoryTier, decode_kv, encode_kv
+from engine.kv.disk import DiskTier
+from engine.kv.eviction import LRU
+from engine.kv.payload_file import PayloadError, decode_file, encode_file
+from engine.kv.store import ChunkStore, kv_nbytes
+from engine.kv.tiers import MemoryTier, decode_kv, encode_kv
 
 LAYERS, HEADS, TOKENS, DIM = 3, 3, 128, 64  # SmolLM2-135M's KV head shape, fewer layers
 ROOT = b"root".ljust(16, b".")
@@ -264,7 +264,7 @@ def test_an_unwritable_folder_is_a_clear_error(tmp_path):
 
 
 def test_cache_command_reports_verifies_and_clears_a_folder(tmp_path, capsys):
-    from engine.cli import main
+    from cli.kvboost import main
 
     disk = DiskTier(tmp_path, 1 << 30, "int8", namespace="ns", model_name="tiny")
     disk.describe_namespace({"chunk_size": 128, "kv_quant": "int8"})
@@ -318,7 +318,7 @@ def test_cache_stats_reads_a_folder_without_importing_torch(tmp_path):
 
 
 def test_cache_command_on_a_folder_without_a_cache(tmp_path, capsys):
-    from engine.cli import main
+    from cli.kvboost import main
 
     assert main(["cache", "stats", "--dir", str(tmp_path / "nothing")]) == 0
     assert "no disk KV cache" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""The weight memory shown before loading (engine.weight_sizes) is what loading then holds, per format."""
+"""The weight memory shown before loading (engine.weights.weight_sizes) is what loading then holds, per format."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 from awq_checkpoints import write_awq_checkpoint
 from tiny_models import build_model, build_tokenizer
 
-from engine import gguf_blocks, weight_sizes
-from engine.gguf_loader import auto_block_types
-from engine.head import int8_kernel_unavailable
-from engine.loader import load_model, resolve_source
-from engine.weights_report import weights_report
+from engine.weights import gguf_blocks, weight_sizes
+from engine.weights.gguf_loader import auto_block_types
+from engine.weights.head import int8_kernel_unavailable
+from engine.weights.loader import load_model, resolve_source
+from engine.weights.weights_report import weights_report
 
 CPU = torch.device("cpu")
 

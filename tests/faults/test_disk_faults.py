@@ -20,7 +20,7 @@ from processes import SUPPORT, child_env
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
-from engine.disk import INDEX_FILENAME, DiskTier
+from engine.kv.disk import INDEX_FILENAME, DiskTier
 
 DOCS = [random_ids(4 * CHUNK + 3, seed=60 + i) for i in range(3)]
 QUESTION = random_ids(5, seed=70)

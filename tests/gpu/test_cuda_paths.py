@@ -9,8 +9,8 @@ import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
 from engine import ChunkingConfig, EngineConfig, KVBoost  # noqa: E402
-from engine.loader import pick_dtype  # noqa: E402
-from engine.tiers import default_device_budget  # noqa: E402
+from engine.kv.tiers import default_device_budget  # noqa: E402
+from engine.weights.loader import pick_dtype  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")

@@ -13,7 +13,7 @@ import pytest
 from engine import config
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "server", "app", "bench")
+PACKAGES = ("engine", "engine/kv", "engine/weights", "hub", "cli", "server", "app", "bench")
 
 
 def _architecture_entries() -> dict[str, set[str]]:
@@ -22,7 +22,7 @@ def _architecture_entries() -> dict[str, set[str]]:
     bullets = re.split(r"^- \*\*", text, flags=re.M)[1:]
     named = {}
     for bullet in bullets:
-        package = bullet.split("/", 1)[0]
+        package = bullet.split("/**", 1)[0]
         named[package] = set(re.findall(r"`([A-Za-z_0-9]+\.(?:py|c))`", bullet))
         named[package] |= set(re.findall(r"\(\+ `([A-Za-z_0-9]+\.c)`\)", bullet))
     return named

@@ -283,7 +283,8 @@ def test_an_installed_package_holds_every_source_of_the_block_kernel():
     """The kernel is compiled on the user's machine from its sources: each must be package data."""
     import tomllib
 
-    from engine import gguf_blocks
+    from engine.weights import gguf_blocks
 
-    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
-    assert sorted(source.name for source in gguf_blocks.SOURCES) == sorted(data)
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {f"{package.replace('.', '/')}/{name}" for package, names in data.items() for name in names}
+    assert sorted(source.relative_to(ROOT).as_posix() for source in gguf_blocks.SOURCES) == sorted(shipped)

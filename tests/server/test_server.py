@@ -292,7 +292,7 @@ def test_deeply_nested_json_is_a_400_not_a_crash(server):
 
 
 def test_the_command_line_takes_a_batch_size_of_at_least_one(capsys):
-    from server.cli import build_server_parser
+    from cli.server import build_server_parser
 
     assert build_server_parser().parse_args([]).max_batch == 8
     assert build_server_parser().parse_args(["--max-batch", "1"]).max_batch == 1

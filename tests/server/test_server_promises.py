@@ -148,7 +148,7 @@ def test_a_chat_template_refusal_is_a_400_naming_the_messages(smollm):
 # -- the API key --------------------------------------------------------------------------------------------------
 def test_the_api_key_is_read_from_KVBOOST_API_KEY(smollm, monkeypatch):
     """kvboost-server's options, as its main reads them, with the key only in the environment."""
-    from server.cli import build_server_parser
+    from cli.server import build_server_parser
 
     monkeypatch.delenv("KVBOOST_API_KEY", raising=False)
     assert build_server_parser().parse_args([]).api_key is None

@@ -32,8 +32,8 @@ def conversation(answer):
 
 
 def main() -> int:
+    from cli.kvboost import quiet_transformers
     from engine import KVBoost
-    from engine.cli import quiet_transformers
 
     quiet_transformers()
     engine = KVBoost.from_pretrained(device="cpu")  # the defaults a user gets

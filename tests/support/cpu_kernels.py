@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.int4 import kernel_unavailable
+from engine.weights.int4 import kernel_unavailable
 
 CPU_FAST = kernel_unavailable("cpu_int4pack", "cpu")
 needs_cpu_kernel = pytest.mark.skipif(CPU_FAST is not None, reason=f"no CPU int4 kernel: {CPU_FAST}")

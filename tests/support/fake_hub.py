@@ -1,4 +1,4 @@
-"""A hub of our own on 127.0.0.1 speaking the HTTP that huggingface_hub (and engine.models) send: search
+"""A hub of our own on 127.0.0.1 speaking the HTTP that huggingface_hub (and hub.models) send: search
 (GET /api/models), model info with file metadata (GET /api/models/{repo}[/revision/{rev}]?blobs=true), and
 HEAD / ranged GET of /{repo}/resolve/{rev}/{path} with X-Repo-Commit, ETag / X-Linked-Etag, X-Linked-Size,
 Accept-Ranges and 206 answers. Faults on demand: drop the connection after N bytes of a file, advertise a wrong

@@ -28,7 +28,7 @@ def app_env(**extra: str) -> dict:
 # model start without it.
 NO_TORCH = """
 import sys
-from engine.cli import main
+from cli.kvboost import main
 code = main(sys.argv[1:])
 print("torch imported:", "torch" in sys.modules)
 sys.exit(code)

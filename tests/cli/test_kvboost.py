@@ -1,0 +1,112 @@
+"""The `kvboost` command as users run it: a real process, real stdin/stdout."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVBOOST = [sys.executable, "-m", "cli.kvboost"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(args, stdin=None, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(KVBOOST + args, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+@pytest.mark.slow
+def test_chat_answers_and_reuses_the_conversation():
+    proc = run(["chat", "--max-new-tokens", "24", "--threads", "2"],
+               stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n"
+                     "/stats json\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+    # piped, nothing echoes the question: the chat does, so each answer starts a line of its own
+    assert "you> What is the capital of France?\nbot> " in proc.stdout
+    assert "you> And what language do people speak there?\nbot> " in proc.stdout
+    reused = [int(m) for m in re.findall(r"(\d+)% reused", proc.stderr)]
+    assert len(reused) == 2
+    assert reused[0] == 0 and reused[1] >= 40  # the second turn reuses the first turn and its answer
+    summary = re.search(r"cache: (\d+) entries, (\d+) tokens, .+\nreused (\d+) times", proc.stdout)
+    assert summary and int(summary[1]) > 0 and int(summary[3]) > 0  # /stats: a few lines, not the whole JSON
+    assert '"hits"' in proc.stdout  # /stats json: all of it
+
+
+@pytest.mark.parametrize("command, name", [(["-m", "cli.kvboost"], "kvboost"), (["-m", "cli.server"], "kvboost-server"),
+                                           (["-m", "app.main"], "kvboost-desktop")])
+def test_every_command_says_its_version(command, name):
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    done = subprocess.run([sys.executable, *command, "--version"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0 and done.stdout == f"{name} {version}\n", done.stderr
+
+
+def test_bad_model_path_is_a_clear_error_with_exit_code_2(tmp_path):
+    proc = run(["run", "--model", str(tmp_path / "missing.gguf"), "hello"], timeout=120)
+    assert proc.returncode == 2
+    assert "GGUF file not found" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
+    """A GGUF's load prints each decoder layer as it is filled, then the format auto chose, why, and the mix."""
+    from gguf_files import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", "Q4_K")
+    proc = run(["run", "--model", str(path), "--max-new-tokens", "2", "--disk-cache-bytes", "0", "hi"], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "layer 1 of 2 (1/3)" in proc.stderr and "layer 2 of 2 (2/3)" in proc.stderr
+    loaded = next(line for line in proc.stderr.splitlines() if line.startswith("loaded "))
+    assert "auto: the file's decoder weights are 4-bit codes" in loaded
+    from engine.weights.gguf_blocks import expected_unavailable
+
+    form = "blocks" if expected_unavailable() is None else "int4"  # the file's blocks where the block kernel runs
+    assert f"Q4_K->{form} x14" in loaded and " MiB" in loaded
+
+
+def run_without_model(args):
+    """`kvboost ARGS` in a fresh process (processes.NO_TORCH: it reports whether torch was imported)."""
+    from processes import NO_TORCH, child_env
+
+    return subprocess.run([sys.executable, "-c", NO_TORCH, *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=child_env())
+
+
+def test_models_list_names_the_built_in_model_without_torch(tmp_path):
+    from engine.weights.loader import default_model_path
+
+    done = run_without_model(["models", "--cache-dir", str(tmp_path), "list"])
+    assert done.returncode == 0, done.stderr
+    builtin = default_model_path()
+    assert f"built-in  {builtin.name}" in done.stdout and str(builtin) in done.stdout
+    assert "nothing downloaded" in done.stderr
+    assert "torch imported: False" in done.stdout
+
+
+def _actions(parser):
+    """Every option of `parser` and of its subcommands, as (command path, action)."""
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for path, inner in _actions(sub):
+                    yield (name, *path), inner
+        elif action.option_strings and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            yield (), action
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    from cli.kvboost import build_parser
+    from cli.server import build_server_parser as server_parser
+
+    missing = [f"{prog} {' '.join(path)} {action.option_strings[0]}"
+               for prog, parser in (("kvboost", build_parser()), ("kvboost-server", server_parser()))
+               for path, action in _actions(parser) if not action.help]
+    assert missing == []
