@@ -26,7 +26,7 @@ from .config import EngineConfig, LoadOptions, SamplingConfig, split_options
 from .config import options as config_options
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
-from .generate import Cancelled, Result, Stats, TokenEvent, decode_tokens, run_forward
+from .generate import Cancelled, Decoder, Result, Stats, TokenEvent, decode_tokens, run_forward
 from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
 from .kv.tiered_store import build_store
@@ -292,11 +292,10 @@ class KVBoost:
             # 3) decode. The new chunks are stored once the first token is out (time to first token does
             # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
             tokens = list(ids)  # the prompt, then every sampled token
-            events = decode_tokens(self.model, self.tokenizer, cache, logits, tokens, params, stats,
-                                   device=self.device, eos_ids=self._eos_ids, max_context=self.max_context,
-                                   t_enter=t_enter, cancel=cancel, return_logits=return_logits,
-                                   speculative=self.config.speculative, num_draft=self.config.num_draft,
-                                   draft_model=self.draft_model)
+            decoder = Decoder(self.model, self.tokenizer, self.device, frozenset(self._eos_ids), self.max_context,
+                              self.config.speculative, self.config.num_draft, self.draft_model)
+            events = decode_tokens(decoder, cache, logits, tokens, params, stats, t_enter=t_enter, cancel=cancel,
+                                   return_logits=return_logits)
             storing, chunks_stored = mode != "off", False
             try:
                 sent = None

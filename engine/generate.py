@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import ClassVar, Generator, Sequence
+from typing import Any, ClassVar, Generator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -224,34 +224,50 @@ class Detokenizer:
 BATCHED_MIN_KEPT = 0.5
 
 
+@dataclass(frozen=True)
+class Decoder:
+    """What every answer of one engine is decoded with: the model and its tokenizer, the device, the token ids that
+    end an answer, the context limit, and how tokens are drafted (`speculative`: "prompt-lookup", "draft-model"
+    with `draft_model`, or None; at most `num_draft` a forward)."""
+
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    eos_ids: frozenset[int]
+    max_context: int
+    speculative: str | None = None
+    num_draft: int = DEFAULT_NUM_DRAFT
+    draft_model: Any = None
+
+
 def _drafts_do_not_pay(stats: Stats) -> bool:
     return stats.drafted_tokens > 0 and stats.accepted_tokens < BATCHED_MIN_KEPT * stats.drafted_tokens
 
 
 @torch.inference_mode()  # entered and left around each resume: coroutines interleave on one thread
-def decode_tokens(model, tokenizer, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
-                  params: SamplingConfig, stats: Stats, *, device, eos_ids: set[int], max_context: int,
-                  t_enter: float, cancel: threading.Event | None = None, return_logits: bool = False,
-                  speculative: str | None = None, num_draft: int = DEFAULT_NUM_DRAFT,
-                  draft_model=None) -> Generator:
+def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, ids: list[int],
+                  params: SamplingConfig, stats: Stats, *, t_enter: float, cancel: threading.Event | None = None,
+                  return_logits: bool = False) -> Generator:
     """Samples up to max_new_tokens from `logits`, the next-token logits [V] after the prompt `ids` whose KV
     fills `cache`, feeding each token back, until EOS, a stop string, the context limit or `cancel` (checked
     before every step). Every sampled token is appended to `ids`, so the caller can store the KV of
-    ids[:cache length] however the loop ended. `speculative` "prompt-lookup": up to `num_draft` tokens drafted
-    from the context are checked in the forward that feeds each token (engine.speculative; not over a cache
-    that spills, which cannot be cut back); "draft-model": drafted by `draft_model` (engine.draft_model).
+    ids[:cache length] however the loop ended. The decoder's "prompt-lookup": up to its `num_draft` tokens
+    drafted from the context are checked in the forward that feeds each token (engine.speculative; not over a
+    cache that spills, which cannot be cut back); "draft-model": drafted by its draft model (engine.draft_model).
     Completes `stats` (times from `t_enter`, the call's start) and
     yields it in the Result, after the TokenEvents. A coroutine: it also yields a batching.Forward for every
     forward pass it needs, and whoever runs it sends back the logits (batching.drive_alone, batching.Batch)."""
+    model, device, eos_ids, max_context = decoder.model, decoder.device, decoder.eos_ids, decoder.max_context
+    speculative, num_draft = decoder.speculative, decoder.num_draft
     prompt_len = len(ids)
     generator = None
     if params.temperature > 0:
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little"))
-    detok = Detokenizer(tokenizer, params.stop)
+    detok = Detokenizer(decoder.tokenizer, params.stop)
     drafts = None
     if speculative and not isinstance(cache, SpillingCache):
-        drafts = DraftModel(draft_model, ids, device) if speculative == "draft-model" else NgramIndex(ids)
+        drafts = DraftModel(decoder.draft_model, ids, device) if speculative == "draft-model" else NgramIndex(ids)
     rowwise = drafts is not None and hasattr(model, "config") and spill_unsupported(model) is None
     finish = None  # why the loop ended, once it has
     batched = False  # whether the last forward served other requests too (engine.batching)

@@ -14,7 +14,7 @@ from torch import nn
 from engine import EngineConfig, KVBoost
 from engine.batching import drive_alone
 from engine.config import ChunkingConfig, SamplingConfig
-from engine.generate import Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
+from engine.generate import Decoder, Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify
 
@@ -147,9 +147,9 @@ def test_sampled_continuations_follow_the_models_distribution_with_speculation(m
         logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
         ids, stats = list(prompt), Stats()
         params = SamplingConfig(max_new_tokens=3, temperature=1.0, seed=seed)
-        events = decode_tokens(model, tokenizer, cache, logits, ids, params, stats, device=torch.device("cpu"),
-                               eos_ids={EOS}, max_context=1000, t_enter=0.0, speculative=mode,
-                               num_draft=2, draft_model=model)  # the draft model: its own greedy path
+        decoder = Decoder(model, tokenizer, torch.device("cpu"), frozenset({EOS}), 1000, speculative=mode,
+                          num_draft=2, draft_model=model)  # the draft model: its own greedy path
+        events = decode_tokens(decoder, cache, logits, ids, params, stats, t_enter=0.0)
         cpu = torch.device("cpu")
         result = [e for e in drive_alone(events, lambda f: run_forward(model, f, cpu)) if isinstance(e, Result)][0]
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
