@@ -92,32 +92,33 @@ class PackedCache(DynamicCache):
 
 _local = threading.local()  # .packed: the PackedCache of the forward running on this thread, if any
 _hook_lock = threading.Lock()
-_hooks: dict[str, list] = {}  # attention implementation -> [packed forwards running, the function wrapped]
+_splitters: dict[str, Any] = {}  # attention implementation -> the splitter registered for it
+
+
+def _register_splitter(impl: str) -> None:
+    """Registers for `impl`, once, a function that runs the registered one per request where this thread's packed
+    forward handed back the keys, and unchanged everywhere else (other threads, other caches, no packed forward).
+    Registered again only where something has replaced it since (it wraps whatever is registered then)."""
+    with _hook_lock:
+        current = ALL_ATTENTION_FUNCTIONS.get(impl)
+        if current is None or current is _splitters.get(impl):
+            return
+        if getattr(current, "splits_packed", False):  # one of ours, put back by a hook that had wrapped it
+            _splitters[impl] = current
+            return
+        _splitters[impl] = ALL_ATTENTION_FUNCTIONS[impl] = _splitter(current)
 
 
 @contextmanager
 def _split_attention(impl: str, packed: PackedCache):
     """Within the block, attention calls on this thread whose keys are what `packed` handed back run per
-    request; every other call (other threads, other caches) goes to the registered function unchanged."""
-    with _hook_lock:
-        if impl not in _hooks:
-            registered = ALL_ATTENTION_FUNCTIONS.get(impl)
-            previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(impl)
-            ALL_ATTENTION_FUNCTIONS[impl] = _splitter(registered)
-            _hooks[impl] = [0, registered, previous]
-        _hooks[impl][0] += 1
+    request (the registry is written once per implementation, not per forward)."""
+    _register_splitter(impl)
     _local.packed = packed
     try:
         yield
     finally:
         _local.packed = None
-        with _hook_lock:
-            _hooks[impl][0] -= 1
-            if not _hooks[impl][0]:
-                _, _, previous = _hooks.pop(impl)
-                del ALL_ATTENTION_FUNCTIONS[impl]
-                if previous is not None:
-                    ALL_ATTENTION_FUNCTIONS[impl] = previous
 
 
 def _splitter(registered):
@@ -136,6 +137,7 @@ def _splitter(registered):
                 outputs.append(out)  # [1, 1, H, D]
         return torch.cat(outputs, dim=1), None
 
+    attention.splits_packed = True
     return attention
 
 

@@ -300,3 +300,38 @@ def test_a_batched_request_stops_drafting_when_its_drafts_are_not_kept(one_threa
     low = [(a, b) for a, b in zip(alone, together) if a.stats.accepted_tokens < 0.5 * a.stats.drafted_tokens]
     assert low, "a prompt whose drafts a random model mostly rejects"
     assert sum(b.stats.drafted_tokens for _, b in low) < sum(a.stats.drafted_tokens for a, _ in low)
+
+
+@torch.inference_mode()
+def test_the_attention_registry_is_written_once_not_at_every_packed_forward(smollm_int4_engine, monkeypatch):
+    """The per-request split of attention is registered in transformers' process-wide registry once; packed
+    forwards after that leave the registry alone, and a call outside a packed forward gets the registered
+    function's own result."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from engine.exact_attention import ROWS, row_attention
+
+    model, cpu = smollm_int4_engine.model, torch.device("cpu")  # its layers run as modules, attention through
+    impl = model.config._attn_implementation                      # the registry: row by row, under int4
+    assert impl == ROWS
+    caches = [GrowingCache() for _ in range(2)]
+    for prompt, cache in zip(([1000, 1001, 1002], [3000, 3001]), caches):
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache)
+    packed_forward(model, [Forward([2000], caches[0]), Forward([2100], caches[1])], cpu)  # registers if needed
+    writes = []
+    registry = type(ALL_ATTENTION_FUNCTIONS)
+    original_set, original_del = registry.__setitem__, registry.__delitem__
+    monkeypatch.setattr(registry, "__setitem__", lambda self, k, v: (writes.append(k), original_set(self, k, v)))
+    monkeypatch.setattr(registry, "__delitem__", lambda self, k: (writes.append(k), original_del(self, k)))
+    for step in range(3):
+        packed_forward(model, [Forward([2001 + step], caches[0]), Forward([2101 + step], caches[1])], cpu)
+    assert writes == []
+    q, k, v = (torch.randn(1, 9, 5, 64) for _ in range(3))
+    k, v = k[:, :3], v[:, :3]
+
+    class Module(torch.nn.Module):
+        is_causal, training, num_key_value_groups, layer_idx = True, False, 3, 0
+
+    out, _ = ALL_ATTENTION_FUNCTIONS[impl](Module(), q, k, v, None, scaling=0.125, dropout=0.0)
+    want, _ = row_attention(Module(), q, k, v, None, scaling=0.125, dropout=0.0)
+    assert torch.equal(out, want)
