@@ -102,7 +102,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             g = torch.Generator().manual_seed(context)
             ids = torch.randint(3, body.vocab, (context,), generator=g).tolist()
             engine.generate(ids, max_new_tokens=4, temperature=0)  # warm-up: kernels, allocator, rotary tables
-            graphs = engine._graph_step
+            graphs = engine.runner.graph_step
             captures, capture_s = (graphs.captures, graphs.capture_s) if graphs is not None else (0, 0.0)
             result = engine.generate(ids, max_new_tokens=new_tokens, temperature=0)
             stats = result.stats

@@ -239,8 +239,8 @@ class RequestStream:
 def _run_alone(engine, steps):
     """The request's events under the engine's lock. A function, not a method of RequestStream: a generator
     holding the stream would keep it alive through a reference cycle after its consumer let go."""
-    with engine._one_request():
-        yield from drive_alone(steps, engine._forward)
+    with engine.runner.one_request():
+        yield from drive_alone(steps, engine.runner.forward)
 
 
 @dataclass(eq=False)
@@ -281,12 +281,12 @@ class Batch:
         steps, other work on those engines can run: a warm-up, a request on another thread)."""
         engines = sorted({id(m.engine): m.engine for m in self.members}.items())
         for _, engine in engines:
-            engine._lock.acquire()
+            engine.runner.lock.acquire()
         try:
             self._step()
         finally:
             for _, engine in reversed(engines):
-                engine._lock.release()
+                engine.runner.lock.release()
 
     def _step(self) -> None:
         for member in list(self.members):
@@ -298,7 +298,7 @@ class Batch:
         forwards = [m.waiting for m in ready]
         try:
             if len(ready) == 1:
-                results = [engine._forward(forwards[0])]
+                results = [engine.runner.forward(forwards[0])]
             else:
                 results = packed_forward(engine.model, forwards, engine.device)
         except BaseException as exc:  # a failed forward fails the requests in it; the batch goes on

@@ -9,7 +9,6 @@ where they are taken.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
@@ -26,7 +25,7 @@ from .config import EngineConfig, LoadOptions, SamplingConfig, split_options
 from .config import options as config_options
 from .draft_model import draft_model_mismatch
 from .exact_attention import use_exact_attention
-from .generate import Cancelled, Decoder, Result, Stats, TokenEvent, decode_tokens, run_forward
+from .generate import Cancelled, Decoder, Result, Stats, TokenEvent, decode_tokens
 from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
 from .kv.tiered_store import build_store
@@ -35,6 +34,7 @@ from .prefill import prefill_steps
 from .prompt import Messages, encode
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
+from .runner import ModelRunner
 from .thread_math import settle_thread_math
 from .weights import loader
 from .weights.fingerprint import fingerprint as model_fingerprint
@@ -112,14 +112,14 @@ class KVBoost:
             reason = spill_unsupported(model)
             if reason is not None:
                 raise UnsupportedModelError(f"live_kv_bytes (spilling the live KV to host RAM): {reason}")
-        self._lock = threading.Lock()
-        self._owner: int | None = None
         self._weights_report: dict | None = None
         # One-token decode steps replayed from a CUDA graph where they can be (engine.graph_decode)
         self.graphs_unavailable = graph_decode_unavailable(model, enabled=config.cuda_graphs,
                                                            streaming=streaming is not None,
                                                            spilling=config.live_kv_bytes is not None)
-        self._graph_step = GraphDecode(model) if self.graphs_unavailable is None else None
+        # The model run one request (or one batched step) at a time (engine.runner)
+        self.runner = ModelRunner(model, self.device,
+                                  GraphDecode(model) if self.graphs_unavailable is None else None)
 
     def _check_approx_support(self):
         """RoPE parameters for re-rotation; ValueError when this model's keys cannot be moved exactly or the
@@ -340,27 +340,6 @@ class KVBoost:
         if self.config.live_kv_bytes is not None:
             return "the live KV spills to host memory (live_kv_bytes), one request at a time"
         return batching_unavailable(self.model)
-
-    def _forward(self, forward: Forward) -> torch.Tensor:
-        """A Forward of one request run by itself: a one-token step from the CUDA graph where it can run."""
-        if self._graph_step is not None and len(forward.tokens) == 1:
-            logits = self._graph_step(forward.tokens[0], forward.cache)
-            if logits is not None:
-                return logits[None]
-        return run_forward(self.model, forward, self.device)
-
-    @contextlib.contextmanager
-    def _one_request(self):
-        # Requests on one engine run one at a time; a second stream opened and iterated on the thread that
-        # holds the first would wait for itself forever, so that is an error.
-        if self._owner == threading.get_ident():
-            raise RuntimeError("a stream is still open on this engine in this thread; finish or close it first")
-        with self._lock:
-            self._owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._owner = None
 
     def generate(self, prompt: str | Messages, **kwargs) -> Result:
         result = None

@@ -237,7 +237,7 @@ def test_a_front_end_that_fails_on_an_event_fails_only_its_own_request(one_threa
         batch.step()
     assert isinstance(rec.ends["broken"], OSError) and rec.ends["fine"] is None
     assert rec.result("fine").token_ids == want.token_ids
-    assert not engine._lock.locked()  # the engine is free again for requests alone
+    assert not engine.runner.lock.locked()  # the engine is free again for requests alone
 
 
 def test_batched_requests_store_their_chunks_and_a_later_request_reuses_them_exactly(one_thread):
@@ -283,7 +283,7 @@ def test_stopping_the_worker_ends_every_batched_request_with_a_result(one_thread
     assert worker.stop(10)
     results = [[e for e in it if isinstance(e, Result)][0] for it in events]
     assert [r.finish_reason for r in results] == ["cancelled"] * 3
-    assert not engine._lock.locked()
+    assert not engine.runner.lock.locked()
 
 
 def test_a_batched_request_stops_drafting_when_its_drafts_are_not_kept(one_thread):

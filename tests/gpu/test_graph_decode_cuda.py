@@ -37,7 +37,7 @@ def test_graph_decoding_gives_the_answers_of_eager_decoding(tiny_cuda):
     theirs = eager.generate(PROMPT, max_new_tokens=24, temperature=0)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24
     # one capture for the first block, one when the cache grew into its second
-    assert graphed._graph_step.captures == 2
+    assert graphed.runner.graph_step.captures == 2
 
 
 def test_an_exact_hit_decodes_the_same_under_graphs(tiny_cuda):
@@ -55,7 +55,7 @@ def test_drafted_checks_and_graph_steps_share_one_cache(tiny_cuda):
     plain = engine_on(tiny_cuda, reuse="off", cuda_graphs=False)
     ours = drafting.generate(prompt, max_new_tokens=32, temperature=0)
     assert ours.token_ids == plain.generate(prompt, max_new_tokens=32, temperature=0).token_ids
-    assert drafting._graph_step.captures >= 1
+    assert drafting.runner.graph_step.captures >= 1
 
 
 def test_a_bfloat16_graph_step_stays_within_rounding_of_the_eager_step():
