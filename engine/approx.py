@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .kv.store import ANCHOR_LEN, ChunkStore
-from .plan import APPROXIMATE, MISS, Segment
+from .kv.store import ANCHOR_LEN
+from .plan import APPROXIMATE, MISS, ChunkLookup, Segment
 from .rope import can_rerotate
 
 # Shorter shared runs are not worth a re-rotation (and are mostly common phrases, not reused documents).
@@ -38,7 +38,7 @@ def merge_misses(segments: list[Segment]) -> list[Segment]:
     return out
 
 
-def fill_approximate(segments: list[Segment], ids: Sequence[int], store: ChunkStore, rope,
+def fill_approximate(segments: list[Segment], ids: Sequence[int], store: ChunkLookup, rope,
                      min_tokens: int = MIN_APPROX_TOKENS) -> list[Segment]:
     """Replaces parts of MISS segments by APPROXIMATE segments where stored chunks hold the same tokens."""
     out: list[Segment] = []
@@ -90,7 +90,7 @@ def _extend_into_parents(ids, lo, start, record, offset, store) -> list[Segment]
     while tokens agree. Returns the extra segments, in prompt order."""
     found: list[Segment] = []
     while offset == 0 and start > lo:
-        parent = store.records.get(record.parent)
+        parent = store.record(record.parent)
         if parent is None or parent.kind != "chunk" or parent.start + parent.num_tokens != record.start:
             break
         back = 0

@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 from .chunking import Span
 from .keys import chain_key
 
-if TYPE_CHECKING:  # records and the store are only read here, never built
-    from .kv.store import ChunkRecord, ChunkStore
+if TYPE_CHECKING:  # records are only read here, never built
+    from .kv.store import ChunkRecord
+
+
+class ChunkLookup(Protocol):
+    """What planning reads of a store: records by key and by relation, never payloads (engine.kv.store.ChunkStore
+    is one)."""
+
+    def record(self, key: bytes) -> ChunkRecord | None:
+        """The entry under `key` (any kind), or None."""
+
+    def get_chunk(self, key: bytes) -> ChunkRecord | None:
+        """The exact chunk under `key`, or None."""
+
+    def children(self, parent: bytes) -> list[ChunkRecord]:
+        """The chunks stored right after `parent`."""
+
+    def anchored(self, tokens: tuple[int, ...]) -> list[tuple[ChunkRecord, int]]:
+        """(chunk, offset) wherever a chunk holds these anchor tokens."""
 
 EXACT, PREFIX, APPROXIMATE, MISS = "EXACT", "PREFIX", "APPROXIMATE", "MISS"
 # An EXACT or PREFIX hit whose KV values are not the computed ones (served from a quantized tier, or computed over
@@ -95,7 +112,7 @@ def _longest_common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _best_child(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[ChunkRecord | None, int]:
+def _best_child(store: ChunkLookup, parent: bytes, rest: Sequence[int]) -> tuple[ChunkRecord | None, int]:
     """Among the exact entries stored right after `parent` (tails, and chunks whose text went on differently),
     the one sharing the longest token prefix with `rest`, and that length: token-granular reuse, as a radix
     tree would give."""
@@ -109,7 +126,7 @@ def _best_child(store: ChunkStore, parent: bytes, rest: Sequence[int]) -> tuple[
     return best, best_len
 
 
-def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: bytes, store: ChunkStore | None,
+def plan_prompt(ids: list[int], spans: list[Span], num_complete: int, root: bytes, store: ChunkLookup | None,
                 mode: str, refine=None) -> Plan:
     """Decides, per token range, whether it is reused or computed. mode: "off" | "prefix" | "chunk".
     `refine(segments)` (optional) may turn parts of MISS segments into other kinds (APPROXIMATE reuse)."""

@@ -145,7 +145,10 @@ class ChunkStore:
     def num_bytes(self) -> int:
         return self.device_tier.num_bytes
 
-    # -- lookup -------------------------------------------------------------------------------------------
+    # -- lookup (engine.plan.ChunkLookup) --------------------------------------------------------------------
+    def record(self, key: bytes) -> ChunkRecord | None:
+        return self.records.get(key)
+
     def get_chunk(self, key: bytes) -> ChunkRecord | None:
         record = self.records.get(key)
         if record is None or record.kind != "chunk" or not record.exact:

@@ -303,3 +303,43 @@ def test_a_random_selection_recomputes_as_many_reused_tokens_the_same_on_every_r
     for keep in (by_deviation, drawn):
         assert len(keep) == 5 + 10 and set(torch.nonzero(~reused).squeeze(1).tolist()) <= set(keep.tolist())
     assert not torch.equal(drawn, by_deviation)
+
+
+class _Lookup:
+    """Only what planning may read of a store (engine.plan.ChunkLookup): no payloads, no records table."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store):
+        self._store = store
+
+    def record(self, key):
+        return self._store.record(key)
+
+    def get_chunk(self, key):
+        return self._store.get_chunk(key)
+
+    def children(self, parent):
+        return self._store.children(parent)
+
+    def anchored(self, tokens):
+        return self._store.anchored(tokens)
+
+
+def test_planning_reads_the_store_through_its_narrow_lookup_alone(parts):
+    """Planning (EXACT, PREFIX and APPROXIMATE, documents extended into the chunks stored before them) needs
+    nothing of a store but ChunkLookup's four reads: the same plan over those alone as over the store."""
+    import copy
+
+    eng = engine(parts, mode="none")
+    for doc in DOCS:
+        eng.warm(doc)
+    eng.warm(rag_prompt([0, 1], question_seed=3))  # a prompt whose documents follow each other in stored chunks
+    narrow = copy.copy(eng._reuse)
+    narrow.store = _Lookup(eng.store)
+    for order, seed in (([3, 0, 4, 1, 2], 5), ([0, 1], 3), ([1, 0, 2], 8)):
+        ids = rag_prompt(order, question_seed=seed)
+        want, got = eng._reuse.plan(ids, "approx"), narrow.plan(ids, "approx")
+        assert got.chunk_rows() == want.chunk_rows()
+        assert [(s.start, s.end, s.kind, s.record.key if s.record else None, s.offset) for s in got.segments] == \
+               [(s.start, s.end, s.kind, s.record.key if s.record else None, s.offset) for s in want.segments]
