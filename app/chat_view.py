@@ -171,6 +171,7 @@ class MessageWidget(QFrame):
             header.addWidget(button)
         layout.addLayout(header)
         self.body = _AutoHeightBrowser()
+        self.body.setAccessibleName("Your message" if message["role"] == "user" else "Answer")
         self.body.anchorClicked.connect(self.on_link_clicked)
         self.code_blocks: list[str] = []  # what each code block's Copy link copies
         layout.addWidget(self.body)
@@ -178,6 +179,7 @@ class MessageWidget(QFrame):
         layout.addLayout(self.sources_row)
         self.cache_map = QTextBrowser()
         self.cache_map.setObjectName("cacheMap")
+        self.cache_map.setAccessibleName("Cache map")
         self.cache_map.setMinimumHeight(220)
         self.cache_map.hide()
         layout.addWidget(self.cache_map)

@@ -30,7 +30,13 @@ def spoken_name(widget: QWidget) -> str:
 
 def test_every_control_that_takes_the_focus_has_a_name_a_screen_reader_says(shown):
     window = shown
+    window.current_tab().chat_view.add_message({"id": 1, "role": "user", "content": "Show `x` in code"})
+    answer = window.current_tab().chat_view.add_message(
+        {"id": 2, "role": "assistant", "content": "```python\nx = 1\n```\nSee [the docs](https://example.org).",
+         "stats": {"ttft_ms": 30.0, "prompt_tokens": 12, "reused_tokens": 0}})
+    answer.map_button.setChecked(True)  # the cache map shown too
     window.new_conversation()  # a second tab: its controls too
+    window.tabs.setCurrentIndex(0)
     QApplication.processEvents()
     focusable = [w for w in window.findChildren(QWidget) if w.isVisible() and w.focusPolicy() != Qt.NoFocus]
     assert len(focusable) >= 8  # the message box, Send, Add documents, search, list, model picker, tabs, messages
