@@ -79,6 +79,13 @@ def messages_for(docs: list[NeedleDoc], question: NeedleQuestion) -> list[dict]:
             {"role": "user", "content": f"{body}Question: {question.question}"}]
 
 
+def layout_messages(docs: list[NeedleDoc], order: list[int]) -> list[dict]:
+    """The documents as a question's prompt lays them out, without the question: after the system prompt, in
+    `order`, in one user turn."""
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "".join(document_block(docs[i]) for i in order)}]
+
+
 def warm_messages(doc: NeedleDoc) -> list[dict]:
     """A document as the app pre-warms it: after the same system prompt, alone in a user turn."""
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": document_block(doc)}]

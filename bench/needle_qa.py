@@ -12,14 +12,20 @@ ACCURACY_SLACK_POINTS = 2.0
 def run_needle(engines, texts, corpus, sizes, progress) -> Workload:
     docs = needle.make_documents(num_docs=sizes.needle_docs, chars=sizes.needle_chars)
     questions = needle.make_questions(docs, sizes.needle_questions, docs_per_prompt=sizes.needle_docs_per_prompt)
+    warmed = ("pre-warmed each document alone, as the app does for a dropped file" if sizes.needle_warm == "alone"
+              else "pre-warmed all the documents in one prompt after the system prompt, in the order they were "
+                   "made (each document's KV saw other documents before it)")
     wl = Workload("needle", f"{len(questions)} questions, each over {sizes.needle_docs_per_prompt} of "
                   f"{len(docs)} documents (~{sizes.needle_chars} characters of Python documentation, one planted "
-                  "5-digit code each) in a new order; every reuse engine pre-warmed each document alone, as the "
-                  "app does for a dropped file; accuracy = the code is in the reply",
+                  f"5-digit code each) in a new order; every reuse engine {warmed}; accuracy = the code is in the "
+                  "reply",
                   {"num_docs": len(docs), "num_questions": len(questions), "chars": sizes.needle_chars,
-                   "docs_per_prompt": sizes.needle_docs_per_prompt})
+                   "docs_per_prompt": sizes.needle_docs_per_prompt, "warm": sizes.needle_warm})
     for mode, engine in engines.items():
         if mode != REFERENCE:
+            if sizes.needle_warm == "layout":
+                engine.warm(needle.layout_messages(docs, list(range(len(docs)))))
+                continue
             for doc in docs:
                 engine.warm(needle.warm_messages(doc))
     for i, question in enumerate(questions, start=1):

@@ -14,6 +14,7 @@ mode's generated token ids with those of "off" on the same prompt.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -171,7 +172,7 @@ def _meta(engine, modes: Sequence[str], quick: bool) -> dict:
 
 # -- entry points -------------------------------------------------------------------------------------------
 def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: bool = False,
-        modes: Sequence[str] = DEFAULT_MODES, progress: Progress | None = None) -> dict:
+        modes: Sequence[str] = DEFAULT_MODES, progress: Progress | None = None, needle_warm: str = "alone") -> dict:
     """Runs the named workloads ("all" for every one) and prints Markdown tables to `out`. Returns every raw
     number as a JSON-ready dict. `engine`: a loaded KVBoost (default: the embedded model); its reuse setting
     does not matter, each of `modes` gets its own engine over the same weights ("off" is always run: it is
@@ -198,7 +199,7 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
 
         progress("loading model")
         engine = KVBoost.from_pretrained(disk_cache_bytes=0)  # every run starts cold: no entries from the last
-    sizes = QUICK if quick else FULL
+    sizes = dataclasses.replace(QUICK if quick else FULL, needle_warm=needle_warm)
     t_start = time.perf_counter()
     meta = _meta(engine, modes, quick)
     print(f"# KVBoost bench{' (quick)' if quick else ''}\n", file=out)
@@ -245,6 +246,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
                         help=f"comma-separated reuse modes to compare with off, among {', '.join(REUSE_MODES)} "
                              f"(default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument("--needle-warm", choices=("alone", "layout"), default="alone",
+                        help="needle: reuse engines warm each document alone after the system prompt (default, as "
+                             "the app does), or all of them in one prompt (each one's KV saw others before it)")
     args = parser.parse_args(argv)
     bad = [w for w in args.workloads if w not in WORKLOADS + ("all",)]
     if bad:
@@ -275,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # ModelLoadError, UnsupportedModelError, a bad device
         print(f"kvboost bench: {exc}", file=sys.stderr)
         return 1
-    results = run(args.workloads, engine=engine, quick=args.quick, modes=modes, progress=progress)
+    results = run(args.workloads, engine=engine, quick=args.quick, modes=modes, progress=progress,
+                  needle_warm=args.needle_warm)
     if json_file is not None:
         with json_file:
             json.dump(results, json_file, indent=1)

@@ -23,6 +23,10 @@ class Sizes:
     needle_docs_per_prompt: int = 5
     needle_questions: int = 24
     needle_chars: int = 1300
+    # How reuse engines warm the needle documents: "alone" (each after the system prompt, as the app pre-warms a
+    # dropped file) or "layout" (all of them in one prompt after the system prompt, in the order they were made:
+    # each document's KV saw other documents before it, as it does when asked about among them)
+    needle_warm: str = "alone"
 
 
 FULL = Sizes()
