@@ -15,7 +15,6 @@ import asyncio
 import functools
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -33,6 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import document_worker, documents, rag
+from .background import executor
 from .chat_view import ChatView
 from .db import DEFAULT_TITLE, DatabaseError
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 # Hashing files and waiting on the processes that read them (app/document_worker.py) runs here, never on the
 # UI thread (and never on the engine thread).
-_FILE_WORKERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvboost-files")
+_FILE_WORKERS = executor("kvboost-files", workers=2)
 
 
 TITLE_CHARS = 48

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from PySide6.QtCore import QObject, QTimer, Signal
 
+from .background import Background, executor, start_thread
+
 log = logging.getLogger(__name__)
 
 # Requests whose prefill computed at least this many tokens calibrate the "time saved" estimate.
@@ -88,8 +90,8 @@ class EngineClient(QObject):
         self._closed = False  # shutdown() was called: no more jobs, no more signals about them
         self._remote = None  # (app.remote_provider.RemoteProvider, model id) while answers come from a server
         self._remote_jobs = None  # the one thread remote answers stream on, in order (made on first use)
-        self._starter = threading.Thread(target=self._start_worker, name="kvboost-engine-import", daemon=True)
-        self._starter.start()
+        self._background = Background(self)
+        self._starter = start_thread(self._start_worker, "kvboost-engine-import")
 
     # -- UI-thread API -------------------------------------------------------------------------------------
     @property
@@ -111,17 +113,17 @@ class EngineClient(QObject):
         sizes {"error": reason} when its config cannot be read). Reads the config on a thread of its own: no
         torch work, so it neither waits behind a generation nor delays one."""
         def run():
-            try:
-                import_engine()
-                from engine.weights import stream_setup, weight_sizes
+            import_engine()
+            from engine.weights import stream_setup, weight_sizes
 
-                sizes = weight_sizes.estimate(source)
-                sizes["streaming"] = stream_setup.streaming_estimate(source, sizes)
-            except Exception as exc:  # a path being typed, a damaged file: the dialog says why
-                sizes = {"error": _describe(exc)}
-            self.weights_estimated.emit(source or "", sizes)  # queued to the UI thread
+            sizes = weight_sizes.estimate(source)
+            sizes["streaming"] = stream_setup.streaming_estimate(source, sizes)
+            return sizes
 
-        threading.Thread(target=run, name="kvboost-weight-sizes", daemon=True).start()
+        # a path being typed, a damaged file: the dialog says why
+        self._background.run(run, lambda sizes: self.weights_estimated.emit(source or "", sizes),
+                             lambda exc: self.weights_estimated.emit(source or "", {"error": _describe(exc)}),
+                             name="kvboost-weight-sizes")
 
     def model_library(self, **options):
         """The model library over the standard HF cache (hub.models.ModelHub; `options`: endpoint, cache_dir,
@@ -149,13 +151,11 @@ class EngineClient(QObject):
         self.model_loaded.emit(dict(self._info))
 
     def _submit_remote(self, messages: list[dict], sampling: dict) -> int:
-        from concurrent.futures import ThreadPoolExecutor
-
         job = _Job(next(self._ids), "chat", {"messages": messages, "sampling": sampling})
         if self._closed:
             return job.id
         if self._remote_jobs is None:
-            self._remote_jobs = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvboost-remote")
+            self._remote_jobs = executor("kvboost-remote")
         self._pending[job.id] = job
         provider, model = self._remote
         self._remote_jobs.submit(self._run_remote, job, provider, model)
@@ -265,7 +265,7 @@ class EngineClient(QObject):
             running.join(timeout_s=30)
             self.server_stopped.emit()  # queued to the UI thread
 
-        threading.Thread(target=join_then_report, name="kvboost-api-stop", daemon=True).start()
+        start_thread(join_then_report, "kvboost-api-stop")
 
     def shutdown(self, timeout: float = 5.0) -> bool:
         """Stops the API server, cancels every job (no signals about them follow) and stops the engine thread,

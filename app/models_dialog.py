@@ -13,12 +13,11 @@ work."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QBrush, QColor
 from PySide6.QtWidgets import (
     QComboBox,
@@ -38,6 +37,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .background import Background
 from .memory_meter import human_bytes
 
 log = logging.getLogger(__name__)
@@ -51,42 +51,6 @@ PROGRESS_EVERY_S = 0.1  # at most ten progress updates a second reach the UI thr
 def human_seconds(s: float) -> str:
     s = int(s)
     return f"{s // 3600}h {s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-class _Background(QObject):
-    """Runs a function on a thread of its own; its result or exception comes back on the UI thread."""
-
-    finished = Signal(int, object, object)  # call id, result, exception
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self._ids = itertools.count(1)
-        self._callbacks: dict[int, tuple] = {}
-        self.finished.connect(self._on_finished)
-
-    def run(self, fn, on_result, on_error) -> None:
-        call = next(self._ids)
-        self._callbacks[call] = (on_result, on_error)
-
-        def work():
-            try:
-                result, error = fn(), None
-            except Exception as exc:  # shown in the dialog, never raised into Qt
-                result, error = None, exc
-            try:
-                self.finished.emit(call, result, error)
-            except RuntimeError:  # the dialog is gone
-                pass
-
-        threading.Thread(target=work, name="kvboost-models", daemon=True).start()
-
-    def _on_finished(self, call: int, result, error) -> None:
-        on_result, on_error = self._callbacks.pop(call)
-        if error is not None:
-            log.info("model library call failed: %s", error)
-            on_error(error)
-        else:
-            on_result(result)
 
 
 class ModelsDialog(QDialog):
@@ -109,7 +73,7 @@ class ModelsDialog(QDialog):
         self._library = None
         self._library_lock = threading.Lock()
         self._weights = weights
-        self._background = _Background(self)
+        self._background = Background(self)
         self._search_serial = 0
         self._listing = None  # RepoFiles shown in the files table
         self._cancel: threading.Event | None = None  # the running download's
@@ -190,7 +154,8 @@ class ModelsDialog(QDialog):
             return self._library
 
     def _call(self, fn, on_result, on_error=None) -> None:
-        self._background.run(lambda: fn(self.library()), on_result, on_error or self.show_error)
+        self._background.run(lambda: fn(self.library()), on_result, on_error or self.show_error,
+                             name="kvboost-models")
 
     def show_error(self, error) -> None:
         self.error_label.setText(str(error))

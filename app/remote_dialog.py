@@ -3,8 +3,6 @@ window, never in the database) and the model, picked from the server's /v1/model
 
 from __future__ import annotations
 
-import threading
-
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (
     QComboBox,
@@ -19,6 +17,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .background import Background
 from .remote_provider import RemoteProvider
 
 
@@ -32,6 +31,7 @@ class RemoteDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Remote server")
         self._stored_key = stored_key
+        self._background = Background(self)
         self.base_url_edit = QLineEdit(base_url, objectName="baseUrlEdit",
                                        placeholderText="http://192.168.1.20:8000/v1")
         self.api_key_edit = QLineEdit(objectName="apiKeyEdit", echoMode=QLineEdit.EchoMode.Password,
@@ -89,19 +89,9 @@ class RemoteDialog(QDialog):
         self.list_button.setEnabled(False)
         self.status_label.setText(f"Asking {base_url} for its models…")
 
-        def work():
-            try:
-                names = RemoteProvider(base_url, key, timeout_s=15).models()
-            except Exception as exc:  # RemoteError says what the server said
-                signal, value = self.models_failed, str(exc)
-            else:
-                signal, value = self.models_listed, names
-            try:
-                signal.emit(value)
-            except RuntimeError:  # the dialog is gone
-                pass
-
-        threading.Thread(target=work, name="kvboost-remote-models", daemon=True).start()
+        # RemoteError says what the server said
+        self._background.run(lambda: RemoteProvider(base_url, key, timeout_s=15).models(), self.models_listed.emit,
+                             lambda exc: self.models_failed.emit(str(exc)), name="kvboost-remote-models")
 
     def on_models_listed(self, names: list) -> None:
         self.list_button.setEnabled(True)

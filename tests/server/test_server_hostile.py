@@ -244,10 +244,16 @@ def test_slow_but_timely_clients_and_long_answers_are_served(impatient):
         sock.sendall(REQUEST_HEAD[20:])
         received, _ = read_until_closed(sock, KEEP_ALIVE_S + 4)
     assert received.startswith(b"HTTP/1.1 200 ")
-    # long enough to outlast every timeout on a fast machine too (200 tokens took 2.8 s at 70 tok/s)
+    # a stream that outlasts every timeout however fast the machine decodes: the client reads slowly until then
+    # (600 counting tokens with drafts took under 2 s on a fast hour of the reference machine)
     body = {"model": "smollm2", "prompt": COUNT, "max_tokens": 600, "temperature": 0, "stream": True}
     start = time.monotonic()
     with httpx.stream("POST", impatient.url + "/v1/completions", json=body, timeout=120) as resp:
-        data = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        data = []
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data.append(line)
+            if time.monotonic() - start < BODY_TIMEOUT_S + KEEP_ALIVE_S + 0.5:
+                time.sleep(0.05)
     assert resp.status_code == 200 and data[-1] == "data: [DONE]"
     assert time.monotonic() - start > BODY_TIMEOUT_S + KEEP_ALIVE_S  # longer than any timeout, and not cut
