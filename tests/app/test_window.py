@@ -96,14 +96,18 @@ def test_stop_cancels_at_the_next_token_and_keeps_the_text_on_screen(qtbot, wind
             qtbot.keyClick(window, Qt.Key_Escape)
             pressed.append((time.perf_counter(), tab.chat_view.widgets[-1].text))
 
+    finished = []
     window.client.token_generated.connect(on_token)
+    window.client.generation_finished.connect(lambda *_: finished.append(time.perf_counter()))
     with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS) as blocker:
         qtbot.keyClick(tab.composer, Qt.Key_Return)
     window.client.token_generated.disconnect(on_token)
     answer = blocker.args[1]
     (at, shown), = pressed
     assert answer["finish_reason"] == "cancelled"
-    assert answer["stats"]["generated_tokens"] < 60
+    # the engine ran on while the UI slept (how far depends on the machine's speed), then stopped at its next
+    # token once it saw the cancel: the answer ends soon after Esc, far short of max_new_tokens
+    assert answer["stats"]["generated_tokens"] < 400 and finished[0] - at < 1.0
     assert len([t for t in seen if t > at]) >= 1  # tokens made before the engine saw the cancel still arrive ...
     # ... but Stop means the text stops: what arrives after it is neither shown nor saved
     assert tab.chat_view.widgets[-1].text == shown != ""
