@@ -32,6 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from . import document_worker, documents, rag
+from .answers import CANCELLED, INTERRUPTED, Answer, ChatRequest, WarmReport, WarmRequest
 from .background import executor
 from .chat_view import ChatView
 from .db import DEFAULT_TITLE, DatabaseError
@@ -71,17 +72,19 @@ class ConversationTab(QWidget):
     error_raised = Signal(str)  # one error path: the main window's banner
     title_changed = Signal(str)  # the conversation took its title from its first question
     generation_state_changed = Signal(bool)
+    warm_progressed = Signal(int, int)  # this tab's pre-warm: texts done, texts in all
+    warm_ended = Signal(object)  # this tab's pre-warm ended: its WarmReport, None when it failed
 
     def __init__(self, conversation: dict, db, client, theme: str, parent=None):
         super().__init__(parent)
         self.conversation_id = conversation["id"]
         self.db = db
         self.client = client
-        self._job: int | None = None  # running chat request
+        self.request: ChatRequest | None = None  # the answer being made
         self._answer_id: int | None = None
         self._stopped_text: str | None = None  # the answer as shown when the user pressed Stop
         self._save_failed = False  # a write of the current answer failed and was reported
-        self._warm_job: int | None = None
+        self.warm_request: WarmRequest | None = None
         self._ingest_task: asyncio.Task | None = None
         self._read_cancelled = threading.Event()  # set: stop the process reading a file for this tab now
         self.extraction_limits = document_worker.ExtractionLimits()
@@ -137,12 +140,6 @@ class ConversationTab(QWidget):
         row.addWidget(self.stop_button)
         layout.addLayout(row)
 
-        client.token_generated.connect(self.on_client_token_generated)
-        client.generation_finished.connect(self.on_client_generation_finished)
-        client.generation_failed.connect(self.on_client_generation_failed)
-        client.warm_progressed.connect(self.on_client_warm_progressed)
-        client.warm_finished.connect(self.on_client_warm_finished)
-        client.warm_failed.connect(self.on_client_warm_failed)
         for message in db.messages(self.conversation_id):
             self.chat_view.add_message(message)
         self.refresh_documents()
@@ -151,7 +148,7 @@ class ConversationTab(QWidget):
     # -- state ---------------------------------------------------------------------------------------------
     @property
     def is_generating(self) -> bool:
-        return self._job is not None
+        return self.request is not None
 
     def update_composer(self) -> None:
         reason = ""
@@ -216,7 +213,10 @@ class ConversationTab(QWidget):
         widget = self.chat_view.add_message(answer)
         widget.set_sources(layout.sources)
         widget.rendered.connect(self.on_answer_rendered)
-        self._job = self.client.chat(layout.messages, self.db.conversation(self.conversation_id)["sampling"])
+        self.request = self.client.chat(layout.messages, self.db.conversation(self.conversation_id)["sampling"])
+        self.request.token.connect(self.on_token)
+        self.request.finished.connect(self.on_answer_finished)
+        self.request.failed.connect(self.on_answer_failed)
         self.generation_state_changed.emit(True)
         self.update_composer()
 
@@ -234,16 +234,16 @@ class ConversationTab(QWidget):
     def stop(self) -> None:
         """Stops the answer where it is on screen: the engine stops at its next token, and whatever it made
         between this moment and that one is neither shown nor saved (Stop means the text stops now)."""
-        if self._job is None:
+        if self.request is None:
             return
-        self.client.cancel(self._job)
+        self.request.cancel()
         widget = self.chat_view.widget_for(self._answer_id) if self._answer_id is not None else None
         if widget is not None and self._stopped_text is None:
             self._stopped_text = widget.text
             widget.set_text(self._stopped_text)  # what had arrived, rendered now rather than at the next tick
 
-    def on_client_token_generated(self, job: int, text: str) -> None:
-        if job != self._job or self._stopped_text is not None:
+    def on_token(self, text: str) -> None:
+        if self._stopped_text is not None:
             return
         self.chat_view.widget_for(self._answer_id).append_text(text)
 
@@ -264,33 +264,29 @@ class ConversationTab(QWidget):
                                        "it is written again as it goes on")
             return False
 
-    def on_client_generation_finished(self, job: int, answer: dict) -> None:
-        if job != self._job:
-            return
+    def on_answer_finished(self, answer: Answer) -> None:
         widget = self.chat_view.widget_for(self._answer_id)
         # "interrupted": a remote server's answer broke off (app.remote_provider); the text so far is kept
-        status = answer["finish_reason"] if answer["finish_reason"] in ("cancelled", "interrupted") else "done"
+        status = answer.finish_reason if answer.finish_reason in (CANCELLED, INTERRUPTED) else "done"
         # The engine's text is the whole answer (the widget may still hold a throttled partial render), unless the
         # user stopped it: then the answer is what was on screen at that moment.
-        text = answer["text"]
+        text = answer.text
         if self._stopped_text is not None and text != self._stopped_text:
-            text, status = self._stopped_text, "cancelled"
-        stats = dict(answer["stats"] or {}, segments=answer["segments"], saved_ms=answer["saved_ms"],
-                     finish_reason="cancelled" if status == "cancelled" else answer["finish_reason"],
-                     model=self._model_name())
+            text, status = self._stopped_text, CANCELLED
+        finish_reason = CANCELLED if status == CANCELLED else answer.finish_reason
+        stats = dict(answer.stats or {}, segments=answer.segments, saved_ms=answer.saved_ms,
+                     finish_reason=finish_reason, model=self._model_name())
         self._save_failed = False  # the final write is reported whatever happened before
-        self._save(self._answer_id, content=text, status=status, stats=stats if answer["stats"] else None)
+        self._save(self._answer_id, content=text, status=status, stats=stats if answer.stats else None)
         widget.set_text(text)
         widget.message["status"] = status
-        if answer["stats"]:
-            widget.set_answer(dict(answer, text=text, finish_reason=stats["finish_reason"]))
+        if answer.stats:
+            widget.set_answer(dict(answer.to_dict(), text=text, finish_reason=finish_reason))
         self._finish_request()
-        if answer.get("error"):
-            self.error_raised.emit(answer["error"])
+        if answer.error:
+            self.error_raised.emit(answer.error)
 
-    def on_client_generation_failed(self, job: int, message: str) -> None:
-        if job != self._job:
-            return
+    def on_answer_failed(self, message: str) -> None:
         widget = self.chat_view.widget_for(self._answer_id)
         self._save(self._answer_id, content=widget.text, status="error")
         widget.set_status("error")
@@ -301,7 +297,7 @@ class ConversationTab(QWidget):
         widget = self.chat_view.widget_for(self._answer_id)
         if widget is not None:
             widget.rendered.disconnect(self.on_answer_rendered)
-        self._job = None
+        self.request = None
         self._answer_id = None
         self._stopped_text = None
         self.generation_state_changed.emit(False)
@@ -439,36 +435,36 @@ class ConversationTab(QWidget):
         """Pre-fills the documents' KV the way the next prompt will use it (see app/rag.py)."""
         if not self.client.is_loaded:
             return None
-        if self._warm_job is not None:
-            self.client.cancel(self._warm_job)
+        if self.warm_request is not None:
+            self.warm_request.cancel()
         inputs = rag.warm_for(self.db, self.conversation_id, max_context=self._max_context(),
                               approximate=self.client.model_info["reuse"] == "approx")
         if not inputs:
-            self._warm_job = None
+            self.warm_request = None
             return None
-        self._warm_job = self.client.warm(inputs)
+        self.warm_request = request = self.client.warm(inputs)
+        request.progressed.connect(self._warm_progressed)
+        request.finished.connect(lambda report: self._warm_ended(request, report))
+        request.failed.connect(lambda message: self._warm_ended(request, None, message))
         self._show_progress(f"Pre-warming documents: %v/{len(inputs)}", len(inputs))
-        return self._warm_job
+        return request
 
-    def on_client_warm_progressed(self, job: int, done: int, total: int) -> None:
-        if job == self._warm_job:
-            self.progress.setValue(done)
+    def _warm_progressed(self, done: int, total: int) -> None:
+        self.progress.setValue(done)
+        self.warm_progressed.emit(done, total)
 
-    def on_client_warm_finished(self, job: int, report: dict) -> None:
-        if job == self._warm_job:
-            self._warm_job = None
-            self._hide_progress()
-            self.last_warm_report = report
-
-    def on_client_warm_failed(self, job: int, message: str) -> None:
-        if job == self._warm_job:
-            self._warm_job = None
-            self._hide_progress()
-            self.error_raised.emit(f"Pre-warming the documents failed: {message}")
+    def _warm_ended(self, request: WarmRequest, report: WarmReport | None, failure: str | None = None) -> None:
+        if request is not self.warm_request:  # replaced by a newer pre-warm, whose progress is on show
+            return
+        self.warm_request = None
+        self._hide_progress()
+        if failure is not None:
+            self.error_raised.emit(f"Pre-warming the documents failed: {failure}")
+        self.warm_ended.emit(report)
 
     def on_cancel_docs_button_clicked(self) -> None:
-        if self._warm_job is not None:
-            self.client.cancel(self._warm_job)
+        if self.warm_request is not None:
+            self.warm_request.cancel()
         if self._ingest_task is not None and not self._ingest_task.done():
             self._read_cancelled.set()
             self._ingest_task.cancel()
@@ -488,13 +484,13 @@ class ConversationTab(QWidget):
     def close_down(self) -> None:
         """The tab is closing (or the app quitting): stop its work and save the answer being written as it is on
         screen, marked interrupted (the event loop may not turn again to receive its end)."""
-        if self._answer_id is not None and self._job is not None:
+        if self._answer_id is not None and self.request is not None:
             widget = self.chat_view.widget_for(self._answer_id)
             if widget is not None:
                 self._save(self._answer_id, content=widget.text, status="interrupted")
         self.stop()
-        if self._warm_job is not None:
-            self.client.cancel(self._warm_job)
+        if self.warm_request is not None:
+            self.warm_request.cancel()
         if self._ingest_task is not None and not self._ingest_task.done():
             # Set at once, not when the task next runs: the app may be quitting and its loop never turn again.
             self._read_cancelled.set()

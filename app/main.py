@@ -387,7 +387,7 @@ async def wait_for(signal, timeout: float, *, failure=None):
 
 async def ask_smoke_question(window, timeout: float) -> dict:
     """Waits for the model, sends SMOKE_QUESTION in the current tab as a user would, and returns the finished
-    answer (the generation_finished payload). RuntimeError with the engine's message when loading or answering
+    answer (app.answers.Answer). RuntimeError with the engine's message when loading or answering
     fails, TimeoutError past `timeout` seconds in all."""
     client = window.client
     t0 = time.monotonic()
@@ -397,12 +397,10 @@ async def ask_smoke_question(window, timeout: float) -> dict:
     # Greedy and short: the smoke test checks the pipeline, not the model's creativity.
     window.db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 48})
     tab.composer.setPlainText(SMOKE_QUESTION)
-    finished = wait_for(client.generation_finished, timeout - (time.monotonic() - t0),
-                        failure=client.generation_failed)
-    task = asyncio.ensure_future(finished)
-    await asyncio.sleep(0)
     tab.send()
-    _, answer = await task
+    if tab.request is None:
+        raise RuntimeError("the question was not sent (see the window's error)")
+    (answer,) = await wait_for(tab.request.finished, timeout - (time.monotonic() - t0), failure=tab.request.failed)
     window.memory_meter.update_now()
     await asyncio.sleep(0.2)  # let the last render land before the screenshot
     return answer
@@ -415,12 +413,12 @@ async def run_smoke(window, out_path: str, timeout: float) -> int:
         if not window.grab().save(out_path):
             print(f"kvboost-desktop --smoke: could not write {out_path}", file=sys.stderr)
             return 1
-        print(answer["text"])
-        stats = answer["stats"] or {}
+        print(answer.text)
+        stats = answer.stats or {}
         print(f"[smoke ok: {stats.get('prompt_tokens', 0)} prompt tokens, {stats.get('reused_tokens', 0)} reused "
               f"({stats.get('reused_by_tier', {}).get('disk', 0)} from disk), TTFT {stats.get('ttft_ms', 0):.0f} ms, "
               f"{time.monotonic() - t0:.1f} s in all]", file=sys.stderr)
-        return 0 if answer["text"].strip() else 1
+        return 0 if answer.text.strip() else 1
     except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:
         print(f"kvboost-desktop --smoke failed: {exc or 'timed out'}", file=sys.stderr)
         return 1
@@ -445,7 +443,7 @@ async def run_self_test(window, out_dir: Path, timeout: float) -> int:
     except (RuntimeError, TimeoutError, asyncio.TimeoutError) as exc:
         return failed(str(exc) or f"no answer within {timeout:.0f} s")
     answered_s = startup_ms() / 1000
-    text = answer["text"].strip()
+    text = answer.text.strip()
     if SMOKE_ANSWER not in text.lower():
         return failed(f"asked {SMOKE_QUESTION!r}, the answer does not say {SMOKE_ANSWER!r}: {text[:200]!r}")
     screenshot = out_dir / SELF_TEST_SCREENSHOT

@@ -370,10 +370,10 @@ class MainWindow(QMainWindow):
         return conversation["id"]
 
     # -- model ---------------------------------------------------------------------------------------------
-    def load_model(self, source: str | None = None, **options) -> int:
+    def load_model(self, source: str | None = None, **options) -> None:
         for i in range(self.tabs.count()):
             self.tabs.widget(i).update_composer()
-        return self.client.load_model(source, **options)
+        self.client.load_model(source, **options)
 
     # Model > Choose model, Models…, Remote server…, Recent models, and what answers at start: app.model_menu.
     def choose_model(self) -> None:

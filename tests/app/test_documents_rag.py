@@ -58,10 +58,10 @@ def test_dropped_pdf_and_docx_are_indexed_prewarmed_and_answer_with_sources(qtbo
     folder = tmp_path / "island"
     folder.mkdir()
     pdf, docx_path = make_pdf(folder / "gull.pdf"), make_docx(folder / "harbour.docx")
-    with qtbot.waitSignal(window.client.warm_finished, timeout=WAIT_MS) as warmed:
+    with qtbot.waitSignal(tab.warm_ended, timeout=WAIT_MS) as warmed:
         report = aio_loop.run_until_complete(drop(tab, [folder]))  # a folder: both files inside
     assert report == {"added": 2, "unchanged": 0, "problems": []}
-    assert warmed.args[1]["computed_tokens"] > 100 and not warmed.args[1]["cancelled"]
+    assert warmed.args[0].computed_tokens > 100 and not warmed.args[0].cancelled
     docs = db.conversation_documents(tab.conversation_id)
     assert sorted(d["name"] for d in docs) == ["gull.pdf", "harbour.docx"]
     pages = {p["page"] for d in docs if d["kind"] == "pdf" for p in db.passages(d["id"])}
@@ -70,17 +70,17 @@ def test_dropped_pdf_and_docx_are_indexed_prewarmed_and_answer_with_sources(qtbo
 
     # Re-dropping unchanged files does no work at all: no indexing, no pre-warm job.
     jobs = []
-    window.client.warm_progressed.connect(lambda *a: jobs.append(a))
+    tab.warm_progressed.connect(lambda *a: jobs.append(a))
     report = aio_loop.run_until_complete(drop(tab, [pdf, docx_path]))
     assert report == {"added": 0, "unchanged": 2, "problems": []}
     qtbot.wait(200)
     assert jobs == []
 
     answer = send(qtbot, tab, "Who is the lighthouse keeper on Gull Island?")
-    stats = answer["stats"]
+    stats = answer.stats
     # The pre-warmed documents come from cache on the very first question.
     assert stats["reused_tokens"] / stats["prompt_tokens"] > 0.8
-    assert "Olsen" in answer["text"] or "Margarethe" in answer["text"]
+    assert "Olsen" in answer.text or "Margarethe" in answer.text
     saved = db.messages(tab.conversation_id)[-1]
     assert saved["sources"][0]["name"] == "gull.pdf" and saved["sources"][0]["page"] == 2
     widget = tab.chat_view.widgets[-1]
@@ -88,8 +88,8 @@ def test_dropped_pdf_and_docx_are_indexed_prewarmed_and_answer_with_sources(qtbo
     assert buttons and buttons[0].text() == "gull.pdf p.2" and FACT_PAGE_2[:30] in buttons[0].toolTip()
 
     follow_up = send(qtbot, tab, "How much does mooring cost per night?")
-    assert follow_up["stats"]["reused_tokens"] / follow_up["stats"]["prompt_tokens"] > 0.9
-    assert {s["kind"] for s in follow_up["segments"]} <= {"EXACT", "PREFIX", "MISS"}
+    assert follow_up.stats["reused_tokens"] / follow_up.stats["prompt_tokens"] > 0.9
+    assert {s["kind"] for s in follow_up.segments} <= {"EXACT", "PREFIX", "MISS"}
 
 
 def test_bad_files_get_a_message_and_the_app_keeps_working(qtbot, window, tmp_path, aio_loop):
@@ -115,7 +115,7 @@ def test_bad_files_get_a_message_and_the_app_keeps_working(qtbot, window, tmp_pa
     assert "locked.pdf" in text and "encrypted" in text and "blob.txt" in text and "empty.md" in text
     assert [d["name"] for d in window.db.conversation_documents(tab.conversation_id)] == ["notes.md"]
     answer = send(qtbot, tab, "Where is the spare key?")
-    assert answer["finish_reason"] in ("stop", "length")
+    assert answer.finish_reason in ("stop", "length")
 
 
 def test_removing_a_document_takes_it_out_of_the_prompt(qtbot, window, tmp_path, aio_loop):
@@ -128,7 +128,7 @@ def test_removing_a_document_takes_it_out_of_the_prompt(qtbot, window, tmp_path,
     tab.on_docs_label_link_activated(f"remove:{doc['id']}")
     assert window.db.conversation_documents(tab.conversation_id) == []
     answer = send(qtbot, tab, "What is the cat called?")
-    assert all("Pixel" not in seg["text"] for seg in answer["segments"])
+    assert all("Pixel" not in seg["text"] for seg in answer.segments)
 
 
 def test_prewarm_shows_progress_and_can_be_cancelled(qtbot, window, tmp_path, aio_loop):
@@ -139,13 +139,13 @@ def test_prewarm_shows_progress_and_can_be_cancelled(qtbot, window, tmp_path, ai
         path.write_text(f"# Part {i}\n\n" + f"Section {i} talks about tides and harbours. " * 25, encoding="utf-8")
         paths.append(path)
     steps = []
-    window.client.warm_progressed.connect(lambda job, done, total: steps.append((done, total)))
-    with qtbot.waitSignal(window.client.warm_progressed, timeout=WAIT_MS):
+    tab.warm_progressed.connect(lambda done, total: steps.append((done, total)))
+    with qtbot.waitSignal(tab.warm_progressed, timeout=WAIT_MS):
         aio_loop.run_until_complete(drop(tab, paths))
         assert tab.progress.isVisible() and tab.cancel_docs_button.isVisible()
-    with qtbot.waitSignal(window.client.warm_finished, timeout=WAIT_MS) as finished:
+    with qtbot.waitSignal(tab.warm_ended, timeout=WAIT_MS) as finished:
         qtbot.mouseClick(tab.cancel_docs_button, Qt.LeftButton)
-    report = finished.args[1]
-    assert report["cancelled"] and report["done"] < 4
+    report = finished.args[0]
+    assert report.cancelled and report.done < 4
     assert steps[0] == (1, 4)
     assert not tab.progress.isVisible()

@@ -15,7 +15,7 @@ import pytest
 from PySide6.QtCore import QObject, Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QDesktopServices, QFont
 from PySide6.QtWidgets import QApplication, QInputDialog, QLineEdit, QPushButton
-from qt_helpers import WAIT_MS
+from qt_helpers import WAIT_MS, result_of
 
 from app import rag
 
@@ -100,8 +100,8 @@ def test_shift_enter_is_a_new_line_and_enter_sends(qtbot, window):
     assert tab.composer.toPlainText() == "first line\nsecond line"
     assert window.db.messages(tab.conversation_id) == []
 
-    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS):
-        qtbot.keyClick(tab.composer, Qt.Key_Return)
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    result_of(qtbot, tab.request)
     messages = window.db.messages(tab.conversation_id)
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[0]["content"] == "first line\nsecond line"
@@ -196,21 +196,18 @@ def test_the_time_saved_for_the_same_reuse_stays_within_30_percent_across_a_sess
                      for i in range(24))
     document = [{"role": "system", "content": facts}]
     question = document + [{"role": "user", "content": "Who logs the tide at 5 o'clock?"}]
-    with qtbot.waitSignal(client.warm_finished, timeout=WAIT_MS):
-        client.warm([document])
+    result_of(qtbot, client.warm([document]))
 
     def saved_per_reused_token(messages) -> float:
-        with qtbot.waitSignal(client.generation_finished, timeout=WAIT_MS) as finished:
-            client.chat(messages, GREEDY_SHORT)
-        answer = finished.args[1]
-        return answer["saved_ms"] / answer["stats"]["reused_tokens"]
+        answer = result_of(qtbot, client.chat(messages, GREEDY_SHORT))
+        return answer.saved_ms / answer.stats["reused_tokens"]
 
     first = saved_per_reused_token(question)
     for i in range(6):  # short prompts, computed in full: each one's forward is a few dozen tokens
         words = " ".join(f"pebble{i}x{j}" for j in range(14))
-        with qtbot.waitSignal(client.generation_finished, timeout=WAIT_MS) as finished:
-            client.chat([{"role": "user", "content": f"Sort these words: {words}"}], GREEDY_SHORT)
-        stats = finished.args[1]["stats"]  # computed but for the chat template's default system lines
+        answer = result_of(qtbot, client.chat([{"role": "user", "content": f"Sort these words: {words}"}],
+                                              GREEDY_SHORT))
+        stats = answer.stats  # computed but for the chat template's default system lines
         assert stats["recomputed_tokens"] >= 32 and stats["reused_tokens"] < stats["recomputed_tokens"]
     later = saved_per_reused_token(question)
     assert 0.7 <= later / first <= 1.3, (first, later)
@@ -222,27 +219,24 @@ def test_time_saved_is_reused_tokens_times_the_measured_prefill_cost(qtbot, load
     client = loaded_client
     system = " ".join(f"Fact {i}: bell number {i} of the harbour rings at {i % 12 + 1} o'clock." for i in range(8))
     messages = [{"role": "system", "content": system}]
-    with qtbot.waitSignal(client.warm_finished, timeout=WAIT_MS) as warmed:
-        client.warm([messages])
-    warm = warmed.args[1]
+    warm = result_of(qtbot, client.warm([messages]))
     # A fresh store: every token was computed, which is what measures the prefill cost per token (the engine's
     # timing of the forward passes, less than the whole call).
-    assert warm["computed_tokens"] == warm["tokens"] >= 64
-    assert 0 < warm["prefill_ms"] < warm["ms"]
-    ms_per_token = warm["prefill_ms"] / warm["computed_tokens"]
+    assert warm.computed_tokens == warm.tokens >= 64
+    assert 0 < warm.prefill_ms < warm.ms
+    ms_per_token = warm.prefill_ms / warm.computed_tokens
 
-    with qtbot.waitSignal(client.generation_finished, timeout=WAIT_MS) as finished:
-        client.chat(messages + [{"role": "user", "content": "When does bell 7 ring?"}], GREEDY_SHORT)
-    answer = finished.args[1]
-    stats = answer["stats"]
+    answer = result_of(qtbot, client.chat(messages + [{"role": "user", "content": "When does bell 7 ring?"}],
+                                          GREEDY_SHORT))
+    stats = answer.stats
     # Mostly reused: the few computed tokens (fewer than MIN_CALIBRATION_TOKENS) do not re-measure the rate.
     assert stats["reused_tokens"] > stats["prompt_tokens"] / 2
     expected = stats["reused_tokens"] * ms_per_token
-    assert answer["saved_ms"] == pytest.approx(expected, rel=1e-9)
+    assert answer.saved_ms == pytest.approx(expected, rel=1e-9)
 
-    widget = MessageWidget({"id": 1, "role": "assistant", "content": answer["text"]}, "light")
+    widget = MessageWidget({"id": 1, "role": "assistant", "content": answer.text}, "light")
     qtbot.addWidget(widget)
-    widget.set_answer(answer)
+    widget.set_answer(answer.to_dict())
     widget.map_button.click()
     assert f"≈{expected:.0f} ms saved" in widget.cache_map.toPlainText()
 

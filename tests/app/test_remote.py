@@ -80,11 +80,10 @@ def test_a_remote_answer_streams_into_the_window_and_the_key_stays_out_of_the_da
     connect(qtbot, window, server.url + "/v1", KEY)
     assert window.client.is_remote and window.client.model_info["remote"]
     deltas = []
-    window.client.token_generated.connect(lambda job, text: deltas.append(text))
     tab = window.current_tab()
     db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 24})
-    answer = send(qtbot, tab, "What is the capital of France?")
-    assert "Paris" in answer["text"] and len(deltas) > 1 and "".join(deltas) == answer["text"]
+    answer = send(qtbot, tab, "What is the capital of France?", on_token=deltas.append)
+    assert "Paris" in answer.text and len(deltas) > 1 and "".join(deltas) == answer.text
     widget = tab.chat_view.widgets[-1]
     assert widget.badge.text().startswith("remote smollm2 · ") and "from cache there" in widget.badge.text()
     widget.map_button.setChecked(True)
@@ -111,8 +110,9 @@ def test_a_wrong_key_is_a_clear_error_in_the_dialog_and_the_banner(qtbot, window
         qtbot.mouseClick(dialog.buttons.button(QDialogButtonBox.StandardButton.Ok), Qt.LeftButton)
     tab = window.current_tab()
     tab.composer.setPlainText("Hello?")
-    with qtbot.waitSignal(window.client.generation_failed, timeout=WAIT_MS):
-        qtbot.keyClick(tab.composer, Qt.Key_Return)
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    with qtbot.waitSignal(tab.request.failed, timeout=WAIT_MS):
+        pass
     assert not window.banner.isHidden() and "refused the API key (HTTP 401)" in window.banner_label.text()
     assert tab.chat_view.widgets[-1].message["status"] == "error"
 
@@ -147,11 +147,10 @@ def test_a_server_killed_mid_answer_leaves_the_partial_answer_marked_interrupted
     connect(qtbot, window, url, KEY, model="tiny")
     tab = window.current_tab()
     db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 1500})
-    window.client.token_generated.connect(lambda *_: proc.poll() is None and proc.kill())  # at the first token
-    answer = send(qtbot, tab, "w5 w6 w7")
-    assert answer["finish_reason"] == "interrupted" and answer["text"].startswith("w")
+    answer = send(qtbot, tab, "w5 w6 w7", on_token=lambda _: proc.poll() is None and proc.kill())  # at the first
+    assert answer.finish_reason == "interrupted" and answer.text.startswith("w")
     saved = db.messages(tab.conversation_id)[-1]
-    assert saved["status"] == "interrupted" and saved["content"] == answer["text"]
+    assert saved["status"] == "interrupted" and saved["content"] == answer.text
     assert tab.chat_view.widgets[-1].badge.text().endswith("· interrupted")
     assert not window.banner.isHidden() and "broke off" in window.banner_label.text()
 

@@ -70,8 +70,8 @@ def test_an_answer_restored_from_the_shared_cache_says_so_in_its_cache_map(qtbot
         other = window.new_conversation()
         window.db.update_conversation(other.conversation_id, sampling={"temperature": 0.0, "max_new_tokens": 12})
         second = send(qtbot, other, question)
-        assert second["text"] == first["text"]
-        shared = second["stats"]["reused_by_tier"].get("remote", 0)
+        assert second.text == first.text
+        shared = second.stats["reused_by_tier"].get("remote", 0)
         assert shared >= 128  # at least one whole chunk came from the store
         widget = other.chat_view.widgets[-1]
         qtbot.mouseClick(widget.map_button, Qt.LeftButton)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from PySide6.QtCore import Qt
+from qt_helpers import result_of
 
 from app.empty_state import STARTERS
 from app.sidebar import GROUPS, Sidebar, date_group
@@ -103,8 +104,8 @@ def test_an_empty_conversation_names_the_model_and_a_starter_sends_itself(qtbot,
     state = tab.chat_view.empty_state
     assert state.isVisibleTo(tab) and "SmolLM2" in state.title.text()
     button = state.buttons[0]
-    with qtbot.waitSignal(tab.client.generation_finished, timeout=120_000):
-        qtbot.mouseClick(button, Qt.LeftButton)
+    qtbot.mouseClick(button, Qt.LeftButton)
+    result_of(qtbot, tab.request, timeout=120_000)
     messages = window.db.messages(tab.conversation_id)
     assert messages[0]["role"] == "user" and messages[0]["content"] == STARTERS[0][1]
     assert not state.isVisibleTo(tab)

@@ -10,7 +10,7 @@ import torch
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QCheckBox, QLabel
-from qt_helpers import WAIT_MS, send
+from qt_helpers import WAIT_MS, result_of, send
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24}
 
@@ -43,20 +43,19 @@ def test_send_streams_the_answer_and_saves_it(qtbot, window):
     tab = window.current_tab()
     greedy(window, tab)
     tokens = []
-    window.client.token_generated.connect(lambda job, text: tokens.append(text))
-    answer = send(qtbot, tab, "What is the capital of France?")
-    assert "Paris" in answer["text"]
+    answer = send(qtbot, tab, "What is the capital of France?", on_token=tokens.append)
+    assert "Paris" in answer.text
     assert len(tokens) > 3  # streamed, not delivered at once
     messages = window.db.messages(tab.conversation_id)
     assert [m["role"] for m in messages] == ["user", "assistant"]
-    assert messages[1]["content"] == answer["text"] and messages[1]["status"] == "done"
-    assert messages[1]["stats"]["prompt_tokens"] == answer["stats"]["prompt_tokens"] > 0
+    assert messages[1]["content"] == answer.text and messages[1]["status"] == "done"
+    assert messages[1]["stats"]["prompt_tokens"] == answer.stats["prompt_tokens"] > 0
     widget = tab.chat_view.widgets[-1]
-    assert widget.text == answer["text"]
+    assert widget.text == answer.text
     assert "from cache" in widget.badge.text() and "first token in" in widget.badge.text()
     assert "reused from the KV cache" in widget.badge.toolTip()  # the engine's words: on hover
     qtbot.mouseClick(widget.copy_button, Qt.LeftButton)
-    assert QGuiApplication.clipboard().text() == answer["text"]
+    assert QGuiApplication.clipboard().text() == answer.text
     assert tab.composer.toPlainText() == "" and tab.send_button.isEnabled()
 
 
@@ -69,12 +68,12 @@ def test_follow_up_reuses_the_conversation_after_switching_tabs(qtbot, window):
     send(qtbot, other, "What is two plus two?")
     window.tabs.setCurrentWidget(first)
     answer = send(qtbot, first, "And three more?")
-    stats = answer["stats"]
+    stats = answer.stats
     previous = window.db.messages(first.conversation_id)[1]["stats"]["prompt_tokens"]
     # Everything up to the previous answer came from cache: only the new message was computed.
     assert stats["reused_tokens"] >= previous
     assert stats["recomputed_tokens"] < stats["prompt_tokens"] - previous + 8
-    kinds = {seg["kind"] for seg in answer["segments"]}
+    kinds = {seg["kind"] for seg in answer.segments}
     assert kinds & {"EXACT", "PREFIX"} and "APPROXIMATE" not in kinds
     # The cache map shows the prompt that was sent, coloured by kind.
     widget = first.chat_view.widgets[-1]
@@ -89,7 +88,7 @@ def test_stop_cancels_at_the_next_token_and_keeps_the_text_on_screen(qtbot, wind
     tab.composer.setPlainText("Write a long story about a dragon who learns to cook.")
     seen, pressed = [], []
 
-    def on_token(job, text):
+    def on_token(text):
         seen.append(time.perf_counter())
         if len(seen) == 5:  # Esc while more tokens are on their way: the UI is busy for 0.5 s, the engine is not
             time.sleep(0.5)
@@ -97,17 +96,15 @@ def test_stop_cancels_at_the_next_token_and_keeps_the_text_on_screen(qtbot, wind
             pressed.append((time.perf_counter(), tab.chat_view.widgets[-1].text))
 
     finished = []
-    window.client.token_generated.connect(on_token)
-    window.client.generation_finished.connect(lambda *_: finished.append(time.perf_counter()))
-    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS) as blocker:
-        qtbot.keyClick(tab.composer, Qt.Key_Return)
-    window.client.token_generated.disconnect(on_token)
-    answer = blocker.args[1]
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    tab.request.token.connect(on_token)
+    tab.request.finished.connect(lambda *_: finished.append(time.perf_counter()))
+    answer = result_of(qtbot, tab.request)
     (at, shown), = pressed
-    assert answer["finish_reason"] == "cancelled"
+    assert answer.finish_reason == "cancelled"
     # the engine ran on while the UI slept (how far depends on the machine's speed), then stopped at its next
     # token once it saw the cancel: the answer ends soon after Esc, far short of max_new_tokens
-    assert answer["stats"]["generated_tokens"] < 400 and finished[0] - at < 1.0
+    assert answer.stats["generated_tokens"] < 400 and finished[0] - at < 1.0
     assert len([t for t in seen if t > at]) >= 1  # tokens made before the engine saw the cancel still arrive ...
     # ... but Stop means the text stops: what arrives after it is neither shown nor saved
     assert tab.chat_view.widgets[-1].text == shown != ""
@@ -124,15 +121,15 @@ def test_event_loop_keeps_turning_during_a_long_generation(qtbot, window, capsys
     timer.timeout.connect(lambda: ticks.append(time.perf_counter()))
     tab.composer.setPlainText("Explain how a bicycle works, step by step.")
     timer.start()
-    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS) as blocker:
-        qtbot.keyClick(tab.composer, Qt.Key_Return)
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    answer = result_of(qtbot, tab.request)
     timer.stop()
     gaps = [b - a for a, b in zip(ticks, ticks[1:])]
     worst_ms = max(gaps) * 1000
     with capsys.disabled():
-        print(f"\n[event loop] {len(ticks)} ticks over {blocker.args[1]['stats']['generated_tokens']} tokens, "
+        print(f"\n[event loop] {len(ticks)} ticks over {answer.stats['generated_tokens']} tokens, "
               f"largest stall {worst_ms:.1f} ms")
-    assert blocker.args[1]["stats"]["generated_tokens"] >= 100
+    assert answer.stats["generated_tokens"] >= 100
     assert worst_ms < 100
 
 
@@ -203,16 +200,17 @@ def test_regenerate_and_edit_and_resend(qtbot, window):
     send(qtbot, tab, "What is the capital of France?")
     first_answer = db.messages(tab.conversation_id)[1]
     old_widget = tab.chat_view.widgets[1]
-    with qtbot.waitSignal(window.client.generation_started, timeout=WAIT_MS):
-        qtbot.mouseClick(old_widget.regenerate_button, Qt.LeftButton)
+    qtbot.mouseClick(old_widget.regenerate_button, Qt.LeftButton)
+    with qtbot.waitSignal(tab.request.started, timeout=WAIT_MS):
+        pass
     # The old answer is gone while the new one streams.
     assert len(tab.chat_view.widgets) == 2 and tab.chat_view.widgets[1] is not old_widget
     qtbot.waitUntil(lambda: not tab.is_generating, timeout=WAIT_MS)
     messages = db.messages(tab.conversation_id)
     assert len(messages) == 2 and messages[1]["status"] == "done"
     assert messages[1]["content"] == first_answer["content"]  # greedy: the same answer again
-    with qtbot.waitSignal(window.client.generation_finished, timeout=WAIT_MS):
-        tab.resend_edited(messages[0]["id"], "What is the capital of Italy?")
+    tab.resend_edited(messages[0]["id"], "What is the capital of Italy?")
+    result_of(qtbot, tab.request)
     messages = db.messages(tab.conversation_id)
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[0]["content"] == "What is the capital of Italy?"
@@ -328,17 +326,20 @@ def test_two_tabs_answer_at_once_in_one_batch_with_the_answers_each_gives_alone(
     for question in questions:  # each alone, in a tab of its own
         tab = window.new_conversation()
         greedy(window, tab)
-        alone.append(send(qtbot, tab, question)["text"])
+        alone.append(send(qtbot, tab, question).text)
     tabs = [window.new_conversation() for _ in questions]
-    finished: dict[int, dict] = {}
-    window.client.generation_finished.connect(lambda job, answer: finished.__setitem__(job, answer))
-    for tab, question in zip(tabs, questions):  # sent one after the other, without waiting
+    finished: list = []
+    heard: list[list[str]] = [[], []]  # the pieces each tab's request delivered
+    for i, (tab, question) in enumerate(zip(tabs, questions)):  # sent one after the other, without waiting
         greedy(window, tab)
         tab.composer.setPlainText(question)
         qtbot.keyClick(tab.composer, Qt.Key_Return)
+        tab.request.token.connect(heard[i].append)
+        tab.request.finished.connect(finished.append)
     assert all(tab.is_generating for tab in tabs)  # both answering at once
     qtbot.waitUntil(lambda: len(finished) == 2, timeout=WAIT_MS)
-    for tab, want in zip(tabs, alone):
+    for tab, want, pieces in zip(tabs, alone, heard):
         saved = window.db.messages(tab.conversation_id)[-1]
         assert saved["content"] == want and saved["status"] == "done"
+        assert "".join(pieces) == want  # each tab heard its own answer's pieces, none of the other's
         assert saved["stats"]["batched_forwards"] > 0  # their decode steps shared forward passes

@@ -53,14 +53,12 @@ def serving(qtbot):
     client.shutdown()
 
 
-def window_chat(qtbot, client, tokens: int = 4) -> dict:
-    """A chat from the window, as a tab sends it; its answer."""
-    finished = []
-    client.generation_finished.connect(lambda job, answer: finished.append((job, answer)))
-    job = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401 w402"}],
-                      {"max_new_tokens": tokens, "temperature": 0})
-    qtbot.waitUntil(lambda: any(j == job for j, _ in finished), timeout=WAIT_MS)
-    return next(answer for j, answer in finished if j == job)
+def window_chat(qtbot, client, tokens: int = 4):
+    """A chat from the window, as a tab sends it; its answer (app.answers.Answer)."""
+    request = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401 w402"}],
+                          {"max_new_tokens": tokens, "temperature": 0})
+    qtbot.waitUntil(lambda: request.done, timeout=WAIT_MS)
+    return request.answer
 
 
 def api_completion(url: str, number: int, timeout: float = 60) -> httpx.Response:
@@ -89,7 +87,7 @@ class Holding:
 def test_the_window_and_the_api_run_on_one_engine_thread(qtbot, serving):
     client, engine, url = serving
     answer = window_chat(qtbot, client)
-    assert answer["finish_reason"] == "length"
+    assert answer.finish_reason == "length"
     response = api_completion(url, 1)
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
     assert [who for who, _ in engine.streams] == ["window", "api1"]
@@ -111,12 +109,10 @@ def test_a_window_request_queued_behind_api_requests_runs_before_the_later_ones(
                     wait_until(lambda: health(url)["running"] == 1, what="the first API request to be taken")
                 else:
                     wait_until(lambda: health(url)["waiting"] == number - 1, what=f"API request {number} to queue")
-            finished = []
-            client.generation_finished.connect(lambda job, answer: finished.append(job))
-            job = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401"}],
-                              {"max_new_tokens": 2, "temperature": 0})
+            request = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401"}],
+                                  {"max_new_tokens": 2, "temperature": 0})
         assert all(r.result().status_code == 200 for r in responses)
-    qtbot.waitUntil(lambda: job in finished, timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: request.done, timeout=WAIT_MS)
     order = [who for who, _ in engine.streams if who != "test"]
     assert order == ["api1", "window", "api2", "api3", "api4"]
     assert len({ident for who, ident in engine.streams if who != "test"}) == 1
@@ -124,25 +120,24 @@ def test_a_window_request_queued_behind_api_requests_runs_before_the_later_ones(
 
 def test_stopping_the_api_cancels_its_requests_and_leaves_the_window_running(qtbot, serving):
     client, engine, url = serving
-    finished, stopped = [], []
-    client.generation_finished.connect(lambda job, answer: finished.append((job, answer)))
+    stopped = []
     client.server_stopped.connect(lambda: stopped.append(True))
     with ThreadPoolExecutor(max_workers=1) as pool:
         with Holding(engine):
-            job = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401"}],
-                              {"max_new_tokens": 6, "temperature": 0})
+            request = client.chat([{"role": "user", "content": f"w{WINDOW_WORD} w401"}],
+                                  {"max_new_tokens": 6, "temperature": 0})
             qtbot.waitUntil(lambda: engine.streams[-1][0] == "window", timeout=WAIT_MS)
             waiting = pool.submit(api_completion, url, 7)
             wait_until(lambda: health(url)["waiting"] == 1, what="the API request to queue behind the window's")
             client.stop_server()
         # The engine is free: the window's answer runs to its end, then the API's request is dropped unrun.
-        qtbot.waitUntil(lambda: any(j == job for j, _ in finished), timeout=WAIT_MS)
-        answer = next(a for j, a in finished if j == job)
-        assert answer["finish_reason"] == "length" and answer["stats"]["generated_tokens"] == 6
+        qtbot.waitUntil(lambda: request.done, timeout=WAIT_MS)
+        answer = request.answer
+        assert answer.finish_reason == "length" and answer.stats["generated_tokens"] == 6
         response = waiting.result(timeout=60)
         assert response.status_code == 499 and response.json()["error"]["code"] == "cancelled"
     qtbot.waitUntil(lambda: bool(stopped), timeout=WAIT_MS)
     assert "api7" not in [who for who, _ in engine.streams]  # cancelled before it ran: it never did
     assert client.server_url is None
     # The worker is the app's: it goes on serving the window.
-    assert window_chat(qtbot, client)["finish_reason"] == "length"
+    assert window_chat(qtbot, client).finish_reason == "length"
