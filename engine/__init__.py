@@ -15,7 +15,8 @@ _EXPORTS = {
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
     "ModelLoadError": "weights.loader",
-    "MAX_BATCH": "worker", "EngineWorker": "worker", "WorkerStopped": "worker",  # the engine thread, its queue
+    # the engine thread, its queue, its one job type
+    "MAX_BATCH": "worker", "EngineWorker": "worker", "Job": "worker", "WorkerStopped": "worker",
 }
 
 __all__ = sorted(_EXPORTS)

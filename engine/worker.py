@@ -30,6 +30,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -46,7 +47,8 @@ class WorkerStopped(RuntimeError):
 
 class Job:
     """A submitted job: its state, its cancel event, and its events (iterate it, once, from one thread, unless
-    they go to a sink). `state` moves WAITING -> RUNNING -> FINISHED | FAILED, or WAITING -> SKIPPED."""
+    they go to a sink). `state` moves WAITING -> RUNNING -> FINISHED | FAILED, or WAITING -> SKIPPED.
+    `submitted` and `started` are perf_counter() times (started: None until it runs)."""
 
     WAITING, RUNNING, FINISHED, FAILED, SKIPPED = "waiting", "running", "finished", "failed", "skipped"
 
@@ -58,6 +60,8 @@ class Job:
         self.cancel_event = cancel if cancel is not None else threading.Event()
         self.state = WAITING
         self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+        self.started: float | None = None
         self._fn = fn
         self._sink = sink
         self._on_done = on_done
@@ -69,6 +73,11 @@ class Job:
 
     def cancel(self) -> None:
         self.cancel_event.set()
+
+    @property
+    def queue_ms(self) -> float:
+        """How long it waited before it ran (until now, while it waits; its whole wait if it never ran)."""
+        return ((self.started or time.perf_counter()) - self.submitted) * 1000
 
     @property
     def cancelled(self) -> bool:
@@ -226,7 +235,7 @@ class EngineWorker:
                         and self._deferred is None:
                     job = self._take()
                     if not job.cancelled:
-                        job.state = RUNNING
+                        job.state, job.started = RUNNING, time.perf_counter()
                         self._running = job
             if job is None:
                 self._step()

@@ -28,7 +28,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -36,7 +35,7 @@ from jinja2 import TemplateError
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine import MAX_BATCH, EngineWorker, Result, SamplingConfig, TokenEvent, WorkerStopped
+from engine import MAX_BATCH, EngineWorker, Job, Result, SamplingConfig, TokenEvent, WorkerStopped
 
 from .guard import Guard, Timeouts, server_options  # noqa: F401  (server_options: part of this module's API)
 from .schema import APIError, ChatBody, CompletionBody, RequestBody, error_response, parse
@@ -48,22 +47,12 @@ MAX_QUEUE = 64
 
 
 # -- the engine queue -------------------------------------------------------------------------------------------
-@dataclass
-class Job:
-    prompt: list[int]  # token ids
-    sampling: dict
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    cancel: threading.Event = field(default_factory=threading.Event)
-    enqueued: float = field(default_factory=time.perf_counter)
-    started: float | None = None
-
-
 class Scheduler:
     """The HTTP side of the engine queue: admission (429 past `max_queue` waiting, 503 once closing), counts, and
     tokenizing on a thread of its own (a long prompt takes seconds: it must neither block the event loop nor wait
-    behind a generation). Jobs run on `worker`, the one torch thread, as source "api": the desktop app passes its
-    own (its window's requests take turns with these); without one the server has its own."""
+    behind a generation). Requests run on `worker`, the one torch thread, as jobs of source "api" (engine.worker.Job,
+    the one job type of every front end): the desktop app passes its own worker (its window's requests take turns
+    with these); without one the server has its own."""
 
     def __init__(self, engine, max_queue: int = MAX_QUEUE, worker: EngineWorker | None = None,
                  max_batch: int = MAX_BATCH):
@@ -99,22 +88,47 @@ class Scheduler:
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
             raise
 
-    def submit(self, job: Job) -> None:
+    def submit(self, prompt: list[int], sampling: dict) -> tuple[Job, asyncio.Queue]:
+        """Queues a generation of `prompt` (token ids) on the worker, from the event loop. Returns its job and the
+        queue its TokenEvents, then its Result (or an exception), arrive in."""
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+        ready = threading.Event()  # set once `job` below is known: the worker may take the job before that
+
+        def run(cancel: threading.Event):
+            ready.wait()
+            with self._lock:
+                self._waiting.remove(job)
+                self._running.append(job)
+            return self.engine.stream(prompt, cancel=cancel, **sampling)
+
+        def emit(item) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the server's loop is closed: nobody is listening any more
+                job.cancel()
+
+        def on_event(event) -> None:
+            if isinstance(event, Result) and event.finish_reason == "cancelled":
+                self.num_cancelled += 1
+            emit(event)
+
+        def on_done(done: Job) -> None:
+            ready.wait()
+            self._ended(done, emit)
+
         with self._lock:
             if self._closed:
                 raise APIError(503, "the server is shutting down", "server_error", code="shutting_down")
             if len(self._waiting) >= self.max_queue:
                 raise APIError(429, f"the server is busy: {len(self._waiting)} requests are waiting; retry later",
                                "rate_limit_error", code="queue_full")
+            try:
+                job = self.worker.submit(run, source="api", sink=on_event, on_done=on_done)
+            except WorkerStopped:  # the app's worker, stopped as the app quits
+                raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
             self._waiting.append(job)
-        try:
-            self.worker.submit(lambda cancel: self._run(job), source="api", cancel=job.cancel,
-                               sink=lambda event: self._emit_event(job, event),
-                               on_done=lambda done: self._ended(job, done))
-        except WorkerStopped:  # the app's worker, stopped as the app quits
-            with self._lock:
-                self._waiting.remove(job)
-            raise APIError(503, "the server is shutting down", "server_error", code="shutting_down") from None
+        ready.set()
+        return job, events
 
     def close(self) -> None:
         """Stops taking jobs and cancels its running and waiting ones (each gets an error or its partial end); a
@@ -123,44 +137,25 @@ class Scheduler:
             self._closed = True
             jobs = self._waiting + self._running
         for job in jobs:
-            job.cancel.set()
+            job.cancel()
         self._encoder.shutdown(wait=False, cancel_futures=True)
         if self._owns_worker:
             self.worker.stop(deadline_s=0)  # cancelled, and ends by itself; never waited for here
 
-    def _emit(self, job: Job, item) -> None:
-        try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, item)
-        except RuntimeError:  # the server's loop is closed: nobody is listening any more
-            job.cancel.set()
-
-    def _emit_event(self, job: Job, event) -> None:
-        if isinstance(event, Result) and event.finish_reason == "cancelled":
-            self.num_cancelled += 1
-        self._emit(job, event)
-
-    def _run(self, job: Job):
-        """The job's request stream, which the worker batches with the others (or runs alone)."""
-        with self._lock:
-            self._waiting.remove(job)
-            self._running.append(job)
-        job.started = time.perf_counter()
-        return self.engine.stream(job.prompt, cancel=job.cancel, **job.sampling)
-
-    def _ended(self, job: Job, done) -> None:
+    def _ended(self, job: Job, emit) -> None:
         with self._lock:  # one step: once nothing runs, the counts are final
-            if done.state == done.SKIPPED:  # its client went away while it waited, or the server is closing
+            if job.state == job.SKIPPED:  # its client went away while it waited, or the server is closing
                 self._waiting.remove(job)
                 self.num_skipped += 1
             else:
                 if job in self._running:
                     self._running.remove(job)
                 self.num_served += 1
-        if done.state == done.SKIPPED:
-            self._emit(job, APIError(499, "the request was cancelled before it ran", code="cancelled"))
-        elif done.state == done.FAILED:  # reported to the one request; the server goes on
-            log.error("request failed", exc_info=done.error)
-            self._emit(job, done.error)
+        if job.state == job.SKIPPED:
+            emit(APIError(499, "the request was cancelled before it ran", code="cancelled"))
+        elif job.state == job.FAILED:  # reported to the one request; the server goes on
+            log.error("request failed", exc_info=job.error)
+            emit(job.error)
 
 
 # -- translation ------------------------------------------------------------------------------------------------
@@ -194,7 +189,7 @@ def kvboost_stats(result: Result, job: Job) -> dict:
     return {"prompt_tokens": s.prompt_tokens, "reused_tokens": s.reused_tokens,
             "recomputed_tokens": s.recomputed_tokens, "tokens_by_kind": by_kind,
             "reused_by_tier": s.reused_by_tier, "ttft_ms": round(s.ttft_ms, 2),
-            "queue_ms": round(((job.started or job.enqueued) - job.enqueued) * 1000, 2),
+            "queue_ms": round(job.queue_ms, 2),
             "decode_tokens_per_s": round(s.decode_tokens_per_s, 2), "reuse": s.reuse,
             "batched_forwards": s.batched_forwards}
 
@@ -279,11 +274,11 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
         check_model(body.model)
         ids = await encode(_chat_messages(body), chat=True)
         max_tokens = body.max_completion_tokens or body.max_tokens or engine.max_context - len(ids)
-        job = start(ids, sampling_kwargs(body, max_tokens))
+        job, queue = scheduler.submit(ids, sampling_kwargs(body, max_tokens))
         rid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return EventSourceResponse(stream_chat(job, rid, _include_usage(body)), ping=15)
-        result = await collect(job, request)
+            return EventSourceResponse(stream_chat(job, queue, rid, _include_usage(body)), ping=15)
+        result = await collect(job, queue, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
                              "logprobs": None, "finish_reason": _finish_reason(result)}],
@@ -303,65 +298,61 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
         if isinstance(prompt, (str, list)) and not prompt:
             raise APIError(400, "prompt is empty", param="prompt")
         ids = await encode(prompt, chat=False)
-        job = start(ids, sampling_kwargs(body, body.max_tokens))
+        job, queue = scheduler.submit(ids, sampling_kwargs(body, body.max_tokens))
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
         if body.stream:
-            return EventSourceResponse(stream_completion(job, rid, _include_usage(body)), ping=15)
-        result = await collect(job, request)
+            return EventSourceResponse(stream_completion(job, queue, rid, _include_usage(body)), ping=15)
+        result = await collect(job, queue, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
                 "choices": [{"index": 0, "text": result.text, "logprobs": None,
                              "finish_reason": _finish_reason(result)}],
                 "usage": _usage(result), "kvboost": kvboost_stats(result, job)}
 
-    def start(ids: list[int], sampling: dict) -> Job:
-        job = Job(ids, sampling, asyncio.get_running_loop(), asyncio.Queue())
-        scheduler.submit(job)
-        return job
-
-    async def collect(job: Job, request: Request) -> Result:
+    async def collect(job: Job, queue: asyncio.Queue, request: Request) -> Result:
         """The job's Result; a client that disconnects first cancels it (waiting or running)."""
 
         async def watch():
-            while not job.cancel.is_set():
+            while not job.cancelled:
                 if await request.is_disconnected():
-                    job.cancel.set()
+                    job.cancel()
                     return
                 await asyncio.sleep(0.25)
 
         watcher = asyncio.create_task(watch())
         try:
-            async for item in events(job):
+            async for item in events(job, queue):
                 if isinstance(item, Result):
                     return item
         finally:
             watcher.cancel()
-            job.cancel.set()  # a no-op once the result is in
+            job.cancel()  # a no-op once the result is in
 
-    async def events(job: Job):
+    async def events(job: Job, queue: asyncio.Queue):
         """TokenEvents then the Result; the job is cancelled however the consumer stops (disconnect included)."""
         try:
             while True:
-                item = await job.events.get()
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise _engine_error(item)
                 yield item
                 if isinstance(item, Result):
                     return
         finally:
-            job.cancel.set()
+            job.cancel()
 
     def chunk(rid: str, obj: str, choice: dict, **extra) -> dict:
         return {"data": json.dumps({"id": rid, "object": obj, "created": int(time.time()), "model": model_id,
                                     "choices": [choice], **extra})}
 
-    async def stream(job: Job, rid: str, obj: str, include_usage: bool, text_choice, end_choice, opening=None):
+    async def stream(job: Job, queue: asyncio.Queue, rid: str, obj: str, include_usage: bool, text_choice, end_choice,
+                     opening=None):
         """SSE events of one streamed response: `opening` (a choice, chat's role announcement), a choice per
         text delta, the final choice with the kvboost stats, a usage chunk if asked, then [DONE]."""
         try:
             if opening is not None:
                 yield chunk(rid, obj, opening)
             try:
-                async for item in events(job):
+                async for item in events(job, queue):
                     if isinstance(item, TokenEvent):
                         if item.text:
                             yield chunk(rid, obj, text_choice(item.text))
@@ -375,16 +366,16 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
                                                      "code": exc.code}})}
             yield {"data": "[DONE]"}
         finally:  # however the stream ends, a client gone included
-            job.cancel.set()
+            job.cancel()
 
-    def stream_chat(job: Job, rid: str, include_usage: bool):
-        return stream(job, rid, "chat.completion.chunk", include_usage,
+    def stream_chat(job: Job, queue: asyncio.Queue, rid: str, include_usage: bool):
+        return stream(job, queue, rid, "chat.completion.chunk", include_usage,
                       lambda text: {"index": 0, "delta": {"content": text}, "finish_reason": None},
                       lambda reason: {"index": 0, "delta": {}, "finish_reason": reason},
                       opening={"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
-    def stream_completion(job: Job, rid: str, include_usage: bool):
-        return stream(job, rid, "text_completion", include_usage,
+    def stream_completion(job: Job, queue: asyncio.Queue, rid: str, include_usage: bool):
+        return stream(job, queue, rid, "text_completion", include_usage,
                       lambda text: {"index": 0, "text": text, "logprobs": None, "finish_reason": None},
                       lambda reason: {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
 
