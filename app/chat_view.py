@@ -1,6 +1,9 @@
 """The message list of one conversation: Markdown turns (code blocks highlighted, each with a Copy link:
 app.markdown_view), streaming, a quiet stats line with its details on hover, sources, the cache map, and a "Jump to
-latest" button while the user reads further up."""
+latest" button while the user reads further up.
+
+Over 400 lines: a message widget and the list that streams into it share the rendering throttle, the stats line and
+the cache map; Markdown is rendered elsewhere (app.markdown_view)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ Nothing in a request names a file: the model is matched by id against the one lo
 thread of their own (a megabyte of text takes a second), so the event loop keeps answering. Clients that are slow
 to send meet `Timeouts`: the request head, the body, and the pause between requests on one connection each have
 a deadline (30 s, 30 s and 5 s by default).
+
+Over 400 lines: the routes, the engine queue behind them and the translation between OpenAI's bodies and the
+engine's calls are read together; the guard and the schemas are modules of their own.
 """
 
 from __future__ import annotations

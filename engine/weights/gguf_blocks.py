@@ -14,7 +14,10 @@ The kernel (with engine/exact_attention.c, in one library) is compiled on first 
 compiler (`cc`, or $CC) for this CPU (-march=native, or $KVBOOST_BLOCKS_MARCH) into <engine cache>/kernels, keyed
 by the sources, the flags and the CPU's feature flags (~2 s, once); without a compiler a shipped x86-64-v3 build
 is used where there is one; otherwise `unavailable()` says why and the loader keeps torch's kernels
-(engine.weights.int4, engine.weights.head)"""
+(engine.weights.int4, engine.weights.head).
+
+Over 400 lines: the one binding of the C kernel, whose build, loading, tile layout and per-type calls must agree
+with each other and with gguf_blocks.c."""
 
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Resolving a model source to (model, tokenizer), choosing dtype/device and the weight format (float, int4 at
 load, AWQ int4); what a load holds is described by engine.weights.weights_report, its identity by
-engine.weights.fingerprint. One subject, from a source to a loaded model: the format choice and the dispatch to each
-loader (GGUF, AWQ, GPTQ, float-to-int4) read the same checked config and stay in one place."""
+engine.weights.fingerprint.
+
+Over 400 lines: one subject, from a source to a loaded model; the format choice and the dispatch to each loader
+(GGUF, AWQ, GPTQ, float-to-int4) read the same checked config and stay in one place."""
 
 from __future__ import annotations
 
