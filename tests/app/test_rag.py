@@ -68,4 +68,23 @@ def test_layout_choice_follows_the_size_of_the_documents():
     assert rag.choose_mode(small, 8192) == "pinned"
     assert rag.choose_mode(big, 8192) == "retrieved"
     assert rag.warm_inputs("s", "retrieved", [({"name": "x"}, [{"text": "p"}])], approximate=False) == []
-    assert rag.warm_inputs("s", "retrieved", [({"name": "x"}, [{"text": "p"}])], approximate=True) == ["p"]
+
+
+def test_approximate_prewarm_carries_passages_as_questions_will_behind_the_system_message(db, tmp_path):
+    """Each passage is warmed after the conversation's system message and other passages, in the labelled form a
+    question sends it in, so its reused KV saw a context like the one it is reused in (not a document's opening
+    right after the system message, which no question has)."""
+    cid = db.create_conversation(system_prompt="Be brief.")["id"]
+    a = _doc(db, tmp_path, "a.txt", ["Owls hunt at night in the forest.", "Owls have soft feathers."])
+    b = _doc(db, tmp_path, "b.txt", ["Bees make honey from nectar.", "Bees dance to share where flowers are."])
+    db.attach_document(cid, a["id"])
+    db.attach_document(cid, b["id"])
+    warm = rag.warm_for(db, cid, max_context=128, approximate=True)  # 128 tokens: the retrieved layout
+    assert all(len(w) == 2 and w[0] == {"role": "system", "content": "Be brief."} for w in warm)
+    warmed = "\n\n".join(w[1]["content"] for w in warm)
+    assert all(w[1]["content"].startswith(rag.PASSAGES_HEADING) for w in warm)
+    layout = rag.prompt_for(db, cid, "How do bees share where flowers are?", max_context=128)
+    assert layout.mode == "retrieved" and layout.sources
+    for source in layout.sources:  # every passage the question carries was warmed under the same label
+        assert f"[{rag.passage_label(source)}]\n{source['text']}" in warmed
+    assert len(warm) == 2  # not one message per passage: 123 characters of passages, 96 to a message
