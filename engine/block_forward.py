@@ -308,12 +308,10 @@ class OneCallForward:
             return None
         n_layers = len(self._layers)
         buffers = (_Cache * (len(segments) * n_layers))()
+        like = torch.empty(1, cfg.num_key_value_heads, 0, head_dim, dtype=torch.float32)
         for s, (cache, rows) in enumerate(segments):
-            room = torch.empty(1, cfg.num_key_value_heads, rows, head_dim, dtype=torch.float32)
-            for i in range(n_layers):
-                cache.update(room, room, i)  # grows the buffers; the C call writes the positions' real values
-                layer = cache.layers[i]
-                keys, values = layer._key_buffer, layer._value_buffer
+            # the buffers grown by `rows` positions, whose real values the C call writes
+            for i, (keys, values) in enumerate(cache.reserve(n_layers, rows, like)):
                 buffers[s * n_layers + i] = _Cache(keys.data_ptr(), values.data_ptr(), keys.stride(1))
         rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
         first = (ctypes.c_int64 * len(segments))(*starts)

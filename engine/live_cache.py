@@ -22,30 +22,79 @@ BLOCK_TOKENS = 256
 
 
 class GrowingLayer(DynamicLayer):
+    """`keys` / `values` are views of the buffers' filled part, made when read: growing by a position is an integer
+    update (a decode step touches every layer of every request in the batch; slicing two views per layer per step
+    was a tenth of a batched step). A tensor assigned to `keys` / `values` from outside (the CacheBlend pass, crop,
+    lazy initialization) is kept as given until the next update, which takes it back into a buffer."""
+
     def __init__(self):
-        super().__init__()
-        self._key_buffer: torch.Tensor | None = None  # [B, H_kv, capacity, D]; keys is [:, :, :length] of it
+        self._key_buffer: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self._value_buffer: torch.Tensor | None = None
+        self._length = 0  # positions filled in the buffers
+        self._keys: torch.Tensor | None = None  # a tensor assigned from outside; None: the buffers' filled part
+        self._values: torch.Tensor | None = None
+        super().__init__()
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._keys is None and self._key_buffer is not None:
+            return self._key_buffer[:, :, :self._length]
+        return self._keys
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self._keys = tensor
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._values is None and self._value_buffer is not None:
+            return self._value_buffer[:, :, :self._length]
+        return self._values
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._values = tensor
 
     def _is_prefix_view(self) -> bool:
+        """Whether keys and values are the buffers' first positions (the buffers can grow in place)."""
         buffer = self._key_buffer
-        return (buffer is not None and self.keys is not None and self.keys.data_ptr() == buffer.data_ptr()
-                and self.keys.stride() == buffer.stride() and self.values.data_ptr() == self._value_buffer.data_ptr()
-                and self.values.stride() == self._value_buffer.stride() and self.keys.shape[:2] == buffer.shape[:2])
+        if buffer is None:
+            return False
+        if self._keys is None and self._values is None:
+            return True
+        keys, values = self.keys, self.values
+        return (keys is not None and values is not None and keys.data_ptr() == buffer.data_ptr()
+                and keys.stride() == buffer.stride() and values.data_ptr() == self._value_buffer.data_ptr()
+                and values.stride() == self._value_buffer.stride() and keys.shape[:2] == buffer.shape[:2]
+                and keys.shape[-2] == values.shape[-2])
+
+    def _extend(self, rows: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> int:
+        """Makes room for `rows` more positions and counts them filled; returns where they start."""
+        if not self.is_initialized:
+            self.lazy_initialization(like_keys, like_values)
+        prefix = self._is_prefix_view()
+        length = self._length if prefix and self._keys is None else (self.keys.shape[-2] if self.keys.numel() else 0)
+        new_length = length + rows
+        if not prefix or new_length > self._key_buffer.shape[-2]:
+            self._grow(length, new_length, like_keys, like_values)
+        self._keys = self._values = None
+        self._length = new_length
+        return length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, H_kv, T_new, D]
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        length = self.keys.shape[-2] if self.keys.numel() else 0
-        new_length = length + key_states.shape[-2]
-        if not self._is_prefix_view() or new_length > self._key_buffer.shape[-2]:
-            self._grow(length, new_length, key_states, value_states)
-        self._key_buffer[:, :, length:new_length].copy_(key_states)
-        self._value_buffer[:, :, length:new_length].copy_(value_states)
-        self.keys = self._key_buffer[:, :, :new_length]
-        self.values = self._value_buffer[:, :, :new_length]
+        rows = key_states.shape[-2]
+        start = self._extend(rows, key_states, value_states)
+        self._key_buffer[:, :, start:start + rows].copy_(key_states)
+        self._value_buffer[:, :, start:start + rows].copy_(value_states)
         return self.keys, self.values
+
+    def reserve(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extends the filled part by `rows` positions whose values the caller writes (the one-call forward's C
+        code does, straight into the buffers); returns the key and value buffers. `like`: a tensor of the
+        layer's [B, H_kv, *, D] shape and dtype. What update() does without copying anything in."""
+        self._extend(rows, like, like)
+        return self._key_buffer, self._value_buffer
 
     def _grow(self, length: int, new_length: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = -(-(new_length + 1) // BLOCK_TOKENS) * BLOCK_TOKENS  # room for the next token at least
@@ -62,6 +111,7 @@ class GrowingLayer(DynamicLayer):
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
+        self._length = 0
         super().reset()
 
     def capacity_bytes(self) -> int:
@@ -77,3 +127,9 @@ class GrowingCache(DynamicCache):
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+
+    def reserve(self, num_layers: int, rows: int, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """GrowingLayer.reserve for the first `num_layers` layers (made where missing): their buffers."""
+        while len(self.layers) < num_layers:
+            self.layers.append(GrowingLayer())
+        return [self.layers[i].reserve(rows, like) for i in range(num_layers)]

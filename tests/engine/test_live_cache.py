@@ -98,3 +98,24 @@ def test_a_reset_layer_starts_empty():
 def test_the_engine_decodes_over_a_growing_cache_without_a_kv_budget():
     model = build_model("llama")
     assert isinstance(make_cache(model, None), GrowingCache)
+
+
+@torch.inference_mode()
+def test_reserved_positions_extend_the_views_and_keep_what_was_written(monkeypatch):
+    """reserve() (the one-call forward's growth, whose C code writes the values) extends keys and values like an
+    update, across a growth and after a crop, without touching the positions already filled."""
+    monkeypatch.setattr(live_cache, "BLOCK_TOKENS", 8)
+    cache = GrowingCache()
+    first = torch.randn(1, 2, 5, 4)
+    cache.update(first, first + 1, 0)
+    like = torch.empty(1, 2, 0, 4)
+    (keys, values), = cache.reserve(1, 6, like)  # 11 positions: past the first block of 8 (+1 room)
+    layer = cache.layers[0]
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == 11 == cache.get_seq_length()
+    assert keys.data_ptr() == layer.keys.data_ptr() and keys.shape[-2] >= 12
+    keys[:, :, 5:11] = 7.0  # what the C call would write
+    assert torch.equal(layer.keys[:, :, :5], first) and torch.equal(layer.values[:, :, :5], first + 1)
+    assert bool((layer.keys[:, :, 5:] == 7.0).all())
+    layer.crop(-3)  # 8 positions left, as a view someone assigned
+    cache.reserve(1, 2, like)
+    assert layer.keys.shape[-2] == 10 and torch.equal(layer.keys[:, :, :5], first)
