@@ -1,8 +1,8 @@
 """Continuous batching: several requests' decode steps in one forward pass, each over its own cache.
 
-A request runs as a coroutine (KVBoost._events): it yields its events (TokenEvent, Result), a `PAUSE` after each
-prefill piece, and a `Forward` whenever it needs the model: the tokens to feed (the last sampled token, and any
-drafted ones) over its own cache; the logits come back through `send`. Run alone (`drive_alone`), each Forward is
+A request runs as a coroutine (KVBoost._events): it yields its events (TokenEvent, Result) and a `Forward` whenever
+it needs the model: a piece of its prompt, or the tokens of a decode step (the last sampled token, and any drafted
+ones), over its own cache; the logits come back through `send`. Run alone (`drive_alone`), each Forward is
 the plain forward a decode step has always been. A `Batch` (run by the EngineWorker) advances every running
 request to its next Forward and answers all of them with ONE forward pass: their tokens packed into one sequence
 of one batch row, so every weight is read once per step for the whole batch. A model whose layers are GGUF blocks
@@ -16,8 +16,11 @@ tokens one position at a time, as paged.rowwise_attention does alone). Everythin
 logits in a batch equal its logits alone wherever the linear kernels compute a row the same whatever the number
 of rows: bit for bit over the int4 and int8 kernels; float32 sgemm rounds by row count (~1e-5 on the logits).
 
-Newcomers join at the next step: their prefill runs in pieces of at most `EngineConfig.prefill_piece_tokens`
-(alone or batched the same, so the KV is the same), one piece per step between the others' decode steps.
+Newcomers join at the next step: their prefill runs in pieces of at most `prefill_piece_tokens` (alone or batched
+the same, so the KV is the same), one piece per step. On a model in GGUF blocks the pieces ride in the same C call
+as the others' decode tokens (a piece is a request's run of rows with causal attention among them, computed row by
+row as alone: the same bits), so newcomers arriving together share one pass over the weights; on other models a
+piece runs by itself within the step (float attention over a piece is not the same computed row by row).
 Only models whose attention can be split this way are batched (`batching_unavailable`); others run one request
 at a time, as before.
 """
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -51,10 +55,15 @@ class Forward:
     tokens: list[int]
     cache: Any
     rowwise: bool = False
+    prompt: bool = False  # a prefill piece: its tokens attend to each other causally, as a prompt's do
+    keep: int | None = None  # logits for the last `keep` tokens only (0: none, the layers alone); None: every token
     shared: int = 1
+    seconds: float = 0.0  # set by whoever runs it: its share of the forward's time
 
 
-PAUSE = object()  # a request yields it between prefill pieces: the others take their step before its next piece
+def packs_prompts(model) -> bool:
+    """Whether prompt pieces ride in the packed forward with the decode steps (a model in GGUF blocks)."""
+    return uses_block_forward(model)
 
 
 def batching_unavailable(model) -> str | None:
@@ -142,14 +151,17 @@ def _splitter(registered):
 
 
 @torch.inference_mode()
-def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor]:
+def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor | None]:
     """One forward for every Forward: their tokens packed in one sequence, each at its own positions; returns
-    each one's logits [len(tokens), V]."""
+    each one's logits [len(tokens) or keep, V] (None for keep 0). Prompt pieces only where the model is in GGUF
+    blocks (`packs_prompts`)."""
     sizes = [len(f.tokens) for f in forwards]
     if uses_block_forward(model):  # GGUF blocks: every layer of every request in one C call (engine.block_forward)
-        logits = model.forward.packed([f.tokens for f in forwards], [f.cache for f in forwards])
+        logits = model.forward.packed([f.tokens for f in forwards], [f.cache for f in forwards],
+                                      [f.keep for f in forwards])
         if logits is not None:
-            return list(torch.split(logits, sizes))
+            return logits
+    assert not any(f.prompt for f in forwards), "prompt pieces are packed only through the one-call forward"
     tokens = [t for f in forwards for t in f.tokens]
     starts = [f.cache.get_seq_length() for f in forwards]
     positions = [p for f, start in zip(forwards, starts) for p in range(start, start + len(f.tokens))]
@@ -176,7 +188,7 @@ def drive_alone(steps, forward: Callable[[Forward], torch.Tensor]):
             value = None
             if isinstance(item, Forward):
                 value = forward(item)
-            elif item is not PAUSE:
+            else:
                 yield item
     finally:
         steps.close()
@@ -295,18 +307,34 @@ class Batch:
         if not ready:
             return
         engine = ready[0].engine
-        forwards = [m.waiting for m in ready]
+        together = ready
+        if not packs_prompts(engine.model):  # prompt pieces by themselves, then the decode steps together
+            together = [m for m in ready if not m.waiting.prompt]
+            for m in ready:
+                if m.waiting.prompt:
+                    self._answer([m], engine)
+        if together:
+            self._answer(together, engine)
+
+    def _answer(self, members: list[Member], engine) -> None:
+        """One forward for `members`' Forwards; a failed forward fails the requests in it (the batch goes on)."""
+        forwards = [m.waiting for m in members]
+        began = time.perf_counter()
         try:
-            if len(ready) == 1:
+            if len(members) == 1:
                 results = [engine.runner.forward(forwards[0])]
             else:
                 results = packed_forward(engine.model, forwards, engine.device)
-        except BaseException as exc:  # a failed forward fails the requests in it; the batch goes on
-            for m in ready:
+        except BaseException as exc:
+            for m in members:
                 self._end(m, exc)
             return
-        for m, logits in zip(ready, results):
-            m.waiting.shared = len(ready)
+        if len(members) > 1:  # each Forward's share of the pass's time, by its tokens
+            elapsed, rows = time.perf_counter() - began, sum(len(f.tokens) for f in forwards)
+            for f in forwards:
+                f.seconds = elapsed * len(f.tokens) / rows
+        for m, logits in zip(members, results):
+            m.waiting.shared = len(members)
             m.pending, m.waiting = logits, None
 
     def _advance(self, member: Member) -> None:
@@ -324,8 +352,6 @@ class Batch:
             value = None
             if isinstance(item, Forward):
                 member.waiting = item
-                return
-            if item is PAUSE:
                 return
             try:
                 member.deliver(item)

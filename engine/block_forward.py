@@ -282,16 +282,33 @@ class OneCallForward:
             return False
         return self._layers_over(input_ids.reshape(-1), [(cache, input_ids.shape[1])]) is not None
 
-    def packed(self, tokens: list[list[int]], caches: list) -> torch.Tensor | None:
-        """Logits [sum of lengths, V] of several requests' tokens, each fed over its own cache (positions from its
-        length) in one call; None (nothing computed) where the one-call forward cannot take them, for the caller's
-        other path."""
+    def packed(self, tokens: list[list[int]], caches: list, keeps: list[int | None] | None = None
+               ) -> list[torch.Tensor | None] | None:
+        """Several requests' tokens, each fed over its own cache (positions from its length; a request's tokens
+        attend to each other causally) in one call: each one's logits [len, V], or of its last `keeps[i]` tokens
+        only (None for 0: no head for it). None (nothing computed) where the one-call forward cannot take them,
+        for the caller's other path."""
         if torch.is_grad_enabled() or self.model.config._attn_implementation != ROWS or not caches or \
                 not all(_growing(c) for c in caches) or any(not t for t in tokens) or not self._ready():
             return None
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.long)
         hidden = self._layers_over(ids, [(cache, len(ts)) for ts, cache in zip(tokens, caches)])
-        return None if hidden is None else self.model.lm_head(self.model.model.norm(hidden))
+        if hidden is None:
+            return None
+        keeps = keeps or [None] * len(tokens)
+        rows, counts, start = [], [], 0
+        for ts, keep in zip(tokens, keeps):
+            kept = len(ts) if keep is None else min(keep, len(ts))
+            rows += range(start + len(ts) - kept, start + len(ts))
+            counts.append(kept)
+            start += len(ts)
+        kept_hidden = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, dtype=torch.long)]
+        logits = self.model.lm_head(self.model.model.norm(kept_hidden)) if rows else None
+        out, at = [], 0
+        for count in counts:
+            out.append(logits[at:at + count] if count else None)
+            at += count
+        return out
 
     def _layers_over(self, ids: torch.Tensor, segments: list[tuple[GrowingCache, int]]) -> torch.Tensor | None:
         """The last layer's hidden states [rows, hidden] of `ids` (the segments' rows one after the other), their

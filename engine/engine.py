@@ -268,8 +268,8 @@ class KVBoost:
         return RequestStream(self, self._events(ids, params, t_enter, cancel, return_logits))
 
     def _events(self, ids, params, t_enter, cancel, return_logits=False):
-        """The request as a coroutine (engine.batching): its events, a PAUSE after each prefill piece, and a
-        Forward for each decode step, whose logits the runner sends back. Run by RequestStream (alone, holding
+        """The request as a coroutine (engine.batching): its events, and a Forward for each prefill piece and each
+        decode step, whose logits the runner sends back. Run by RequestStream (alone, holding
         the engine's lock) or by a batching.Batch (which holds it for its requests)."""
         settle_thread_math()
         mode = self.config.reuse

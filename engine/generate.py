@@ -89,7 +89,8 @@ def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch
 
 @torch.inference_mode()
 def run_forward(model, forward: Forward, device) -> torch.Tensor:
-    """A request's Forward run by itself: logits [len(tokens), V]."""
+    """A request's decode-step Forward run by itself: logits [len(tokens), V] (prompt pieces:
+    engine.prefill.prompt_forward)."""
     if len(forward.tokens) == 1:
         return decode_one_token(model, forward.tokens[0], forward.cache, device)[None]
     return check_forward(model, forward.tokens, forward.cache, device, forward.rowwise)

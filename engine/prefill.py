@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from .batching import PAUSE
+from .batching import Forward
 from .blend import blend
 from .block_forward import OneCallForward
 from .kv.store import ChunkStore
@@ -30,28 +30,29 @@ def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, de
     (engine.blend.blend_unavailable is None), so selective repair runs as one pass rather than one per seam.
     `piece_tokens`: computed runs are cut at multiples of it (prefill_steps)."""
     steps = prefill_steps(model, plan, store, cache, device, rope, repair, batch_repair, piece_tokens)
+    sent = None
     while True:
         try:
-            next(steps)
+            piece = steps.send(sent)
         except StopIteration as done:
             return done.value
+        sent = prompt_forward(model, piece, device)
 
 
 @torch.inference_mode()
 def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
                   batch_repair: bool = True, piece_tokens: int | None = None, timing: list | None = None):
-    """prefill() as a generator that yields batching.PAUSE after each forward pass but the last, so that other
-    requests can take a decode step in between; returns (logits, repaired). Computed runs are forwarded in pieces
-    that end at multiples of `piece_tokens` (None: each run in one pass): the same cuts whether the request runs
-    alone or batched, so its KV is the same either way. `timing`, when given, receives (tokens, seconds) of each
-    computed forward (the work itself: no fetch, no overhead; on CUDA up to a synchronize), from which a front end
+    """prefill() as a coroutine that yields each computed piece as a batching.Forward (prompt=True) for whoever
+    runs the request (alone, or a Batch, which takes one piece per step) and gets its logits back; returns
+    (logits, repaired). Computed runs are forwarded in pieces that end at multiples of `piece_tokens` (None: each
+    run in one pass): the same cuts whether the request runs alone or batched, so its KV is the same either way.
+    `timing`, when given, receives (tokens, seconds) of each computed piece (the work itself: no fetch, no
+    overhead; on CUDA up to a synchronize; in a batch's pass, the piece's share of it), from which a front end
     learns what a token of prefill costs on this machine."""
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
     batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
     blend_from = plan.first_approximate if batched else len(plan.ids)
-    decoder = model.get_decoder()
-    one_call = model.forward if isinstance(getattr(model, "forward", None), OneCallForward) else None
     i = 0
     logits = None
     repaired = 0
@@ -70,26 +71,38 @@ def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCac
             end = segments[i - 1].end
             last_run = i == len(segments)
             for piece_start, piece_end in _pieces(start, end, piece_tokens):
-                input_ids = torch.tensor([plan.ids[piece_start:piece_end]], device=device)
-                began = time.perf_counter()
                 final = last_run and piece_end == end
-                if final:
-                    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                    logits = out.logits[0, -1]
-                elif not (one_call is not None and one_call.layers_only(input_ids, cache)):
-                    decoder(input_ids=input_ids, past_key_values=cache, use_cache=True)
+                piece = Forward(plan.ids[piece_start:piece_end], cache, prompt=True, keep=1 if final else 0)
+                out = yield piece  # whoever runs the request runs the piece (alone, or in a batch's pass)
                 if timing is not None:
-                    if input_ids.device.type == "cuda":
-                        torch.cuda.synchronize(input_ids.device)
-                    timing.append((piece_end - piece_start, time.perf_counter() - began))
-                if not final:
-                    yield PAUSE
+                    timing.append((piece_end - piece_start, piece.seconds))
+                if final:
+                    logits = out[-1]
         if i < len(segments):
             rest = segments[i:]
             pieces = [None if seg.kind == MISS else _segment_kv(seg, store, rope, device) for seg in rest]
             logits, repaired = blend(model, plan.ids, rest, pieces, cache, repair, device)
     assert cache.get_seq_length() == len(plan.ids), "cache covers the whole prompt"
     return logits, repaired
+
+
+@torch.inference_mode()
+def prompt_forward(model, forward: Forward, device) -> torch.Tensor | None:
+    """A prefill piece run by itself: the logits of its last `keep` tokens [keep, V], or None for keep 0 (the
+    layers alone, no head: in one C call where the model is in GGUF blocks). Its time goes to forward.seconds."""
+    began = time.perf_counter()
+    input_ids = torch.tensor([forward.tokens], device=device)
+    logits = None
+    if forward.keep:
+        out = model(input_ids=input_ids, past_key_values=forward.cache, use_cache=True, logits_to_keep=forward.keep)
+        logits = out.logits[0]
+    elif not (isinstance(getattr(model, "forward", None), OneCallForward)
+              and model.forward.layers_only(input_ids, forward.cache)):
+        model.get_decoder()(input_ids=input_ids, past_key_values=forward.cache, use_cache=True)
+    if input_ids.device.type == "cuda":
+        torch.cuda.synchronize(input_ids.device)
+    forward.seconds = time.perf_counter() - began
+    return logits
 
 
 def _pieces(start: int, end: int, piece_tokens: int | None):

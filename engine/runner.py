@@ -16,6 +16,7 @@ import torch
 
 from .batching import Forward
 from .generate import run_forward
+from .prefill import prompt_forward
 
 
 class ModelRunner:
@@ -27,8 +28,11 @@ class ModelRunner:
         self._owner: int | None = None
 
     def forward(self, forward: Forward) -> torch.Tensor:
-        """A Forward of one request run by itself: a one-token step from the CUDA graph where it can run."""
-        if self.graph_step is not None and len(forward.tokens) == 1:
+        """A Forward of one request run by itself: a prompt piece (engine.prefill.prompt_forward), or a decode step,
+        one token from the CUDA graph where it can run."""
+        if forward.prompt:
+            return prompt_forward(self.model, forward, self.device)
+        if self.graph_step is not None and len(forward.tokens) == 1 and not forward.prompt:
             logits = self.graph_step(forward.tokens[0], forward.cache)
             if logits is not None:
                 return logits[None]

@@ -174,6 +174,36 @@ def test_a_newcomers_prefill_runs_one_piece_per_step_between_the_others_decode_s
     assert rec.ends == {"old": None, "new": None}
 
 
+def test_newcomers_prefill_pieces_ride_in_the_decode_steps_one_call_over_gguf_blocks(smollm):
+    """On the embedded model in GGUF blocks, two newcomers' prompt pieces and a running request's decode token go
+    through the weights in ONE C call per step (before, each piece was a call of its own), and each newcomer's
+    logits and answer are those it gets alone, bit for bit."""
+    engine = smollm.with_options(reuse="off", speculative=None, prefill_piece_tokens=8)
+    forward = engine.model.forward
+    prompts = [chat_ids(engine, QUESTIONS[3] + " Please answer carefully and briefly."),
+               chat_ids(engine, QUESTIONS[6] + " Then say it once more, slowly.")]
+    assert all(len(p) > 24 for p in prompts)  # four pieces or more each
+    want = [engine.generate(p, max_new_tokens=6, return_logits=True) for p in prompts]
+    batch, rec = Batch(), Recorder()
+    rec.admit(batch, engine, "old", chat_ids(engine, QUESTIONS[1]), max_new_tokens=40)
+    for _ in range(2):
+        batch.step()
+    for i, prompt in enumerate(prompts):
+        rec.admit(batch, engine, f"new{i}", prompt, max_new_tokens=6, return_logits=True)
+    calls = []
+    while not all(any(n == f"new{i}" for n, _ in rec.log) for i in range(2)):  # until both have a first token
+        before = forward.one_call_forwards
+        batch.step()
+        calls.append(forward.one_call_forwards - before)
+    assert len(calls) >= 3 and calls == [1] * len(calls), calls
+    while len(batch):
+        batch.step()
+    for i, w in enumerate(want):
+        got = rec.result(f"new{i}")
+        assert got.token_ids == w.token_ids and torch.equal(got.first_logits, w.first_logits)
+    assert rec.ends == {"old": None, "new0": None, "new1": None}
+
+
 def test_a_request_joining_a_running_batch_answers_as_alone_and_before_the_others_finish(smollm):
     engine = smollm.with_options(reuse="off")
     long_ones = [engine.encode(text) for text in ("Once upon a time, in a land far away,", "The history of Rome",
