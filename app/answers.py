@@ -78,6 +78,7 @@ class _Request(QObject):
         self.cancel_event = threading.Event()
         self.done = False  # its end (finished or failed) has been delivered
         self.error: str | None = None
+        self._silent = False  # silence(): nothing more is delivered
         # Queued even when posted on this thread: the public signals never fire inside the call that posts them.
         self._posted.connect(self._deliver, Qt.ConnectionType.QueuedConnection)
 
@@ -89,6 +90,11 @@ class _Request(QObject):
     def cancelled(self) -> bool:
         return self.cancel_event.is_set()
 
+    def silence(self) -> None:
+        """No more signals from it, whatever its backend still reports (the app is quitting: what is on screen has
+        been saved, and a late "cancelled" must not overwrite it)."""
+        self._silent = True
+
     def _post(self, what: str, value=None) -> None:
         try:
             self._posted.emit(what, value)
@@ -99,7 +105,7 @@ class _Request(QObject):
         self._post("failed", message)
 
     def _deliver(self, what: str, value) -> None:
-        if self.done:  # one end per request; anything after it is stale
+        if self.done or self._silent:  # one end per request; anything after it is stale
             return
         if what == "failed":
             self.done, self.error = True, value

@@ -308,4 +308,6 @@ class RemoteBackend:
         request.post_finished(WarmReport())
 
     def close(self) -> None:
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        """Takes no more requests; those already queued still run (cancelled ones end at once), so every handle
+        given out gets its end."""
+        self._thread.shutdown(wait=False)

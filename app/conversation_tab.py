@@ -443,19 +443,31 @@ class ConversationTab(QWidget):
             self.warm_request = None
             return None
         self.warm_request = request = self.client.warm(inputs)
+        # bound methods: Qt disconnects them when the tab goes; the handle that reports is sender()
         request.progressed.connect(self._warm_progressed)
-        request.finished.connect(lambda report: self._warm_ended(request, report))
-        request.failed.connect(lambda message: self._warm_ended(request, None, message))
+        request.finished.connect(self._warm_finished)
+        request.failed.connect(self._warm_failed)
         self._show_progress(f"Pre-warming documents: %v/{len(inputs)}", len(inputs))
         return request
 
-    def _warm_progressed(self, done: int, total: int) -> None:
-        self.progress.setValue(done)
-        self.warm_progressed.emit(done, total)
+    def _current_warm(self) -> bool:
+        """Whether the signal being handled comes from this tab's current pre-warm (not one it replaced)."""
+        return self.warm_request is not None and self.sender() is self.warm_request
 
-    def _warm_ended(self, request: WarmRequest, report: WarmReport | None, failure: str | None = None) -> None:
-        if request is not self.warm_request:  # replaced by a newer pre-warm, whose progress is on show
-            return
+    def _warm_progressed(self, done: int, total: int) -> None:
+        if self._current_warm():
+            self.progress.setValue(done)
+            self.warm_progressed.emit(done, total)
+
+    def _warm_finished(self, report: WarmReport) -> None:
+        if self._current_warm():
+            self._warm_ended(report)
+
+    def _warm_failed(self, message: str) -> None:
+        if self._current_warm():
+            self._warm_ended(None, message)
+
+    def _warm_ended(self, report: WarmReport | None, failure: str | None = None) -> None:
         self.warm_request = None
         self._hide_progress()
         if failure is not None:

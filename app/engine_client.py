@@ -249,11 +249,13 @@ class EngineClient(QObject):
         start_thread(join_then_report, "kvboost-api-stop")
 
     def shutdown(self, timeout: float = 5.0) -> bool:
-        """Stops the API server, cancels every job (no signals about them follow) and stops the engine thread,
+        """Stops the API server, cancels every request (no signals about them follow) and stops the engine thread,
         waiting up to `timeout` seconds. Returns whether it ended: False when a job outlived the deadline (a
         model load inside one long stage, or torch still being imported)."""
         self.stop_server()
         self._closed = True
+        for request in self._pending.values():
+            request.silence()
         self.cancel_all()
         if self._remote is not None:
             self._remote.close()
