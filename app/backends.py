@@ -71,6 +71,7 @@ class Backend(Protocol):
 class LoadEvents(Protocol):
     """Where LocalBackend reports a model load (EngineClient's signals)."""
 
+    def starting(self) -> None: ...
     def loading(self, what: str, stage: str) -> None: ...
     def stage(self, text: str) -> None: ...
     def progressed(self, done: int, total: int, what: str) -> None: ...
@@ -101,6 +102,7 @@ class LocalBackend:
 
         def run():
             self.engine = None  # the old model goes before the new one is read, so two never share memory
+            self._events.starting()
             if not announce_now:
                 self._events.loading(what, "Starting PyTorch and transformers…")
             log.info("loading the model: %s", what)

@@ -54,6 +54,9 @@ class EngineClient(QObject):
         def __init__(self, client: "EngineClient"):
             self._client = client
 
+        def starting(self) -> None:
+            self._client._info = None  # the old model is going
+
         def loading(self, what: str, stage: str) -> None:
             if not self._client._closed:
                 self._client.model_loading.emit(what)
@@ -100,7 +103,6 @@ class EngineClient(QObject):
         if self._closed:
             return
         self._load_cancel = threading.Event()
-        self._info = None
         self._local.load(source, {**self._engine_options, **options}, source or "SmolLM2-135M-Instruct (built in)",
                          self._load_cancel)
 
