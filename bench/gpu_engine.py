@@ -93,7 +93,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
         if weights == "int4":
             quantize_model(model, group_size=128 if device.type == "cuda" else 32, kernel=kernel)
         built_s = time.perf_counter() - start
-        engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
+        engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
         fmt = engine.info()["weights"].get("format", weights)
         graphs_off = engine.info()["cuda_graphs_unavailable"]
@@ -192,7 +192,7 @@ def profile_rows(body: Body, kernel: str, device: torch.device, context: int, ne
         model = build_model(body, device, dtype)
         if weights == "int4":
             quantize_model(model, group_size=128 if device.type == "cuda" else 32, kernel=kernel)
-        engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
+        engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
         engine.generate(ids, max_new_tokens=4, temperature=0)
         ours = engine.generate(ids, max_new_tokens=new_tokens, temperature=0).stats.decode_tokens_per_s

@@ -148,7 +148,7 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     docs = []  # (keys, tokens per chunk, kv per chunk)
     for d in range(num_hot + num_cold):
         ids = [rng.randrange(100, vocab - 100) for _ in range(doc_tokens)]
-        spans, num_complete = chunk_spans(ids, scratch.config.chunking, scratch._breaks)
+        spans, num_complete = chunk_spans(ids, scratch.config.reuse.chunking, scratch._breaks)
         keys = chain_keys(ids, spans, num_complete, scratch._root)
         kv = scratch.model(input_ids=__import__("torch").tensor([ids]), use_cache=True).past_key_values
         layers = tuple((layer.keys, layer.values) for layer in kv.layers)

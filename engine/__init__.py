@@ -11,6 +11,7 @@ import importlib
 # public name -> the module of this package that defines it
 _EXPORTS = {
     "ChunkingConfig": "config", "EngineConfig": "config", "LoadOptions": "config", "SamplingConfig": "config",
+    "ReuseConfig": "config", "TierConfig": "config", "DecodeConfig": "config",  # EngineConfig's three parts
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",

@@ -16,7 +16,7 @@ tokens one position at a time, as paged.rowwise_attention does alone). Everythin
 logits in a batch equal its logits alone wherever the linear kernels compute a row the same whatever the number
 of rows: bit for bit over the int4 and int8 kernels; float32 sgemm rounds by row count (~1e-5 on the logits).
 
-Newcomers join at the next step: their prefill runs in pieces of at most `EngineConfig.prefill_piece_tokens`
+Newcomers join at the next step: their prefill runs in pieces of at most `DecodeConfig.prefill_piece_tokens`
 (alone or batched the same, so the KV is the same), one piece per step between the others' decode steps.
 Only models whose attention can be split this way are batched (`batching_unavailable`); others run one request
 at a time, as before.

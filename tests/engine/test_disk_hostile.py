@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.kv.disk import INDEX_FILENAME, DiskTier
 from engine.kv.eviction import LRU
@@ -32,16 +32,16 @@ def tiny(one_thread):
 
 def engine_on(tiny, folder, **config) -> KVBoost:
     model, tokenizer = tiny
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
+    fields = dict(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
                   disk_cache_bytes=1 << 30)
     fields.update(config)
-    return KVBoost(model, tokenizer, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(model, tokenizer, EngineConfig.of(**fields), name="tiny-llama")
 
 
 @pytest.fixture(scope="module")
 def cold(tiny):
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda ids: engine.generate(ids, max_new_tokens=NEW_TOKENS).token_ids
 
 

@@ -35,7 +35,7 @@ def cold_answers():
     """Greedy answers computed here without any cache: what every process must produce."""
     from engine import EngineConfig, KVBoost
 
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(disk_worker.document(seed) + disk_worker.QUESTION,
                                         max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 

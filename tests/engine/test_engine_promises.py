@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import Cancelled, ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine import Cancelled, EngineConfig, KVBoost, UnsupportedModelError
 from engine.kv.disk import default_disk_budget
 from engine.kv.tiers import default_device_budget, default_host_budget
 from engine.weights.fingerprint import fingerprint
@@ -39,7 +39,7 @@ def model_folder(tmp_path_factory, tiny):
 
 def test_timing_stats_are_present_and_consistent(tiny, tmp_path):
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(chunk_size=CHUNK, disk_cache_bytes=0))
     prompt = random_ids(5 * CHUNK + 3, seed=1)
     t0 = time.perf_counter()
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
@@ -183,11 +183,11 @@ def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
 def test_with_options_keeps_every_option_it_is_not_told_to_change():
     from dataclasses import replace
 
-    config = EngineConfig(reuse="prefix", chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=1 << 20,
-                          disk_cache_bytes=0, disk_busy_timeout_s=5.0, eviction="lru", live_page_tokens=64,
-                          speculative=None, num_draft=2, remote_timeout_s=0.5, remote_max_wait_s=2.0,
-                          remote_retry_s=1.0, remote_max_value_bytes=1 << 20, prefill_piece_tokens=64,
-                          cuda_graphs=False)
+    config = EngineConfig.of(reuse="prefix", chunk_size=CHUNK, cpu_cache_bytes=1 << 20,
+                             disk_cache_bytes=0, disk_busy_timeout_s=5.0, eviction="lru", live_page_tokens=64,
+                             speculative=None, num_draft=2, remote_timeout_s=0.5, remote_max_wait_s=2.0,
+                             remote_retry_s=1.0, remote_max_value_bytes=1 << 20, prefill_piece_tokens=64,
+                             cuda_graphs=False)
     engine = KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny")
     assert engine.with_options().config == config
-    assert engine.with_options(num_draft=3).config == replace(config, num_draft=3)
+    assert engine.with_options(num_draft=3).config == replace(config, decode=replace(config.decode, num_draft=3))

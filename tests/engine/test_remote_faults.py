@@ -13,7 +13,7 @@ import pytest
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.generate import Result
 
 pytestmark = NEEDS_REDIS
@@ -33,8 +33,8 @@ SLOWER_BOUND_S = 0.3
 
 
 def make_engine(url, folder) -> KVBoost:
-    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
-                          remote_cache=url, remote_timeout_s=TIMEOUT_S, remote_retry_s=RETRY_S)
+    config = EngineConfig.of(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
+                             remote_cache=url, remote_timeout_s=TIMEOUT_S, remote_retry_s=RETRY_S)
     return KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny-llama")
 
 
@@ -44,7 +44,7 @@ def prompt(seed):
 
 @pytest.fixture(scope="module")
 def cold_answers():
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(prompt(seed), max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 
 

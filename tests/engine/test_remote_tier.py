@@ -16,7 +16,7 @@ from processes import SUPPORT, child_env
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
@@ -44,14 +44,14 @@ def run_worker(url, folder, mode, *seeds, chunk=CHUNK, quant="none"):
 
 @pytest.fixture(scope="module")
 def cold_answers():
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(disk_worker.document(seed) + disk_worker.QUESTION,
                                         max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 
 
 def make_engine(url, folder, model=None, chunk=CHUNK, quant="none", **options) -> KVBoost:
-    config = EngineConfig(chunking=ChunkingConfig(size=chunk), cpu_cache_bytes=0, disk_cache_dir=str(folder),
-                          kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **options)
+    config = EngineConfig.of(chunk_size=chunk, cpu_cache_bytes=0, disk_cache_dir=str(folder),
+                             kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **options)
     return KVBoost(model or build_model("llama"), build_tokenizer(), config, name="tiny-llama")
 
 

@@ -19,7 +19,7 @@ import torch
 from processes import SUPPORT, child_env
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.kv.disk import INDEX_FILENAME, DiskTier
 
 DOCS = [random_ids(4 * CHUNK + 3, seed=60 + i) for i in range(3)]
@@ -37,7 +37,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def cold(tiny):
-    engine = KVBoost(*tiny, EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(*tiny, EngineConfig.of(reuse="off"), name="tiny-llama")
     answers = {}
 
     def answer(i):
@@ -49,10 +49,10 @@ def cold(tiny):
 
 
 def engine_on(tiny, folder, **config) -> KVBoost:
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
+    fields = dict(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
                   disk_cache_bytes=1 << 30)
     fields.update(config)
-    return KVBoost(*tiny, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(*tiny, EngineConfig.of(**fields), name="tiny-llama")
 
 
 def check_folder_serves_only_the_truth(tiny, folder, cold) -> dict:
@@ -235,7 +235,7 @@ def test_a_writer_killed_mid_write_leaves_a_folder_the_next_process_trusts(tmp_p
 
     from engine import EngineConfig, KVBoost
 
-    cold = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    cold = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     out = subprocess.run([sys.executable, str(SUPPORT / "disk_worker.py"), str(folder), str(1 << 30), "none",
                           "ask", "100", "101"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
