@@ -209,7 +209,7 @@ class EngineClient(QObject):
     def memory(self) -> dict | None:
         """Engine memory report (weights, KV per tier, device totals); None before a model is loaded."""
         engine = self._engine
-        return engine.memory() if engine is not None else None
+        return engine.memory().to_dict() if engine is not None else None
 
     # -- the OpenAI-compatible API over the loaded model (server.thread), in this process ------------------
     @property
@@ -232,7 +232,7 @@ class EngineClient(QObject):
             return
         from pathlib import Path
 
-        model_id = Path(engine.info()["name"]).name.removesuffix(".gguf")
+        model_id = Path(engine.info().name).name.removesuffix(".gguf")
         # kvboost-server's settings (the same client deadlines), on this process's loaded engine
         running = ServerThread(engine, model_id=model_id, worker=self._worker, port=port, api_key=api_key).start()
         url = f"{running.url}/v1"
@@ -393,7 +393,7 @@ class EngineClient(QObject):
                                              **job.payload["options"])
         self._engine = engine
         self._prefill_rates = []  # another model: another rate
-        info = engine.info()
+        info = engine.info().to_dict()  # handed on to the window as a dict (model_loaded)
         from engine.weights.weights_report import describe_weights
 
         self._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=time.perf_counter() - t0,

@@ -64,11 +64,11 @@ def child(argv) -> int:
     base.with_options(reuse="off").generate("Hello", max_new_tokens=2)  # one-time torch start-up costs
     restored = engine.generate(messages, max_new_tokens=8)
     plain = cold.generate(messages, max_new_tokens=8)
-    disk = engine.cache_stats()["tiers"]["disk"]
+    disk = engine.cache_stats().tiers.disk
     print(json.dumps({
         "prompt_tokens": restored.stats.prompt_tokens, "restore_ttft_ms": restored.stats.ttft_ms,
         "cold_ttft_ms": plain.stats.ttft_ms, "reused_by_tier": restored.stats.reused_by_tier,
-        "read_bytes": disk["read_bytes"], "read_ms": disk["read_ms"], "same_tokens": restored.token_ids ==
+        "read_bytes": disk.read_bytes, "read_ms": disk.read_ms, "same_tokens": restored.token_ids ==
         plain.token_ids}))
     return 0
 

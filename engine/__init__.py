@@ -15,6 +15,7 @@ _EXPORTS = {
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
+    "CacheStats": "reports", "EngineInfo": "reports", "MemoryReport": "reports",  # info(), memory(), cache_stats()
     "ModelLoadError": "weights.loader",
     "MAX_BATCH": "worker", "EngineWorker": "worker", "WorkerStopped": "worker",  # the engine thread, its queue
 }

@@ -32,6 +32,7 @@ from .kv.tiered_store import build_store
 from .paged import make_cache, spill_unsupported
 from .prefill import prefill_steps
 from .prompt import Messages, encode
+from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
 from .runner import ModelRunner
@@ -159,7 +160,7 @@ class KVBoost:
         `cancel`: checked between the stages of the load; once set, the load stops there with engine.Cancelled.
         `progress(done, total, what)`: the load's steps as they happen, from the loading thread
         (engine.weights.loader.load_model: per decoder layer for GGUF and AWQ models; `total` 0 for a step of unknown
-        length). info()["weights"] says what was loaded."""
+        length). info().weights says what was loaded."""
         if awq_streaming is not None:
             warnings.warn("from_pretrained(awq_streaming=...) is now layer_streaming=... (it streams any int4 or "
                           "GGUF-block layers, not only AWQ ones)", DeprecationWarning, stacklevel=2)
@@ -380,28 +381,24 @@ class KVBoost:
             "prefill_ms": result.stats.prefill_ms,  # the computed tokens' forward passes alone
         }
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
-        disk cache folder (None when off) and why it is off, why AWQ layer streaming could not run, and the
+        disk cache folder (None when off) and why it is off, why layer streaming could not run, and the
         weights (`format`, `kernel`, `resident_bytes`, ...: engine.weights.weights_report)."""
-        return {
-            "name": self.name,
-            "model_type": self.model.config.model_type,
-            "max_context": self.max_context,
-            "device": str(self.device),
-            "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-            "reuse": self.config.reuse.mode,
-            "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
-            "disk_error": self.disk_error,
-            "weights": dict(self._weights()),
-            "cuda_graphs_unavailable": self.graphs_unavailable,
-        } | self._streaming_refusal()
-
-    def _streaming_refusal(self) -> dict:
-        """Why layer streaming cannot run for this model (None: it can), under its name and, for one release, the
-        old "awq_unavailable" that clients of the API read."""
-        reason = layer_streaming_unavailable(self.model.config, self.device, "int4" if self._quantized() else "float")
-        return {"layer_streaming_unavailable": reason, "awq_unavailable": reason}
+        return EngineInfo(
+            name=self.name,
+            model_type=self.model.config.model_type,
+            max_context=self.max_context,
+            device=str(self.device),
+            dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            reuse=self.config.reuse.mode,
+            cache_folder=self.store.disk.folder.as_posix() if self.store.disk is not None else None,
+            disk_error=self.disk_error,
+            weights=dict(self._weights()),
+            cuda_graphs_unavailable=self.graphs_unavailable,
+            layer_streaming_unavailable=layer_streaming_unavailable(self.model.config, self.device,
+                                                                    "int4" if self._quantized() else "float"),
+        )
 
     def _quantized(self) -> bool:
         """Whether the decoder's linears are int4 layers or a GGUF's blocks (what layer streaming can stream)."""
@@ -422,35 +419,32 @@ class KVBoost:
         """The text of token ids (the cache map shows each segment's text)."""
         return self.tokenizer.decode(list(ids))
 
-    def memory(self) -> dict:
+    def memory(self) -> MemoryReport:
         """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), the remote tier's
-        counters ("remote": hits, bytes read and written, dropped writes, errors, breaker state) when there is
+        counters (`remote`: hits, bytes read and written, dropped writes, errors, breaker state) when there is
         one, and the device's totals when it is CUDA. Reads counters only (no lock, no network), so a UI can call
         it while a request runs."""
-        weights = self._weights()["resident_bytes"]  # packed int4 codes, scales and offsets included
-        streamed = self.streaming.plan.streamed_bytes if self.streaming is not None else 0
-        report = {"device": str(self.device), "weights_bytes": weights, "streamed_weights_bytes": streamed,
-                  "kv_bytes": self.store.tier_bytes(),
-                  "kv_budget_bytes": self.store.tier_budgets(), "kv_quant": self.store.tier_quants()}
-        if self.disk_error:
-            report["disk_error"] = self.disk_error
-        if self.store.remote is not None:
-            report["remote"] = self.store.remote.stats()
+        used = total = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            report["device_used_bytes"] = total - free
-            report["device_total_bytes"] = total
-        return report
+            used = total - free
+        remote = self.store.remote
+        return MemoryReport(
+            device=str(self.device), weights_bytes=self._weights()["resident_bytes"],
+            streamed_weights_bytes=self.streaming.plan.streamed_bytes if self.streaming is not None else 0,
+            kv_bytes=self.store.tier_bytes(), kv_budget_bytes=self.store.tier_budgets(),
+            kv_quant=self.store.tier_quants(), disk_error=self.disk_error or None,
+            remote=RemoteTierStats(**remote.stats()) if remote is not None else None,
+            device_used_bytes=used, device_total_bytes=total)
 
-    def cache_stats(self) -> dict:
-        """The store's statistics (engine.kv.store.ChunkStore.stats: each tier under "tiers", the remote one too)."""
+    def cache_stats(self) -> CacheStats:
+        """The store's statistics (engine.kv.store.ChunkStore.stats: each tier in `tiers`, the remote one too),
+        with this engine's reuse mode, chunking and why its disk tier is off (if it is)."""
         stats = self.store.stats()
-        stats["reuse"] = self.config.reuse.mode
-        if self.disk_error:
-            stats["disk_error"] = self.disk_error
+        stats["tiers"] = TierStats.from_store(stats["tiers"])
         chunking = self.config.reuse.chunking
-        stats["chunking"] = {"mode": chunking.mode, "size": chunking.size}
-        return stats
+        return CacheStats(**stats, reuse=self.config.reuse.mode, disk_error=self.disk_error or None,
+                          chunking=ChunkingStats(mode=chunking.mode, size=chunking.size))
 
     def clear_cache(self) -> None:
         self.store.clear()

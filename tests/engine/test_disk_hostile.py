@@ -57,8 +57,8 @@ def payload_files(folder):
 def test_default_tiers_are_lossless_and_a_restart_serves_exact_hits(tiny, tmp_path, cold):
     folder = tmp_path / "kv"
     first = engine_on(tiny, folder, cpu_cache_bytes=None)
-    stats = first.cache_stats()["tiers"]
-    assert stats["host"]["kv_quant"] == "none" and stats["disk"]["kv_quant"] == "none"
+    tiers = first.cache_stats().tiers
+    assert tiers.host.kv_quant == "none" and tiers.disk.kv_quant == "none"
     first.generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS)
     restarted = engine_on(tiny, folder, cpu_cache_bytes=None)  # a fresh store: everything comes from disk
     result = restarted.generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS)
@@ -84,7 +84,7 @@ def test_hits_on_quantized_kv_are_reported_as_quantized_never_exact(tiny, tmp_pa
     kinds = [kind for _, _, kind in result.stats.chunks]
     assert "QUANTIZED" in kinds
     assert "EXACT" not in kinds and "PREFIX" not in kinds
-    hits = reader.cache_stats()["hits"]
+    hits = reader.cache_stats().hits
     assert hits["QUANTIZED"] > 0 and hits["EXACT"] == 0 and hits["PREFIX"] == 0
     # KV computed after quantized KV is not the computed KV either: its next hit is QUANTIZED as well
     follow_up = reader.generate(DOC + QUESTION + result.token_ids + QUESTION, max_new_tokens=NEW_TOKENS)

@@ -84,12 +84,12 @@ def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_
     engine = KVBoost.from_pretrained(model_folder, device="cpu", eviction="lru", gpu_cache_bytes=123_456,
                                      disk_cache_bytes=0, cpu_cache_bytes=0)
     stats = engine.cache_stats()
-    assert stats["policy"] == "lru"
-    assert stats["budget_bytes"] == 123_456 == stats["tiers"]["device"]["budget_bytes"]
+    assert stats.policy == "lru"
+    assert stats.budget_bytes == 123_456 == stats.tiers.device.budget_bytes
     assert engine.generate(random_ids(20, seed=2), max_new_tokens=2).token_ids
     same = KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=123_456, gpu_cache_bytes=123_456,
                                    disk_cache_bytes=0)
-    assert same.cache_stats()["budget_bytes"] == 123_456
+    assert same.cache_stats().budget_bytes == 123_456
     with pytest.raises(ValueError, match="same option"):
         KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=1, gpu_cache_bytes=2)
     with pytest.raises(ValueError, match="eviction"):
@@ -171,13 +171,13 @@ def test_default_budgets_follow_the_documented_fractions(tmp_path):
 def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
     engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", quiet=True)
     info = engine.info()
-    assert info["model_type"] == "llama" and info["max_context"] == 2048
-    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["reuse"] == "chunk"
-    assert info["cache_folder"] == (tmp_path / "kv").as_posix() and info["disk_error"] is None
-    assert "needs int4 weights" in info["layer_streaming_unavailable"]  # a float model: nothing to stream
+    assert info.model_type == "llama" and info.max_context == 2048
+    assert info.device == "cpu" and info.dtype == "float32" and info.reuse == "chunk"
+    assert info.cache_folder == (tmp_path / "kv").as_posix() and info.disk_error is None
+    assert "needs int4 weights" in info.layer_streaming_unavailable  # a float model: nothing to stream
     assert engine.decode(engine.encode("w5 w6 w7")) == "w5 w6 w7"
     off = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_bytes=0)
-    assert off.info()["cache_folder"] is None
+    assert off.info().cache_folder is None
 
 
 def test_with_options_keeps_every_option_it_is_not_told_to_change():

@@ -158,7 +158,7 @@ def test_an_engine_over_blocks_computes_attention_in_float64(files, one_thread):
     model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
                                   kernel=gguf_blocks.KERNEL)
     engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0))
-    assert engine.info()["weights"]["attention"] == "rows_exact"
+    assert engine.info().weights["attention"] == "rows_exact"
 
 
 @needs_blocks

@@ -84,8 +84,8 @@ def test_models_the_graph_cannot_take_are_named_with_the_reason():
 
 def test_an_engine_on_the_cpu_says_why_it_decodes_without_graphs():
     engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0), name="tiny")
-    assert "cpu" in engine.info()["cuda_graphs_unavailable"]
+    assert "cpu" in engine.info().cuda_graphs_unavailable
     off = engine.with_options(cuda_graphs=False)
-    assert off.info()["cuda_graphs_unavailable"] == "cuda_graphs=False"
+    assert off.info().cuda_graphs_unavailable == "cuda_graphs=False"
     with pytest.raises(ValueError, match="cuda_graphs"):
         EngineConfig(decode=DecodeConfig(cuda_graphs="yes")).validate()

@@ -142,8 +142,8 @@ def test_a_value_that_checks_but_is_not_this_models_kv_is_a_counted_miss_and_del
     client.set(key, _rewritten(good, namespace, key, changes[change]))
     reader = engine_on(tiny, redis_server.url, quant)
     result = ask(reader)  # no exception out of the request
-    remote = reader.cache_stats()["tiers"]["remote"]
-    assert (remote["bad"], remote["hits"], remote["errors"]) == (1, DOC_CHUNKS - 1, 0)
+    remote = reader.cache_stats().tiers.remote
+    assert (remote.bad, remote.hits, remote.errors) == (1, DOC_CHUNKS - 1, 0)
     # the bad value never entered a memory tier: its chunk was computed, the others came from the store
     assert result.stats.reused_by_tier == {"remote": (DOC_CHUNKS - 1) * CHUNK}
     assert reader.store.remote.flush(10)

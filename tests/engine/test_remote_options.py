@@ -46,9 +46,9 @@ def test_from_pretrained_and_with_options_carry_the_remote_cache(tmp_path):
     assert engine.with_options(remote_cache=None).store.remote is None
     result = engine.generate("w5 w6 w7 " * 40, max_new_tokens=3)
     assert result.stats.reused_by_tier == {}
-    remote = engine.cache_stats()["tiers"]["remote"]
-    assert remote["errors"] == 1 and remote["state"] == "open"
-    assert engine.memory()["remote"]["state"] == "open"
+    remote = engine.cache_stats().tiers.remote
+    assert remote.errors == 1 and remote.state == "open"
+    assert engine.memory().remote.state == "open"
 
 
 @pytest.mark.parametrize("bad", ["http://host:6379", "127.0.0.1:6379", 6379])

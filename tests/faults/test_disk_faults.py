@@ -153,8 +153,8 @@ def test_a_full_disk_degrades_to_memory_and_what_was_written_stays_good(tiny, tm
         for _ in range(2):
             for i in range(len(DOCS)):
                 assert engine.generate(DOCS[i] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(i)
-        disk = engine.cache_stats()["tiers"]["disk"]
-        assert disk["rejected"] + disk["errors"] > 0  # the disk really filled up
+        disk = engine.cache_stats().tiers.disk
+        assert disk.rejected + disk.errors > 0  # the disk really filled up
         engine.store.disk.close()
         check_folder_serves_only_the_truth(tiny, folder / "kv", cold)
     finally:
@@ -183,7 +183,7 @@ def test_a_write_waits_for_another_process_holding_the_index_then_lands(tiny, tm
     assert engine.generate(DOCS[0] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(0)
     assert time.monotonic() - t0 >= 1.0  # it waited for the lock...
     holder.wait(timeout=30)
-    assert engine.cache_stats()["tiers"]["disk"]["errors"] == 0  # ...and nothing failed
+    assert engine.cache_stats().tiers.disk.errors == 0  # ...and nothing failed
     engine.store.disk.close()
     assert check_folder_serves_only_the_truth(tiny, folder, cold)["served_from_disk"] >= 4 * CHUNK
 
@@ -196,7 +196,7 @@ def test_an_index_locked_past_the_timeout_degrades_without_a_wrong_answer(tiny, 
         engine = engine_on(tiny, folder, disk_busy_timeout_s=0.5)
         for i in range(len(DOCS)):
             assert engine.generate(DOCS[i] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(i)
-        assert engine.disk_error is not None or engine.cache_stats()["tiers"]["disk"]["errors"] > 0
+        assert engine.disk_error is not None or engine.cache_stats().tiers.disk.errors > 0
     finally:
         holder.kill()
         holder.wait()

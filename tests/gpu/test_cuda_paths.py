@@ -57,10 +57,10 @@ def test_the_host_tier_is_pinned_and_its_hits_equal_device_hits(tiny_cuda):
 def test_the_memory_report_has_the_devices_totals(tiny_cuda):
     report = engine_on(tiny_cuda).memory()
     free, total = torch.cuda.mem_get_info(CUDA)
-    assert report["device_total_bytes"] == total
-    assert 0 < report["device_used_bytes"] <= total
+    assert report.device_total_bytes == total
+    assert 0 < report.device_used_bytes <= total
     held = [*tiny_cuda[0].parameters(), *tiny_cuda[0].buffers()]  # the rotary tables are held too
-    assert report["weights_bytes"] == sum(t.numel() * t.element_size() for t in held)
+    assert report.weights_bytes == sum(t.numel() * t.element_size() for t in held)
 
 
 def test_ttft_covers_the_devices_work(tiny_cuda):

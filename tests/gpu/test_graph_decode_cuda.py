@@ -31,8 +31,8 @@ def engine_on(tiny_cuda, **config) -> KVBoost:
 def test_graph_decoding_gives_the_answers_of_eager_decoding(tiny_cuda):
     graphed = engine_on(tiny_cuda, reuse="off")
     eager = engine_on(tiny_cuda, reuse="off", cuda_graphs=False)
-    assert graphed.info()["cuda_graphs_unavailable"] is None
-    assert eager.info()["cuda_graphs_unavailable"] == "cuda_graphs=False"
+    assert graphed.info().cuda_graphs_unavailable is None
+    assert eager.info().cuda_graphs_unavailable == "cuda_graphs=False"
     ours = graphed.generate(PROMPT, max_new_tokens=24, temperature=0)
     theirs = eager.generate(PROMPT, max_new_tokens=24, temperature=0)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24

@@ -59,7 +59,7 @@ def exchange(folder: str, budget: int, quant: str, name: str, peer: str, seeds: 
         result = engine.generate(document(int(seed)) + QUESTION, max_new_tokens=NEW_TOKENS)
         out["answers"][seed] = result.token_ids
         out["reused_by_tier"][seed] = result.stats.reused_by_tier
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     return out
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         result = engine.generate(document(int(seed)) + QUESTION, max_new_tokens=NEW_TOKENS)
         out["answers"][seed] = result.token_ids
         out["reused_by_tier"][seed] = result.stats.reused_by_tier
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     print(json.dumps(out))
     return 0
 

@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             out["answers"][seed] = result.token_ids
             out["reused_by_tier"][seed] = result.stats.reused_by_tier
     out["flushed"] = engine.store.remote.flush(30)
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     print(json.dumps(out))
     return 0
 
