@@ -71,7 +71,7 @@ class EngineClient(QObject):
         def loaded(self, engine, source, load_s: float) -> None:
             from engine.weights.weights_report import describe_weights
 
-            info = engine.info()
+            info = engine.info().to_dict()
             self._client._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=load_s,
                                       weights_text=describe_weights(info["weights"]))
             self._client.model_loaded.emit(dict(self._client._info))
@@ -188,7 +188,7 @@ class EngineClient(QObject):
     def memory(self) -> dict | None:
         """Engine memory report (weights, KV per tier, device totals); None before a model is loaded."""
         engine = self._local.engine
-        return engine.memory() if engine is not None else None
+        return engine.memory().to_dict() if engine is not None else None
 
     def prefill_ms_per_token(self) -> float | None:
         """What a prefill token has cost this session (app.backends.LocalBackend.prefill_ms_per_token)."""
@@ -215,7 +215,7 @@ class EngineClient(QObject):
             return
         from pathlib import Path
 
-        model_id = Path(engine.info()["name"]).name.removesuffix(".gguf")
+        model_id = Path(engine.info().name).name.removesuffix(".gguf")
         # kvboost-server's settings (the same client deadlines), on this process's loaded engine
         running = ServerThread(engine, model_id=model_id, worker=worker, port=port, api_key=api_key).start()
         url = f"{running.url}/v1"

@@ -93,10 +93,10 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
         if weights == "int4":
             quantize_model(model, group_size=128 if device.type == "cuda" else 32, kernel=kernel)
         built_s = time.perf_counter() - start
-        engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
+        engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
-        fmt = engine.info()["weights"].get("format", weights)
-        graphs_off = engine.info()["cuda_graphs_unavailable"]
+        fmt = engine.info().weights.get("format", weights)
+        graphs_off = engine.info().cuda_graphs_unavailable
         eager = engine.with_options(cuda_graphs=False)  # the same model, every step through transformers' forward
         for context in contexts:
             g = torch.Generator().manual_seed(context)
@@ -111,7 +111,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             eager.generate(ids, max_new_tokens=4, temperature=0)
             eager_stats = eager.generate(ids, max_new_tokens=new_tokens, temperature=0).stats
             plain = plain_decode_tps(model, ids, new_tokens)
-            nbytes = step_bytes(model, engine.info()["weights"]["resident_bytes"], context + new_tokens // 2,
+            nbytes = step_bytes(model, engine.info().weights["resident_bytes"], context + new_tokens // 2,
                                 kv_element_bytes=model.dtype.itemsize)
             limit = bandwidth / nbytes
             row = {"body": body.name, "weights": weights, "format": fmt, "kernel": kernel if weights == "int4" else "-",
@@ -192,7 +192,7 @@ def profile_rows(body: Body, kernel: str, device: torch.device, context: int, ne
         model = build_model(body, device, dtype)
         if weights == "int4":
             quantize_model(model, group_size=128 if device.type == "cuda" else 32, kernel=kernel)
-        engine = KVBoost(model, tokenizer, EngineConfig(reuse="off", disk_cache_bytes=0, speculative=None),
+        engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
         engine.generate(ids, max_new_tokens=4, temperature=0)
         ours = engine.generate(ids, max_new_tokens=new_tokens, temperature=0).stats.decode_tokens_per_s

@@ -64,11 +64,11 @@ def child(argv) -> int:
     base.with_options(reuse="off").generate("Hello", max_new_tokens=2)  # one-time torch start-up costs
     restored = engine.generate(messages, max_new_tokens=8)
     plain = cold.generate(messages, max_new_tokens=8)
-    disk = engine.cache_stats()["tiers"]["disk"]
+    disk = engine.cache_stats().tiers.disk
     print(json.dumps({
         "prompt_tokens": restored.stats.prompt_tokens, "restore_ttft_ms": restored.stats.ttft_ms,
         "cold_ttft_ms": plain.stats.ttft_ms, "reused_by_tier": restored.stats.reused_by_tier,
-        "read_bytes": disk["read_bytes"], "read_ms": disk["read_ms"], "same_tokens": restored.token_ids ==
+        "read_bytes": disk.read_bytes, "read_ms": disk.read_ms, "same_tokens": restored.token_ids ==
         plain.token_ids}))
     return 0
 
@@ -148,7 +148,7 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     docs = []  # (keys, tokens per chunk, kv per chunk)
     for d in range(num_hot + num_cold):
         ids = [rng.randrange(100, vocab - 100) for _ in range(doc_tokens)]
-        spans, num_complete = chunk_spans(ids, scratch.config.chunking, scratch._breaks)
+        spans, num_complete = chunk_spans(ids, scratch.config.reuse.chunking, scratch._breaks)
         keys = chain_keys(ids, spans, num_complete, scratch._root)
         kv = scratch.model(input_ids=__import__("torch").tensor([ids]), use_cache=True).past_key_values
         layers = tuple((layer.keys, layer.values) for layer in kv.layers)

@@ -44,7 +44,7 @@ def run_session(engine, folder: Path, paths, questions, layout: str) -> dict:
     if layout == "retrieved":
         rag.PINNED_FRACTION = 0.0  # force the layout used for document sets larger than half the context
     try:
-        db = Database(folder / f"{engine.config.reuse}-{layout}.sqlite3")
+        db = Database(folder / f"{engine.config.reuse.mode}-{layout}.sqlite3")
         conversation = db.create_conversation(system_prompt=needle.SYSTEM,
                                               sampling={"temperature": 0.0, "max_new_tokens": 16})
         cid = conversation["id"]

@@ -165,7 +165,7 @@ def _meta(engine, modes: Sequence[str], quick: bool) -> dict:
         "model": engine.name, "device": str(engine.device), "dtype": str(next(engine.model.parameters()).dtype),
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "transformers": transformers.__version__, "python": platform.python_version(),
-        "machine": platform.platform(), "chunking": asdict(engine.config.chunking), "modes": list(modes),
+        "machine": platform.platform(), "chunking": asdict(engine.config.reuse.chunking), "modes": list(modes),
         "quick": quick,
     }
 
@@ -202,10 +202,11 @@ def run(workloads: list[str], *, engine=None, out: TextIO = sys.stdout, quick: b
     sizes = dataclasses.replace(QUICK if quick else FULL, needle_warm=needle_warm)
     t_start = time.perf_counter()
     meta = _meta(engine, modes, quick)
+    chunking = engine.config.reuse.chunking
     print(f"# KVBoost bench{' (quick)' if quick else ''}\n", file=out)
     print(f"model {meta['model']} on {meta['device']} ({meta['dtype']}), torch {meta['torch']} with "
           f"{meta['torch_threads']} threads, transformers {meta['transformers']}, chunks of "
-          f"{engine.config.chunking.size} ({engine.config.chunking.mode}); greedy, {sizes.max_new_tokens} new "
+          f"{chunking.size} ({chunking.mode}); greedy, {sizes.max_new_tokens} new "
           "tokens per request. Summary numbers exclude each workload's first (cold) request.\n", file=out)
 
     corpus = Corpus(engine.tokenizer)

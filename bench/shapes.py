@@ -250,7 +250,7 @@ eng = KVBoost.from_pretrained(job["gguf"], weights=job["weights"], kernel=job["k
                               cpu_cache_bytes=0, reuse="off", speculative=None)
 load_s = time.perf_counter() - t0
 peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-weights = eng.info()["weights"]
+weights = eng.info().weights
 model = eng.model
 vocab = model.get_input_embeddings().num_embeddings
 ids = [(i * 7919) % (vocab - 200) + 100 for i in range(job["prompt"])]

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from engine.config import SamplingConfig, help_of, options
+from engine.reports import CacheStats
 from engine.version import version
 
 
@@ -90,7 +91,7 @@ def load_engine(args):
     from engine.weights.weights_report import describe_weights
 
     engine = KVBoost.from_pretrained(args.model, progress=_LoadProgress(sys.stderr), **engine_options(args))
-    print(f"loaded {engine.name}: {describe_weights(engine.info()['weights'])}", file=sys.stderr, flush=True)
+    print(f"loaded {engine.name}: {describe_weights(engine.info().weights)}", file=sys.stderr, flush=True)
     return engine
 
 
@@ -169,7 +170,7 @@ def cmd_chat(args) -> int:
             continue
         if text in ("/stats", "/stats json"):
             stats = eng.cache_stats()
-            print(json.dumps(stats, indent=2) if text.endswith("json") else stats_summary(stats))
+            print(json.dumps(stats.to_dict(), indent=2) if text.endswith("json") else stats_summary(stats))
             continue
         history.append({"role": "user", "content": line})
         cancel = threading.Event()
@@ -190,21 +191,21 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": result.text})
 
 
-def stats_summary(stats: dict) -> str:
+def stats_summary(stats: CacheStats) -> str:
     """cache_stats() in a few lines: what is cached, where, and how often it was reused."""
-    hits = sum(stats.get("hits", {}).values())
-    lines = [f"cache: {stats['entries']} entries, {stats['tokens']} tokens, {_human(stats['bytes'])} in memory "
-             f"(reuse {stats.get('reuse', '?')}, chunks of {stats.get('chunking', {}).get('size', '?')} tokens)",
-             f"reused {hits} times, missed {stats.get('misses', 0)}, stored {stats.get('stored', 0)}, "
-             f"evicted {stats.get('evicted', 0)}"]
-    for name, tier in stats.get("tiers", {}).items():
-        if "entries" in tier and "bytes" in tier:
-            budget = tier.get("budget_bytes")
-            of = f" of {_human(budget)}" if budget else ""
-            lines.append(f"  {name}: {tier['entries']} entries, {_human(tier['bytes'])}{of}"
-                         f"{', kv ' + str(tier['kv_quant']) if tier.get('kv_quant') not in (None, 'none') else ''}")
-    if stats.get("disk_error"):
-        lines.append(f"  disk: {stats['disk_error']}")
+    lines = [f"cache: {stats.entries} entries, {stats.tokens} tokens, {_human(stats.bytes)} in memory "
+             f"(reuse {stats.reuse}, chunks of {stats.chunking.size} tokens)",
+             f"reused {sum(stats.hits.values())} times, missed {stats.misses}, stored {stats.stored}, "
+             f"evicted {stats.evicted}"]
+    tiers = stats.tiers
+    for name, tier in (("device", tiers.device), ("host", tiers.host), ("disk", tiers.disk)):  # (remote: no entries)
+        if tier is None:
+            continue
+        of = f" of {_human(tier.budget_bytes)}" if tier.budget_bytes else ""
+        lines.append(f"  {name}: {tier.entries} entries, {_human(tier.bytes)}{of}"
+                     f"{', kv ' + tier.kv_quant if tier.kv_quant != 'none' else ''}")
+    if stats.disk_error:
+        lines.append(f"  disk: {stats.disk_error}")
     return "\n".join(lines)
 
 
@@ -214,7 +215,7 @@ def cmd_warm(args) -> int:
         text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8", errors="replace")
         info = eng.warm(text)
         print(f"{name}: {info['tokens']} tokens, {info['entries_stored']} entries stored in {info['ms']:.0f} ms")
-    print(json.dumps(eng.cache_stats()))
+    print(json.dumps(eng.cache_stats().to_dict()))
     return 0
 
 

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         print(f"kvboost-server: error: {exc}", file=sys.stderr)
         return 2
     engine = loaded["engine"]
-    model_id = args.model_name or Path(engine.info()["name"]).name.removesuffix(".gguf")
+    model_id = args.model_name or Path(engine.info().name).name.removesuffix(".gguf")
     print(f"kvboost-server: serving {model_id!r} on http://{args.host}:{args.port}/v1"
           f"{' (API key required)' if args.api_key else ''}", file=sys.stderr, flush=True)
     try:

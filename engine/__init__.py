@@ -11,9 +11,11 @@ import importlib
 # public name -> the module of this package that defines it
 _EXPORTS = {
     "ChunkingConfig": "config", "EngineConfig": "config", "LoadOptions": "config", "SamplingConfig": "config",
+    "ReuseConfig": "config", "TierConfig": "config", "DecodeConfig": "config",  # EngineConfig's three parts
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
+    "CacheStats": "reports", "EngineInfo": "reports", "MemoryReport": "reports",  # info(), memory(), cache_stats()
     "ModelLoadError": "weights.loader",
     # the engine thread, its queue, its one job type
     "MAX_BATCH": "worker", "EngineWorker": "worker", "Job": "worker", "WorkerStopped": "worker",

@@ -16,11 +16,12 @@ tokens one position at a time, as paged.rowwise_attention does alone). Everythin
 logits in a batch equal its logits alone wherever the linear kernels compute a row the same whatever the number
 of rows: bit for bit over the int4 and int8 kernels; float32 sgemm rounds by row count (~1e-5 on the logits).
 
-Newcomers join at the next step: their prefill runs in pieces of at most `prefill_piece_tokens` (alone or batched
-the same, so the KV is the same), one piece per step. On a model in GGUF blocks the pieces ride in the same C call
-as the others' decode tokens (a piece is a request's run of rows with causal attention among them, computed row by
-row as alone: the same bits), so newcomers arriving together share one pass over the weights; on other models a
-piece runs by itself within the step (float attention over a piece is not the same computed row by row).
+Newcomers join at the next step: their prefill runs in pieces of at most `DecodeConfig.prefill_piece_tokens`
+(alone or batched the same, so the KV is the same), one piece per step. On a model in GGUF blocks the pieces ride
+in the same C call as the others' decode tokens (a piece is a request's run of rows with causal attention among
+them, computed row by row as alone: the same bits), so newcomers arriving together share one pass over the
+weights; on other models a piece runs by itself within the step (float attention over a piece is not the same
+computed row by row).
 Only models whose attention can be split this way are batched (`batching_unavailable`); others run one request
 at a time, as before.
 """

@@ -2,9 +2,10 @@
 
 Each option exists once, here: a field with its default, its allowed values and one line of help
 (`option(default, help, choices=...)`). Everything else is read from the fields: from_pretrained's and
-with_options' keywords (`split_options`: one flat name per option, e.g. "chunk_size" for ChunkingConfig.size),
-the command lines' flags (cli.kvboost.add_engine_options, one loop), the app's settings (app.settings) and the
-options reference of the documentation (docs/hooks/options.py).
+with_options' keywords (`split_options`: one flat name per option however deep its field, e.g. "chunk_size" for
+EngineConfig.reuse.chunking.size; EngineConfig.of takes the same names), the command lines' flags
+(cli.kvboost.add_engine_options, one loop), the app's settings (app.settings) and the options reference of the
+documentation (docs/hooks/options.py).
 """
 
 from __future__ import annotations
@@ -179,14 +180,26 @@ class KVQuantConfig:
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """What an engine does with the model it serves: reuse, KV tiers, decoding (`KVBoost(model, tokenizer,
-    config)`; from_pretrained's keywords fill it)."""
+class ReuseConfig:
+    """Which KV a request reuses, and the chunks it is kept in (engine.reuse): the mode, how prompts are cut
+    (ChunkingConfig) and how APPROXIMATE hits are repaired (RepairConfig)."""
 
-    reuse: str = option("chunk", "which KV is reused ('approx' moves documents' KV and may change answers: "
-                                 "docs/engine.md)", choices=REUSE_MODES)
+    mode: str = option("chunk", "which KV is reused ('approx' moves documents' KV and may change answers: "
+                                "docs/engine.md)", choices=REUSE_MODES, name="reuse")
     chunking: ChunkingConfig = option(factory=ChunkingConfig, help="how prompts are cut into chunks (below)")
     repair: RepairConfig = option(factory=RepairConfig, help="seam repair for reuse='approx' (below)")
+
+    def validate(self) -> None:
+        _check_choice("reuse", self.mode, REUSE_MODES)
+        self.chunking.validate()
+        self.repair.validate()
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where reused KV is kept (engine.kv.tiered_store): the device, host RAM and disk tiers' budgets, how each
+    stores KV, what is evicted first, and the shared tier (engine.kv.remote_tier)."""
+
     cache_bytes: int | None = option(None, "the device tier's KV budget (the GPU, or RAM on a CPU-only machine); "
                                            "None: sized from the machine", flags=("--gpu-cache-bytes",), kind=int,
                                      low=0, optional=True)
@@ -203,17 +216,6 @@ class EngineConfig:
                                      "QUANTIZED)", choices=KV_QUANT_MODES)
     eviction: str = option("importance-lru", "eviction policy (importance-lru measured +12% hit rate over LRU: "
                                              "bench/kv_tiers.py)", choices=EVICTION_POLICIES)
-    live_kv_bytes: int | None = option(None, "device bytes for the live KV of the request being generated; "
-                                             "beyond it cold pages spill to host RAM (engine.paged); None: no limit",
-                                       kind=int, low=1, optional=True)
-    live_page_tokens: int = option(128, "tokens per spilled page", kind=int, low=1)
-    # On by default: `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle
-    # questions and 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
-    speculative: str | None = option("prompt-lookup", "drafts checked in the forward that feeds each token: "
-                                                      "'prompt-lookup' (from the context), 'draft-model' (from "
-                                                      "the load's draft model), or None (off)",
-                                   choices=SPECULATIVE_MODES)
-    num_draft: int = option(4, "tokens drafted at most per forward", kind=int, low=1, high=32)
     # The shared KV tier (engine.kv.remote_tier). A read may take as long as the prefill it saves (the engine's
     # measured prefill rate times the tokens it restores), at least remote_timeout_s, at most remote_max_wait_s.
     remote_cache: str | None = option(None, "the shared KV tier: a redis://, rediss:// or unix:// URL of a Redis "
@@ -228,6 +230,35 @@ class EngineConfig:
     remote_max_value_bytes: int | None = option(None, "shared-tier values longer than this are refused unread; "
                                                       "None: the most one chunk's KV and header can take",
                                                 kind=int, low=1, optional=True)
+
+    def validate(self) -> None:
+        _check_choice("eviction", self.eviction, EVICTION_POLICIES)
+        check_fields(self)
+        self.kv_quant.validate()
+        if self.remote_cache is not None and self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES:
+            raise ValueError("remote_cache must be a redis://, rediss:// or unix:// URL or None, got "
+                             f"{self.remote_cache.rsplit('@', 1)[-1]!r}")  # never the password
+        if self.remote_max_wait_s < self.remote_timeout_s:
+            raise ValueError(f"remote_max_wait_s ({self.remote_max_wait_s!r}) must be at least remote_timeout_s "
+                             f"({self.remote_timeout_s!r})")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How the request being answered runs: its live KV (engine.paged), speculative drafts (engine.speculative),
+    prefill pieces (engine.batching) and CUDA graphs (engine.graph_decode)."""
+
+    live_kv_bytes: int | None = option(None, "device bytes for the live KV of the request being generated; "
+                                             "beyond it cold pages spill to host RAM (engine.paged); None: no limit",
+                                       kind=int, low=1, optional=True)
+    live_page_tokens: int = option(128, "tokens per spilled page", kind=int, low=1)
+    # On by default: `python -m bench speculative` measured 1.9-2.0x on quoting answers, 1.2-1.4x on needle
+    # questions and 0.96-0.99x on free chat, the same greedy text everywhere (float and int4 weights).
+    speculative: str | None = option("prompt-lookup", "drafts checked in the forward that feeds each token: "
+                                                      "'prompt-lookup' (from the context), 'draft-model' (from "
+                                                      "the load's draft model), or None (off)",
+                                     choices=SPECULATIVE_MODES)
+    num_draft: int = option(4, "tokens drafted at most per forward", kind=int, low=1, high=32)
     # So a request joining a batch stalls the others' decode steps for one piece at a time (engine.batching).
     prefill_piece_tokens: int | None = option(256, "computed prompt runs are forwarded in pieces ending at "
                                                    "multiples of this; the same pieces alone or batched; None: one "
@@ -236,19 +267,39 @@ class EngineConfig:
                                      "(engine.graph_decode) where the model allows it", kind=bool)
 
     def validate(self) -> None:
-        _check_choice("reuse", self.reuse, REUSE_MODES)
-        _check_choice("eviction", self.eviction, EVICTION_POLICIES)
         _check_choice("speculative", self.speculative, SPECULATIVE_MODES)
         check_fields(self)
-        self.repair.validate()
-        self.kv_quant.validate()
-        self.chunking.validate()
-        if self.remote_cache is not None and self.remote_cache.split("://", 1)[0] not in REMOTE_SCHEMES:
-            raise ValueError("remote_cache must be a redis://, rediss:// or unix:// URL or None, got "
-                             f"{self.remote_cache.rsplit('@', 1)[-1]!r}")  # never the password
-        if self.remote_max_wait_s < self.remote_timeout_s:
-            raise ValueError(f"remote_max_wait_s ({self.remote_max_wait_s!r}) must be at least remote_timeout_s "
-                             f"({self.remote_timeout_s!r})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine does with the model it serves, in three parts: which KV it reuses (`reuse`), where that KV
+    is kept (`tiers`) and how answers are decoded (`decode`). `KVBoost(model, tokenizer, config)`;
+    from_pretrained's keywords fill it, and `EngineConfig.of(chunk_size=64, ...)` builds one from the same flat
+    names."""
+
+    reuse: ReuseConfig = option(factory=ReuseConfig, help="which KV is reused, how prompts are chunked and "
+                                                          "seams repaired (below)")
+    tiers: TierConfig = option(factory=TierConfig, help="where reused KV is kept: device, host RAM, disk and "
+                                                        "shared tiers (below)")
+    decode: DecodeConfig = option(factory=DecodeConfig, help="how answers are decoded: live KV, speculation, "
+                                                             "prefill pieces, CUDA graphs (below)")
+
+    @classmethod
+    def of(cls, **flat) -> "EngineConfig":
+        """The default config with the options `flat` names (their flat names, options(): `reuse="off"`,
+        `chunk_size=64`, `cache_bytes=0`), validated as from_pretrained's keywords are; a name that is no engine
+        option is a TypeError naming it."""
+        loading = sorted(name for name in flat for opt in options().values()
+                         if opt.owner is LoadOptions and name in (opt.name, *opt.aliases))
+        if loading:
+            raise TypeError(f"{loading} are load options (LoadOptions), not engine options")
+        return split_options(flat)[1]
+
+    def validate(self) -> None:
+        self.reuse.validate()
+        self.tiers.validate()
+        self.decode.validate()
 
 
 @dataclass(frozen=True)
@@ -333,7 +384,7 @@ class Option:
 
     name: str
     owner: type  # LoadOptions or EngineConfig
-    path: tuple[str, ...]  # field names from the owner down, e.g. ("chunking", "size")
+    path: tuple[str, ...]  # field names from the owner down, e.g. ("reuse", "chunking", "size")
     field: dataclasses.Field
 
     @property
@@ -365,7 +416,7 @@ def _flatten(owner: type, config_class: type, path: tuple[str, ...]) -> list[Opt
     for f in dataclasses.fields(config_class):
         nested = f.default_factory if f.default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(nested) and not f.metadata.get("choices"):
-            out += _flatten(owner, nested, path + (f.name,))  # chunking, repair: their fields by their own names
+            out += _flatten(owner, nested, path + (f.name,))  # reuse, tiers, decode, chunking, repair
         else:
             out.append(Option(f.metadata.get("name") or f.name, owner, path + (f.name,), f))
     return out

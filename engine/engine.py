@@ -32,6 +32,7 @@ from .kv.tiered_store import build_store
 from .paged import make_cache, spill_unsupported
 from .prefill import prefill_steps
 from .prompt import Messages, encode
+from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
 from .runner import ModelRunner
@@ -79,7 +80,7 @@ class KVBoost:
                  name: str = "model", streaming: Streaming | None = None, draft_model=None):
         config = config or EngineConfig()
         config.validate()
-        if config.speculative == "draft-model" and draft_model is None:
+        if config.decode.speculative == "draft-model" and draft_model is None:
             raise ValueError("speculative='draft-model' needs a draft model (from_pretrained(draft_model=...))")
         if rotary_module(model) is None:
             raise UnsupportedModelError(
@@ -100,23 +101,24 @@ class KVBoost:
         use_block_forward(model)
         self.fingerprint = fingerprint or model_fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
-        self._root = root_key(f"{self.fingerprint}|{config.chunking}")
-        self.store, self.disk_error = build_store(config, self.device, self._root, name, model)
+        self._root = root_key(f"{self.fingerprint}|{config.reuse.chunking}")
+        self.store, self.disk_error = build_store(config.tiers, config.reuse, self.device, self._root, name, model)
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
         self.max_context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self._batch_repair = False
-        self._rope = self._check_approx_support() if config.reuse == "approx" else None
-        self._reuse = KVReuse(self.store, self._root, config.chunking, self._breaks, config.repair, self._rope)
-        if config.live_kv_bytes is not None:
+        self._rope = self._check_approx_support() if config.reuse.mode == "approx" else None
+        self._reuse = KVReuse(self.store, self._root, config.reuse.chunking, self._breaks, config.reuse.repair,
+                              self._rope)
+        if config.decode.live_kv_bytes is not None:
             reason = spill_unsupported(model)
             if reason is not None:
                 raise UnsupportedModelError(f"live_kv_bytes (spilling the live KV to host RAM): {reason}")
         self._weights_report: dict | None = None
         # One-token decode steps replayed from a CUDA graph where they can be (engine.graph_decode)
-        self.graphs_unavailable = graph_decode_unavailable(model, enabled=config.cuda_graphs,
+        self.graphs_unavailable = graph_decode_unavailable(model, enabled=config.decode.cuda_graphs,
                                                            streaming=streaming is not None,
-                                                           spilling=config.live_kv_bytes is not None)
+                                                           spilling=config.decode.live_kv_bytes is not None)
         # The model run one request (or one batched step) at a time (engine.runner)
         self.runner = ModelRunner(model, self.device,
                                   GraphDecode(model) if self.graphs_unavailable is None else None)
@@ -131,7 +133,7 @@ class KVBoost:
         why = blend_unavailable(self.model)
         # Selective repair runs batched where the blend pass can run, one forward per seam elsewhere.
         self._batch_repair = why is None
-        if self.config.repair.mode == "cacheblend" and why is not None:
+        if self.config.reuse.repair.mode == "cacheblend" and why is not None:
             raise UnsupportedModelError(
                 f"repair='cacheblend' runs on {sorted(BLEND_MODEL_TYPES)} without a sliding window, not on "
                 f"{why}; use repair='selective' or 'none'"
@@ -146,19 +148,19 @@ class KVBoost:
                         **options) -> "KVBoost":
         """The engine over `source` (a model folder, a .gguf file, a hub id in the local cache; None: the
         embedded model), loaded as `load` says (engine.config.LoadOptions: device, dtype, weights, kernels, layer
-        streaming, a draft model) and run as `config` says (engine.config.EngineConfig: reuse, chunking, repair,
-        the KV tiers, the shared tier, speculation). Every option may also be given by its flat name as a
-        keyword (`weights="int4"`, `chunk_size=64`, `repair="none"`: engine.config.options() lists them, with
-        their defaults, allowed values, help and older names such as `gpu_cache_bytes`); keywords apply over `load`
-        and `config`. Sugar kept for callers of earlier versions: `repair_options` (a dict of RepairConfig fields)
-        and `awq_streaming` (layer_streaming's old name, with a DeprecationWarning). A draft model turns
-        speculative="prompt-lookup" into "draft-model".
+        streaming, a draft model) and run as `config` says (engine.config.EngineConfig: `reuse` with chunking
+        and repair, the KV `tiers` with the shared one, `decode` with speculation). Every option may also be
+        given by its flat name as a keyword (`weights="int4"`, `chunk_size=64`, `repair="none"`:
+        engine.config.options() lists them, with their defaults, allowed values, help and older names such as
+        `gpu_cache_bytes`); keywords apply over `load` and `config`. Sugar kept for callers of earlier versions:
+        `repair_options` (a dict of RepairConfig fields) and `awq_streaming` (layer_streaming's old name, with a
+        DeprecationWarning). A draft model turns speculative="prompt-lookup" into "draft-model".
 
         `quiet`: only errors from transformers' logging (no warnings or progress bars), for front ends.
         `cancel`: checked between the stages of the load; once set, the load stops there with engine.Cancelled.
         `progress(done, total, what)`: the load's steps as they happen, from the loading thread
         (engine.weights.loader.load_model: per decoder layer for GGUF and AWQ models; `total` 0 for a step of unknown
-        length). info()["weights"] says what was loaded."""
+        length). info().weights says what was loaded."""
         if awq_streaming is not None:
             warnings.warn("from_pretrained(awq_streaming=...) is now layer_streaming=... (it streams any int4 or "
                           "GGUF-block layers, not only AWQ ones)", DeprecationWarning, stacklevel=2)
@@ -168,8 +170,8 @@ class KVBoost:
         for name, value in (repair_options or {}).items():
             options.setdefault(name, value)
         opts, config = split_options(options, load, config)
-        if opts.draft_model is not None and config.speculative == "prompt-lookup":  # a draft model replaces it
-            config = dataclasses.replace(config, speculative="draft-model")
+        if opts.draft_model is not None and config.decode.speculative == "prompt-lookup":  # the draft model drafts
+            config = dataclasses.replace(config, decode=dataclasses.replace(config.decode, speculative="draft-model"))
         if quiet:
             loader.quiet_transformers()
         src = loader.resolve_source(source)
@@ -187,7 +189,7 @@ class KVBoost:
         load_weights = load_for_streaming if opts.layer_streaming and dev.type == "cuda" else loader.load_model
         # A GGUF's converted tokenizer is cached in the engine's cache folder (disk_cache_dir when given).
         model, tokenizer = load_weights(src, dev, dt, weights=opts.weights, group_size=opts.group_size,
-                                        kernel=opts.kernel, head=opts.head, cache_dir=config.disk_cache_dir,
+                                        kernel=opts.kernel, head=opts.head, cache_dir=config.tiers.disk_cache_dir,
                                         progress=_load_steps(progress, cancel))
         _check_cancel(cancel)  # before fingerprinting the weights and opening the disk tier
         if rotary_module(model) is None:
@@ -201,12 +203,12 @@ class KVBoost:
             streaming = start_streaming(model, dev, budget_bytes=opts.weight_budget_bytes,
                                         num_slots=opts.stream_slots,
                                         max_context=int(getattr(model.config, "max_position_embeddings", 0) or 2048),
-                                        context_bytes=config.cache_bytes or 0 if dev.type == "cuda" else 0)
+                                        context_bytes=config.tiers.cache_bytes or 0 if dev.type == "cuda" else 0)
         draft = None
-        if opts.draft_model is not None and config.speculative == "draft-model":
+        if opts.draft_model is not None and config.decode.speculative == "draft-model":
             _check_cancel(cancel)
             draft, draft_tokenizer = loader.load_model(loader.resolve_source(opts.draft_model), dev, dt,
-                                                       cache_dir=config.disk_cache_dir)
+                                                       cache_dir=config.tiers.disk_cache_dir)
             why = draft_model_mismatch(tokenizer, draft_tokenizer, model.get_input_embeddings().num_embeddings,
                                        draft.get_input_embeddings().num_embeddings)
             if why is not None:
@@ -272,8 +274,8 @@ class KVBoost:
         decode step, whose logits the runner sends back. Run by RequestStream (alone, holding
         the engine's lock) or by a batching.Batch (which holds it for its requests)."""
         settle_thread_math()
-        mode = self.config.reuse
-        repair = self.config.repair if mode == "approx" else None
+        mode = self.config.reuse.mode
+        repair = self.config.reuse.repair if mode == "approx" else None
         # 1) plan and fetch: every entry the plan reuses is acquired, on the device, until released below.
         plan, reused_by_tier = self._reuse.plan_and_fetch(ids, mode)
         try:
@@ -283,17 +285,18 @@ class KVBoost:
                           repair=repair.mode if approximate else "none", reused_by_tier=reused_by_tier)
             passes_before = self.streaming.counters() if self.streaming is not None else None
             # 2) prefill: the prompt's cache from the plan (reused KV, computed runs, the blend pass).
-            cache = make_cache(self.model, self.config.live_kv_bytes, page_tokens=self.config.live_page_tokens)
+            decode = self.config.decode
+            cache = make_cache(self.model, decode.live_kv_bytes, page_tokens=decode.live_page_tokens)
             timing: list[tuple[int, float]] = []
             logits, stats.repaired_tokens = yield from prefill_steps(
                 self.model, plan, self.store, cache, self.device, self._rope, repair, self._batch_repair,
-                self.config.prefill_piece_tokens, timing)
+                decode.prefill_piece_tokens, timing)
             stats.prefill_ms = 1000 * sum(seconds for _, seconds in timing)
             # 3) decode. The new chunks are stored once the first token is out (time to first token does
             # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
             tokens = list(ids)  # the prompt, then every sampled token
             decoder = Decoder(self.model, self.tokenizer, self.device, frozenset(self._eos_ids), self.max_context,
-                              self.config.speculative, self.config.num_draft, self.draft_model)
+                              decode.speculative, decode.num_draft, self.draft_model)
             events = decode_tokens(decoder, cache, logits, tokens, params, stats, t_enter=t_enter, cancel=cancel,
                                    return_logits=return_logits)
             storing, chunks_stored = mode != "off", False
@@ -337,7 +340,7 @@ class KVBoost:
 
     def batching_unavailable(self) -> str | None:
         """Why this engine's requests cannot share forward passes with others (engine.batching), or None."""
-        if self.config.live_kv_bytes is not None:
+        if self.config.decode.live_kv_bytes is not None:
             return "the live KV spills to host memory (live_kv_bytes), one request at a time"
         return batching_unavailable(self.model)
 
@@ -361,7 +364,7 @@ class KVBoost:
         ids = self.encode(text, add_generation_prompt=False)
         if len(ids) >= self.max_context:
             raise ValueError(f"text is {len(ids)} tokens; {self.name} holds at most {self.max_context}")
-        if self.config.reuse == "off":  # nothing would be kept
+        if self.config.reuse.mode == "off":  # nothing would be kept
             return {"tokens": len(ids), "reused_tokens": 0, "computed_tokens": 0, "entries_stored": 0,
                     "ms": (time.perf_counter() - t_enter) * 1000, "prefill_ms": 0.0}
         before = self.store.counters.stored
@@ -378,28 +381,24 @@ class KVBoost:
             "prefill_ms": result.stats.prefill_ms,  # the computed tokens' forward passes alone
         }
 
-    def info(self) -> dict:
+    def info(self) -> EngineInfo:
         """What a front end shows about the loaded model: name, type, context, device, dtype, reuse mode, the
-        disk cache folder (None when off) and why it is off, why AWQ layer streaming could not run, and the
+        disk cache folder (None when off) and why it is off, why layer streaming could not run, and the
         weights (`format`, `kernel`, `resident_bytes`, ...: engine.weights.weights_report)."""
-        return {
-            "name": self.name,
-            "model_type": self.model.config.model_type,
-            "max_context": self.max_context,
-            "device": str(self.device),
-            "dtype": str(next(self.model.parameters()).dtype).replace("torch.", ""),
-            "reuse": self.config.reuse,
-            "cache_folder": self.store.disk.folder.as_posix() if self.store.disk is not None else None,
-            "disk_error": self.disk_error,
-            "weights": dict(self._weights()),
-            "cuda_graphs_unavailable": self.graphs_unavailable,
-        } | self._streaming_refusal()
-
-    def _streaming_refusal(self) -> dict:
-        """Why layer streaming cannot run for this model (None: it can), under its name and, for one release, the
-        old "awq_unavailable" that clients of the API read."""
-        reason = layer_streaming_unavailable(self.model.config, self.device, "int4" if self._quantized() else "float")
-        return {"layer_streaming_unavailable": reason, "awq_unavailable": reason}
+        return EngineInfo(
+            name=self.name,
+            model_type=self.model.config.model_type,
+            max_context=self.max_context,
+            device=str(self.device),
+            dtype=str(next(self.model.parameters()).dtype).replace("torch.", ""),
+            reuse=self.config.reuse.mode,
+            cache_folder=self.store.disk.folder.as_posix() if self.store.disk is not None else None,
+            disk_error=self.disk_error,
+            weights=dict(self._weights()),
+            cuda_graphs_unavailable=self.graphs_unavailable,
+            layer_streaming_unavailable=layer_streaming_unavailable(self.model.config, self.device,
+                                                                    "int4" if self._quantized() else "float"),
+        )
 
     def _quantized(self) -> bool:
         """Whether the decoder's linears are int4 layers or a GGUF's blocks (what layer streaming can stream)."""
@@ -420,34 +419,32 @@ class KVBoost:
         """The text of token ids (the cache map shows each segment's text)."""
         return self.tokenizer.decode(list(ids))
 
-    def memory(self) -> dict:
+    def memory(self) -> MemoryReport:
         """Bytes held by the weights and by cached KV per tier ("device", "host", "disk"), the remote tier's
-        counters ("remote": hits, bytes read and written, dropped writes, errors, breaker state) when there is
+        counters (`remote`: hits, bytes read and written, dropped writes, errors, breaker state) when there is
         one, and the device's totals when it is CUDA. Reads counters only (no lock, no network), so a UI can call
         it while a request runs."""
-        weights = self._weights()["resident_bytes"]  # packed int4 codes, scales and offsets included
-        streamed = self.streaming.plan.streamed_bytes if self.streaming is not None else 0
-        report = {"device": str(self.device), "weights_bytes": weights, "streamed_weights_bytes": streamed,
-                  "kv_bytes": self.store.tier_bytes(),
-                  "kv_budget_bytes": self.store.tier_budgets(), "kv_quant": self.store.tier_quants()}
-        if self.disk_error:
-            report["disk_error"] = self.disk_error
-        if self.store.remote is not None:
-            report["remote"] = self.store.remote.stats()
+        used = total = None
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            report["device_used_bytes"] = total - free
-            report["device_total_bytes"] = total
-        return report
+            used = total - free
+        remote = self.store.remote
+        return MemoryReport(
+            device=str(self.device), weights_bytes=self._weights()["resident_bytes"],
+            streamed_weights_bytes=self.streaming.plan.streamed_bytes if self.streaming is not None else 0,
+            kv_bytes=self.store.tier_bytes(), kv_budget_bytes=self.store.tier_budgets(),
+            kv_quant=self.store.tier_quants(), disk_error=self.disk_error or None,
+            remote=RemoteTierStats(**remote.stats()) if remote is not None else None,
+            device_used_bytes=used, device_total_bytes=total)
 
-    def cache_stats(self) -> dict:
-        """The store's statistics (engine.kv.store.ChunkStore.stats: each tier under "tiers", the remote one too)."""
+    def cache_stats(self) -> CacheStats:
+        """The store's statistics (engine.kv.store.ChunkStore.stats: each tier in `tiers`, the remote one too),
+        with this engine's reuse mode, chunking and why its disk tier is off (if it is)."""
         stats = self.store.stats()
-        stats["reuse"] = self.config.reuse
-        if self.disk_error:
-            stats["disk_error"] = self.disk_error
-        stats["chunking"] = {"mode": self.config.chunking.mode, "size": self.config.chunking.size}
-        return stats
+        stats["tiers"] = TierStats.from_store(stats["tiers"])
+        chunking = self.config.reuse.chunking
+        return CacheStats(**stats, reuse=self.config.reuse.mode, disk_error=self.disk_error or None,
+                          chunking=ChunkingStats(mode=chunking.mode, size=chunking.size))
 
     def clear_cache(self) -> None:
         self.store.clear()

@@ -33,23 +33,33 @@ def _table(config_class, flat: dict) -> list[str]:
     return rows + [""]
 
 
+def _class_at(owner: type, path: tuple[str, ...]) -> type:
+    """The dataclass the fields at `path` below `owner` belong to (("reuse", "chunking"): ChunkingConfig)."""
+    for name in path:
+        owner = next(f.default_factory for f in dataclasses.fields(owner) if f.name == name)
+    return owner
+
+
 def reference() -> str:
     from engine.config import (
         ChunkingConfig,
+        DecodeConfig,
         EngineConfig,
         KVQuantConfig,
         LoadOptions,
         RepairConfig,
+        ReuseConfig,
         SamplingConfig,
+        TierConfig,
         options,
     )
 
     flat: dict[type, dict[str, str]] = {}
     for name, opt in options().items():
-        owner = {(): opt.owner, ("chunking",): ChunkingConfig, ("repair",): RepairConfig}[opt.path[:-1]]
-        flat.setdefault(owner, {})[opt.path[-1]] = name
+        flat.setdefault(_class_at(opt.owner, opt.path[:-1]), {})[opt.path[-1]] = name
     lines = []
-    for config_class in (LoadOptions, EngineConfig, ChunkingConfig, RepairConfig, KVQuantConfig, SamplingConfig):
+    for config_class in (LoadOptions, EngineConfig, ReuseConfig, ChunkingConfig, RepairConfig, TierConfig,
+                         KVQuantConfig, DecodeConfig, SamplingConfig):
         lines += _table(config_class, flat.get(config_class, {}))
     return "\n".join(lines)
 

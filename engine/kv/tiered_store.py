@@ -1,4 +1,4 @@
-"""The chunk store an engine runs with, built from its EngineConfig: the device tier, host RAM and the disk
+"""The chunk store an engine runs with, built from its TierConfig: the device tier, host RAM and the disk
 tier, each budget from the config or, where not given, from the machine; the disk namespace its entries share;
 the remote tier (Redis/Valkey) when the config names one, with its own namespace. Payloads read back from disk or
 from the remote store are checked against the model's KV layout (engine.kv.tiers.KVLayout); the remote tier refuses,
@@ -12,7 +12,7 @@ import sqlite3
 
 import torch
 
-from ..config import EngineConfig
+from ..config import ChunkingConfig, ReuseConfig, TierConfig
 from ..keys import chain_key
 from .disk import DiskTier, default_cache_dir
 from .eviction import POLICIES
@@ -24,10 +24,11 @@ from .tiers import KVLayout, MemoryTier, default_device_budget, default_host_bud
 log = logging.getLogger(__name__)
 
 
-def build_store(config: EngineConfig, device: torch.device, root: bytes, model_name: str,
+def build_store(tiers: TierConfig, reuse: ReuseConfig, device: torch.device, root: bytes, model_name: str,
                 model) -> tuple[ChunkStore, str | None]:
-    """The store for `model`, and why its disk tier is off when it could not be opened (None otherwise): the
-    engine still works from memory then."""
+    """The store for `model` as `tiers` says, and why its disk tier is off when it could not be opened (None
+    otherwise): the engine still works from memory then. `reuse`: with mode "off" nothing persistent is opened,
+    and its chunking describes the disk and shared namespaces."""
     dtype = model.dtype
     try:
         layout = KVLayout.of_model(model)
@@ -35,50 +36,50 @@ def build_store(config: EngineConfig, device: torch.device, root: bytes, model_n
         log.warning("the KV layout of %s is not in its config (%s); payloads are checked once one is computed",
                     model_name, exc)
         layout = None
-    policy = POLICIES[config.eviction]()
-    budget = config.cache_bytes if config.cache_bytes is not None else default_device_budget(device)
+    chunking = reuse.chunking
+    policy = POLICIES[tiers.eviction]()
+    budget = tiers.cache_bytes if tiers.cache_bytes is not None else default_device_budget(device)
     host = None
-    host_budget = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else default_host_budget(device)
+    host_budget = tiers.cpu_cache_bytes if tiers.cpu_cache_bytes is not None else default_host_budget(device)
     if host_budget > 0:
-        host = MemoryTier("host", host_budget, torch.device("cpu"), config.kv_quant.host, pin=device.type == "cuda")
+        host = MemoryTier("host", host_budget, torch.device("cpu"), tiers.kv_quant.host, pin=device.type == "cuda")
     disk, disk_error = None, None
-    if config.disk_cache_bytes != 0 and config.reuse != "off":
-        folder = config.disk_cache_dir or str(default_cache_dir())
+    if tiers.disk_cache_bytes != 0 and reuse.mode != "off":
+        folder = tiers.disk_cache_dir or str(default_cache_dir())
         # Entries are shared only within one namespace: same weights, dtype, chunking and storage format.
-        namespace = chain_key(root, [FORMAT_VERSION]).hex() + f"-{config.kv_quant.disk}"
+        namespace = chain_key(root, [FORMAT_VERSION]).hex() + f"-{tiers.kv_quant.disk}"
         try:
-            disk = DiskTier(folder, config.disk_cache_bytes, config.kv_quant.disk, namespace, policy,
-                            model_name=model_name, timeout_s=config.disk_busy_timeout_s)
-            disk.describe_namespace({"chunking": config.chunking.mode, "chunk_size": config.chunking.size,
-                                     "kv_quant": config.kv_quant.disk, "dtype": str(dtype)})
+            disk = DiskTier(folder, tiers.disk_cache_bytes, tiers.kv_quant.disk, namespace, policy,
+                            model_name=model_name, timeout_s=tiers.disk_busy_timeout_s)
+            disk.describe_namespace({"chunking": chunking.mode, "chunk_size": chunking.size,
+                                     "kv_quant": tiers.kv_quant.disk, "dtype": str(dtype)})
         except (ValueError, OSError, sqlite3.Error) as exc:
             disk_error = f"disk KV tier off: {exc}"
             log.warning(disk_error)
             disk = None
     remote = None
-    if config.remote_cache is not None and config.reuse != "off":
+    if tiers.remote_cache is not None and reuse.mode != "off":
         # The disk tier's storage format: what a machine restores from the store is what it would have on disk.
-        quant = config.kv_quant.disk
-        remote = RemoteTier(config.remote_cache, remote_namespace(root, quant, device.type, dtype), quant,
-                            layout=layout, max_value_bytes=_max_value_bytes(config, layout, quant),
-                            timeout_s=config.remote_timeout_s, max_wait_s=config.remote_max_wait_s,
-                            retry_s=config.remote_retry_s,
-                            describe={"model": model_name, "chunking": config.chunking.mode,
-                                      "chunk_size": config.chunking.size, "kv_quant": quant,
+        quant = tiers.kv_quant.disk
+        remote = RemoteTier(tiers.remote_cache, remote_namespace(root, quant, device.type, dtype), quant,
+                            layout=layout, max_value_bytes=_max_value_bytes(tiers, chunking, layout, quant),
+                            timeout_s=tiers.remote_timeout_s, max_wait_s=tiers.remote_max_wait_s,
+                            retry_s=tiers.remote_retry_s,
+                            describe={"model": model_name, "chunking": chunking.mode,
+                                      "chunk_size": chunking.size, "kv_quant": quant,
                                       "device": device.type, "dtype": str(dtype)})
-    store = ChunkStore(budget, policy, device=device, device_quant=config.kv_quant.device, host=host, disk=disk,
+    store = ChunkStore(budget, policy, device=device, device_quant=tiers.kv_quant.device, host=host, disk=disk,
                        remote=remote, layout=layout)
     return store, disk_error
 
 
-def _max_value_bytes(config: EngineConfig, layout: KVLayout | None, quant: str) -> int:
+def _max_value_bytes(tiers: TierConfig, chunking: ChunkingConfig, layout: KVLayout | None, quant: str) -> int:
     """remote_max_value_bytes, or the most bytes one chunk's payload can take: its longest chunk's KV as `quant`
     stores it, with the header."""
-    if config.remote_max_value_bytes is not None:
-        return config.remote_max_value_bytes
+    if tiers.remote_max_value_bytes is not None:
+        return tiers.remote_max_value_bytes
     if layout is None:
         return DEFAULT_MAX_VALUE_BYTES
-    chunking = config.chunking
     tokens = chunking.size + (chunking.window if chunking.mode == "adaptive" else 0)
     num_tensors = layout.num_layers * (2 if quant == "none" else 6)
     return max_file_bytes(layout.payload_bytes(quant, tokens), num_tensors, tokens)

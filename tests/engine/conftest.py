@@ -29,7 +29,7 @@ def smollm_int4_engine(smollm_float):
     model = copy.deepcopy(smollm_float.model)
     quantize_model(model, group_size=64, kernel="cpu_int4pack")
     quantize_head(model, "int8+embedding")
-    engine = KVBoost(model, smollm_float.tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
+    engine = KVBoost(model, smollm_float.tokenizer, EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative=None))
     # A process's first request once, now and then, gave other logits than every later one: torch's first
     # vectorized cos() on fresh threads (engine.thread_math.settle_thread_math, tests/engine/test_first_request.py).
     # The request below stays: these tests compare warmed runs either way.

@@ -8,7 +8,7 @@ from tiny_models import ATOL, build_model, build_tokenizer, random_ids
 from transformers import DynamicCache
 
 from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
-from engine.config import RepairConfig
+from engine.config import RepairConfig, ReuseConfig, TierConfig
 from engine.prefill import prefill
 
 CHUNK = 32
@@ -23,8 +23,9 @@ def parts():
 
 
 def engine(parts, arch="llama", reuse="approx", **repair):
-    config = EngineConfig(reuse=reuse, chunking=ChunkingConfig(size=CHUNK), repair=RepairConfig(**repair),
-                          disk_cache_bytes=0)  # memory only: the disk tier has its own tests
+    reuse_config = ReuseConfig(mode=reuse, chunking=ChunkingConfig(size=CHUNK), repair=RepairConfig(**repair))
+    memory_only = TierConfig(disk_cache_bytes=0)  # the disk tier has its own tests
+    config = EngineConfig(reuse=reuse_config, tiers=memory_only)
     return KVBoost(parts[arch], parts["tokenizer"], config, name=f"tiny-{arch}")
 
 
@@ -40,10 +41,10 @@ def rag_prompt(order, question_seed):
 
 
 def logits_of(eng, ids):
-    plan = eng._plan(ids, eng.config.reuse)
+    plan = eng._plan(ids, eng.config.reuse.mode)
     with torch.inference_mode():
         logits, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                            eng.config.repair if eng.config.reuse == "approx" else None)
+                            eng.config.reuse.repair if eng.config.reuse.mode == "approx" else None)
     return plan, logits
 
 
@@ -170,8 +171,8 @@ def test_cacheblend_refuses_models_it_cannot_run_on(parts):
 
     gemma = build("gemma3")
     with pytest.raises(UnsupportedModelError, match="cacheblend"):
-        KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
-    KVBoost(gemma, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="selective")))
+        KVBoost(gemma, parts["tokenizer"], EngineConfig.of(reuse="approx", repair="cacheblend"))
+    KVBoost(gemma, parts["tokenizer"], EngineConfig.of(reuse="approx", repair="selective"))
 
 
 def test_selective_can_also_recompute_tokens_before_a_seam(parts):
@@ -191,7 +192,7 @@ def test_cacheblend_refuses_sliding_window_models(parts):
 
     mistral = build("mistral")
     with pytest.raises(UnsupportedModelError, match="sliding"):
-        KVBoost(mistral, parts["tokenizer"], EngineConfig(reuse="approx", repair=RepairConfig(mode="cacheblend")))
+        KVBoost(mistral, parts["tokenizer"], EngineConfig.of(reuse="approx", repair="cacheblend"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -204,9 +205,9 @@ def test_batched_selective_pass_equals_computing_each_seam_in_turn(parts, arch):
     assert sum(1 for s in plan.segments if s.kind == "MISS") >= 3
     with torch.inference_mode():
         batched, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                             eng.config.repair, batch_repair=True)
+                             eng.config.reuse.repair, batch_repair=True)
         in_turn, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device, eng._rope,
-                             eng.config.repair, batch_repair=False)
+                             eng.config.reuse.repair, batch_repair=False)
     assert torch.max(torch.abs(batched - in_turn)).item() < ATOL
 
 
@@ -275,7 +276,7 @@ def test_selective_repair_equals_an_independent_reference(parts, arch, batch_rep
     ref_logits, ref_cache = selective_reference(eng.model, ids, docs_at, seam)
     cache = DynamicCache()
     with torch.inference_mode():
-        logits, _ = prefill(eng.model, plan, eng.store, cache, eng.device, eng._rope, eng.config.repair,
+        logits, _ = prefill(eng.model, plan, eng.store, cache, eng.device, eng._rope, eng.config.reuse.repair,
                             batch_repair=batch_repair)
         full = eng.full_prefill_logits(ids)
     assert torch.max(torch.abs(full - ref_logits)).item() > 10 * ATOL  # the reference is not a full prefill

@@ -16,7 +16,7 @@ from transformers import (
     GPT2Config,
 )
 
-from engine import ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine import EngineConfig, KVBoost, UnsupportedModelError
 from engine.prefill import prefill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,8 +41,8 @@ def tiny_models():
 
 def make_engine(tiny_models, tokenizer, arch: str) -> KVBoost:
     # window: the adaptive-chunking window must be under size/2 even for fixed chunking (validated always).
-    config = EngineConfig(reuse="chunk", chunking=ChunkingConfig(size=CHUNK, window=4),
-                          disk_cache_bytes=0)  # memory only: the disk tier has its own tests
+    config = EngineConfig.of(reuse="chunk", chunk_size=CHUNK, chunk_window=4,
+                             disk_cache_bytes=0)  # memory only: the disk tier has its own tests
     eng = KVBoost(tiny_models(arch), tokenizer, config, name=f"tiny-{arch}")
     assert eng._eos_ids == {EOS}
     return eng
@@ -216,7 +216,7 @@ def test_model_without_rope_is_rejected(tokenizer):
     gpt2 = AutoModelForCausalLM.from_config(
         GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=2048), dtype=torch.float32)
     with pytest.raises(UnsupportedModelError, match="RoPE"):
-        KVBoost(gpt2, tokenizer, EngineConfig(chunking=ChunkingConfig(size=CHUNK, window=4)))
+        KVBoost(gpt2, tokenizer, EngineConfig.of(chunk_size=CHUNK, chunk_window=4))
 
 
 def test_a_small_reusable_share_is_recomputed_instead(tiny_models, tokenizer):

@@ -14,7 +14,6 @@ from tiny_models import ARCHS, build_model, build_tokenizer, random_ids
 
 from engine import EngineConfig, EngineWorker, KVBoost, Result, TokenEvent
 from engine.batching import Batch, Forward, packed_forward
-from engine.config import ChunkingConfig
 from engine.generate import run_forward
 from engine.live_cache import GrowingCache
 
@@ -111,7 +110,7 @@ def test_the_real_model_in_int4_batched_answers_as_alone(smollm_int4_engine):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_every_family_answers_the_same_batched_and_those_that_cannot_split_run_alone(arch, one_thread):
     model, tokenizer = build_model(arch), build_tokenizer()
-    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off"))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     prompts = [random_ids(n, seed) for n, seed in ((30, 1), (47, 2), (12, 3), (65, 4))]
     alone = [engine.generate(p, max_new_tokens=12) for p in prompts]
     together = run_together(lambda i: engine, prompts, max_new_tokens=12)
@@ -126,7 +125,7 @@ def test_every_family_answers_the_same_batched_and_those_that_cannot_split_run_a
 
 def test_a_spilling_engine_runs_its_requests_one_at_a_time(one_thread):
     engine = KVBoost(build_model("llama"), build_tokenizer(),
-                     EngineConfig(disk_cache_bytes=0, reuse="off", live_kv_bytes=20_000, live_page_tokens=8))
+                     EngineConfig.of(disk_cache_bytes=0, reuse="off", live_kv_bytes=20_000, live_page_tokens=8))
     assert "live_kv_bytes" in engine.batching_unavailable()
     prompts = [random_ids(40, 5), random_ids(41, 6)]
     alone = [engine.generate(p, max_new_tokens=10) for p in prompts]
@@ -156,7 +155,7 @@ class Recorder:
 
 def test_a_newcomers_prefill_runs_one_piece_per_step_between_the_others_decode_steps(one_thread):
     engine = KVBoost(build_model("llama"), build_tokenizer(),
-                     EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None, prefill_piece_tokens=16))
+                     EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative=None, prefill_piece_tokens=16))
     long_prompt = random_ids(100, 8)  # 7 pieces: 6 of 16 tokens without logits, then the last 4
     want = engine.generate(long_prompt, max_new_tokens=5)
     batch, rec = Batch(), Recorder()
@@ -230,7 +229,7 @@ def test_a_request_joining_a_running_batch_answers_as_alone_and_before_the_other
 
 
 def test_cancelling_one_batched_request_ends_it_alone(one_thread):
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     prompts = [random_ids(30, 11), random_ids(31, 12), random_ids(32, 13)]
     alone = [engine.generate(p, max_new_tokens=30) for p in prompts]
     worker = EngineWorker(name="test-batching")
@@ -252,7 +251,7 @@ def test_cancelling_one_batched_request_ends_it_alone(one_thread):
 
 
 def test_a_front_end_that_fails_on_an_event_fails_only_its_own_request(one_thread):
-    engine = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    engine = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     prompts = [random_ids(25, 21), random_ids(26, 22)]
     want = engine.generate(prompts[1], max_new_tokens=15)
     batch, rec = Batch(), Recorder()
@@ -272,7 +271,7 @@ def test_a_front_end_that_fails_on_an_event_fails_only_its_own_request(one_threa
 
 def test_batched_requests_store_their_chunks_and_a_later_request_reuses_them_exactly(one_thread):
     model, tokenizer = build_model("llama"), build_tokenizer()
-    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16)))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, chunk_size=16))
     cold = engine.with_options(reuse="off")
     shared = random_ids(64, 31)
     prompts = [shared + random_ids(9, 32), shared + random_ids(7, 33), random_ids(50, 34)]
@@ -285,8 +284,8 @@ def test_batched_requests_store_their_chunks_and_a_later_request_reuses_them_exa
 
 
 def test_a_request_on_another_model_waits_for_the_batch_and_then_runs(one_thread):
-    first = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
-    second = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    first = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
+    second = KVBoost(build_model("qwen2"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     prompts = [random_ids(20, 41), random_ids(21, 42), random_ids(22, 43)]
     engines = [first, second, first]
     alone = [e.generate(p, max_new_tokens=8) for e, p in zip(engines, prompts)]
@@ -295,7 +294,7 @@ def test_a_request_on_another_model_waits_for_the_batch_and_then_runs(one_thread
 
 
 def test_max_batch_one_is_the_one_at_a_time_worker(one_thread):
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     prompts = [random_ids(20, 51), random_ids(20, 52)]
     together = run_together(lambda i: engine, prompts, max_batch=1, max_new_tokens=8)
     assert not any(r.stats.batched_forwards for r in together)
@@ -303,7 +302,7 @@ def test_max_batch_one_is_the_one_at_a_time_worker(one_thread):
 
 
 def test_stopping_the_worker_ends_every_batched_request_with_a_result(one_thread):
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, reuse="off"))
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, reuse="off"))
     worker = EngineWorker(name="test-batching")
     jobs = [worker.submit(lambda c, s=s: engine.stream(random_ids(20, s), cancel=c, max_new_tokens=400), source="t")
             for s in (61, 62, 63)]
@@ -320,7 +319,7 @@ def test_a_batched_request_stops_drafting_when_its_drafts_are_not_kept(one_threa
     """Alone, drafts cost little; in a batch each one is another row for the whole step, so a request whose
     drafts are mostly rejected stops drafting there (its answer is the same either way)."""
     engine = KVBoost(build_model("llama"), build_tokenizer(),
-                     EngineConfig(disk_cache_bytes=0, reuse="off", speculative="prompt-lookup"))
+                     EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative="prompt-lookup"))
     # A repeated motif, then random words: n-grams to draft from; with these seeds the random model keeps
     # 42% and 38% of its drafts alone (and 60% of the third's)
     prompts = [random_ids(4, seed) * 4 + random_ids(40, seed + 100) for seed in (90, 95, 86)]

@@ -169,11 +169,10 @@ def test_its_norm_and_silu_are_an_rms_norm_and_silu_and_change_the_fingerprint(f
 
 def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_thread):
     from engine import EngineConfig, KVBoost
-    from engine.config import ChunkingConfig
 
     model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
                                   kernel=gguf_blocks.KERNEL)
-    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16)))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, chunk_size=16))
     assert uses_block_forward(engine.model)
     first = engine.generate("the same words " * 6, max_new_tokens=6)
     second = engine.generate("the same words " * 6, max_new_tokens=6)
@@ -188,13 +187,13 @@ def test_every_prefill_piece_runs_in_one_call_with_the_numbers_of_the_whole_prom
 
     model, tokenizer = load_model(resolve_source(str(files("Q4_0"))), CPU, torch.float32, weights="int4",
                                   kernel=gguf_blocks.KERNEL)
-    config = EngineConfig(disk_cache_bytes=0, reuse="off", prefill_piece_tokens=8, speculative=None)
+    config = EngineConfig.of(disk_cache_bytes=0, reuse="off", prefill_piece_tokens=8, speculative=None)
     engine = KVBoost(model, tokenizer, config)
     forward = engine.model.forward
     before = forward.one_call_forwards
     pieces = engine.generate("a prompt of some words, cut into pieces " * 3, max_new_tokens=1, return_logits=True)
     calls = forward.one_call_forwards - before
-    whole = engine.with_config(replace(config, prefill_piece_tokens=None)).generate(
+    whole = engine.with_config(replace(config, decode=replace(config.decode, prefill_piece_tokens=None))).generate(
         "a prompt of some words, cut into pieces " * 3, max_new_tokens=1, return_logits=True)
     assert calls == -(-pieces.stats.prompt_tokens // 8) > 1  # each piece one call, not only the last
     assert torch.equal(pieces.first_logits, whole.first_logits)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.kv.disk import INDEX_FILENAME, DiskTier
 from engine.kv.eviction import LRU
@@ -32,16 +32,16 @@ def tiny(one_thread):
 
 def engine_on(tiny, folder, **config) -> KVBoost:
     model, tokenizer = tiny
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
+    fields = dict(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
                   disk_cache_bytes=1 << 30)
     fields.update(config)
-    return KVBoost(model, tokenizer, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(model, tokenizer, EngineConfig.of(**fields), name="tiny-llama")
 
 
 @pytest.fixture(scope="module")
 def cold(tiny):
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda ids: engine.generate(ids, max_new_tokens=NEW_TOKENS).token_ids
 
 
@@ -57,8 +57,8 @@ def payload_files(folder):
 def test_default_tiers_are_lossless_and_a_restart_serves_exact_hits(tiny, tmp_path, cold):
     folder = tmp_path / "kv"
     first = engine_on(tiny, folder, cpu_cache_bytes=None)
-    stats = first.cache_stats()["tiers"]
-    assert stats["host"]["kv_quant"] == "none" and stats["disk"]["kv_quant"] == "none"
+    tiers = first.cache_stats().tiers
+    assert tiers.host.kv_quant == "none" and tiers.disk.kv_quant == "none"
     first.generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS)
     restarted = engine_on(tiny, folder, cpu_cache_bytes=None)  # a fresh store: everything comes from disk
     result = restarted.generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS)
@@ -84,7 +84,7 @@ def test_hits_on_quantized_kv_are_reported_as_quantized_never_exact(tiny, tmp_pa
     kinds = [kind for _, _, kind in result.stats.chunks]
     assert "QUANTIZED" in kinds
     assert "EXACT" not in kinds and "PREFIX" not in kinds
-    hits = reader.cache_stats()["hits"]
+    hits = reader.cache_stats().hits
     assert hits["QUANTIZED"] > 0 and hits["EXACT"] == 0 and hits["PREFIX"] == 0
     # KV computed after quantized KV is not the computed KV either: its next hit is QUANTIZED as well
     follow_up = reader.generate(DOC + QUESTION + result.token_ids + QUESTION, max_new_tokens=NEW_TOKENS)

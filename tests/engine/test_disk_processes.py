@@ -35,7 +35,7 @@ def cold_answers():
     """Greedy answers computed here without any cache: what every process must produce."""
     from engine import EngineConfig, KVBoost
 
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(disk_worker.document(seed) + disk_worker.QUESTION,
                                         max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 
@@ -152,5 +152,5 @@ def test_an_entry_another_process_evicted_is_a_miss_and_computed_again(tmp_path,
     assert known and not known & left
     result = here.generate(disk_worker.document(31) + disk_worker.QUESTION, max_new_tokens=disk_worker.NEW_TOKENS)
     assert result.token_ids == cold_answers(31)
-    assert here.cache_stats()["disk_misses"] > 0  # it tried its records, found their rows gone
+    assert here.cache_stats().disk_misses > 0  # it tried its records, found their rows gone
     assert result.stats.reused_by_tier.get("disk", 0) == 0

@@ -20,8 +20,8 @@ PROMPTS = [random_ids(30, 1), random_ids(45, 2) + random_ids(6, 3) * 3, random_i
 
 def engines(draft):
     model, tokenizer = build_model("llama"), build_tokenizer()
-    plain = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None))
-    drafted = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative="draft-model"),
+    plain = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative=None))
+    drafted = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative="draft-model"),
                       draft_model=draft(model))
     return plain, drafted
 
@@ -73,7 +73,7 @@ def test_from_pretrained_loads_a_draft_model_and_refuses_one_of_another_vocabula
     served = save(tmp_path / "served", build_model("llama"), tokenizer)
     small = save(tmp_path / "small", build_model("qwen2"), tokenizer)
     engine = KVBoost.from_pretrained(served, device="cpu", disk_cache_bytes=0, reuse="off", draft_model=small)
-    assert engine.config.speculative == "draft-model" and engine.draft_model is not None
+    assert engine.config.decode.speculative == "draft-model" and engine.draft_model is not None
     plain = engine.with_options(speculative=None)
     for prompt in PROMPTS[:2]:
         want = plain.generate(prompt, max_new_tokens=12).token_ids
@@ -91,4 +91,4 @@ def test_from_pretrained_loads_a_draft_model_and_refuses_one_of_another_vocabula
 
 def test_draft_model_mode_without_a_draft_model_is_refused():
     with pytest.raises(ValueError, match="needs a draft model"):
-        KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0, speculative="draft-model"))
+        KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0, speculative="draft-model"))

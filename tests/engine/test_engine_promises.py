@@ -14,7 +14,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import Cancelled, ChunkingConfig, EngineConfig, KVBoost, UnsupportedModelError
+from engine import Cancelled, EngineConfig, KVBoost, UnsupportedModelError
 from engine.kv.disk import default_disk_budget
 from engine.kv.tiers import default_device_budget, default_host_budget
 from engine.weights.fingerprint import fingerprint
@@ -39,7 +39,7 @@ def model_folder(tmp_path_factory, tiny):
 
 def test_timing_stats_are_present_and_consistent(tiny, tmp_path):
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(chunk_size=CHUNK, disk_cache_bytes=0))
     prompt = random_ids(5 * CHUNK + 3, seed=1)
     t0 = time.perf_counter()
     result = engine.generate(prompt, max_new_tokens=NEW_TOKENS)
@@ -84,12 +84,12 @@ def test_from_pretrained_takes_lru_eviction_and_the_gpu_cache_bytes_alias(model_
     engine = KVBoost.from_pretrained(model_folder, device="cpu", eviction="lru", gpu_cache_bytes=123_456,
                                      disk_cache_bytes=0, cpu_cache_bytes=0)
     stats = engine.cache_stats()
-    assert stats["policy"] == "lru"
-    assert stats["budget_bytes"] == 123_456 == stats["tiers"]["device"]["budget_bytes"]
+    assert stats.policy == "lru"
+    assert stats.budget_bytes == 123_456 == stats.tiers.device.budget_bytes
     assert engine.generate(random_ids(20, seed=2), max_new_tokens=2).token_ids
     same = KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=123_456, gpu_cache_bytes=123_456,
                                    disk_cache_bytes=0)
-    assert same.cache_stats()["budget_bytes"] == 123_456
+    assert same.cache_stats().budget_bytes == 123_456
     with pytest.raises(ValueError, match="same option"):
         KVBoost.from_pretrained(model_folder, device="cpu", cache_bytes=1, gpu_cache_bytes=2)
     with pytest.raises(ValueError, match="eviction"):
@@ -171,23 +171,23 @@ def test_default_budgets_follow_the_documented_fractions(tmp_path):
 def test_info_describes_the_loaded_model_for_front_ends(model_folder, tmp_path):
     engine = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_dir=tmp_path / "kv", quiet=True)
     info = engine.info()
-    assert info["model_type"] == "llama" and info["max_context"] == 2048
-    assert info["device"] == "cpu" and info["dtype"] == "float32" and info["reuse"] == "chunk"
-    assert info["cache_folder"] == (tmp_path / "kv").as_posix() and info["disk_error"] is None
-    assert "needs int4 weights" in info["layer_streaming_unavailable"]  # a float model: nothing to stream
+    assert info.model_type == "llama" and info.max_context == 2048
+    assert info.device == "cpu" and info.dtype == "float32" and info.reuse == "chunk"
+    assert info.cache_folder == (tmp_path / "kv").as_posix() and info.disk_error is None
+    assert "needs int4 weights" in info.layer_streaming_unavailable  # a float model: nothing to stream
     assert engine.decode(engine.encode("w5 w6 w7")) == "w5 w6 w7"
     off = KVBoost.from_pretrained(model_folder, device="cpu", disk_cache_bytes=0)
-    assert off.info()["cache_folder"] is None
+    assert off.info().cache_folder is None
 
 
 def test_with_options_keeps_every_option_it_is_not_told_to_change():
     from dataclasses import replace
 
-    config = EngineConfig(reuse="prefix", chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=1 << 20,
-                          disk_cache_bytes=0, disk_busy_timeout_s=5.0, eviction="lru", live_page_tokens=64,
-                          speculative=None, num_draft=2, remote_timeout_s=0.5, remote_max_wait_s=2.0,
-                          remote_retry_s=1.0, remote_max_value_bytes=1 << 20, prefill_piece_tokens=64,
-                          cuda_graphs=False)
+    config = EngineConfig.of(reuse="prefix", chunk_size=CHUNK, cpu_cache_bytes=1 << 20,
+                             disk_cache_bytes=0, disk_busy_timeout_s=5.0, eviction="lru", live_page_tokens=64,
+                             speculative=None, num_draft=2, remote_timeout_s=0.5, remote_max_wait_s=2.0,
+                             remote_retry_s=1.0, remote_max_value_bytes=1 << 20, prefill_piece_tokens=64,
+                             cuda_graphs=False)
     engine = KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny")
     assert engine.with_options().config == config
-    assert engine.with_options(num_draft=3).config == replace(config, num_draft=3)
+    assert engine.with_options(num_draft=3).config == replace(config, decode=replace(config.decode, num_draft=3))

@@ -157,8 +157,8 @@ def test_an_engine_over_blocks_computes_attention_in_float64(files, one_thread):
 
     model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
                                   kernel=gguf_blocks.KERNEL)
-    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0))
-    assert engine.info()["weights"]["attention"] == "rows_exact"
+    engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0))
+    assert engine.info().weights["attention"] == "rows_exact"
 
 
 @needs_blocks
@@ -439,13 +439,13 @@ def test_reuse_over_every_weight_form_gives_the_uncached_greedy_tokens(files, ki
     sharing prefixes of whole chunks, each
     answered after the others filled the cache: the first token's logits (bit for bit over the quantized forms;
     under float32 attention Q4_0's moved) and the greedy tokens those of an uncached run. Divergences: none of 24."""
-    from engine import ChunkingConfig, EngineConfig, KVBoost
+    from engine import EngineConfig, KVBoost
 
     if kernel == gguf_blocks.KERNEL and gguf_blocks.unavailable() is not None:
         pytest.skip(f"block kernel unavailable: {gguf_blocks.unavailable()}")
     model, tokenizer = load_model(resolve_source(str(files(kind))), CPU, torch.float32, weights=weights,
                                   kernel=kernel)
-    cached = KVBoost(model, tokenizer, EngineConfig(chunking=ChunkingConfig(size=16), disk_cache_bytes=0))
+    cached = KVBoost(model, tokenizer, EngineConfig.of(chunk_size=16, disk_cache_bytes=0))
     plain = cached.with_options(reuse="off")
     rng = np.random.default_rng(11)
     shared = [rng.integers(3, 500, size=16 * n).tolist() for n in (1, 2, 3)]

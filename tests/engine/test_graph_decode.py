@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_models import build_model, build_tokenizer, random_ids
 
-from engine import EngineConfig, KVBoost
+from engine import DecodeConfig, EngineConfig, KVBoost
 from engine.graph_decode import GraphDecode, graph_decode_unavailable
 from engine.live_cache import BLOCK_TOKENS, GrowingCache
 
@@ -83,9 +83,9 @@ def test_models_the_graph_cannot_take_are_named_with_the_reason():
 
 
 def test_an_engine_on_the_cpu_says_why_it_decodes_without_graphs():
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0), name="tiny")
-    assert "cpu" in engine.info()["cuda_graphs_unavailable"]
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0), name="tiny")
+    assert "cpu" in engine.info().cuda_graphs_unavailable
     off = engine.with_options(cuda_graphs=False)
-    assert off.info()["cuda_graphs_unavailable"] == "cuda_graphs=False"
+    assert off.info().cuda_graphs_unavailable == "cuda_graphs=False"
     with pytest.raises(ValueError, match="cuda_graphs"):
-        EngineConfig(cuda_graphs="yes").validate()
+        EngineConfig(decode=DecodeConfig(cuda_graphs="yes")).validate()

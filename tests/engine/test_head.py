@@ -166,7 +166,7 @@ def test_the_real_model_with_int4_weights_and_an_int8_head_and_table_answers(smo
     assert report["resident_bytes"] < weights_report(smollm_float.model)["resident_bytes"] - 0.7 * float_table.nbytes
     from engine import EngineConfig, KVBoost
 
-    engine = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0))
+    engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0))
     assert "Paris" in engine.chat([{"role": "user", "content": "What is the capital of France?"}],
                                   max_new_tokens=12).text
 

@@ -18,7 +18,7 @@ from tiny_models import FIRST_WORD, VOCAB, build_model, build_tokenizer, random_
 from torch import nn
 
 from engine import KVBoost
-from engine.config import ChunkingConfig, EngineConfig
+from engine.config import EngineConfig
 from engine.exact_attention import EXACT
 from engine.weights.awq import unpack_awq
 from engine.weights.fingerprint import fingerprint
@@ -251,7 +251,7 @@ def test_the_fingerprint_tells_float_int4_group_sizes_and_kernels_apart(one_thre
 def test_a_tiny_int4_model_serves_exact_hits_equal_to_full_prefill(one_thread):
     model = build_model("llama")
     quantize_model(model, group_size=32)
-    engine = KVBoost(model, build_tokenizer(), EngineConfig(chunking=ChunkingConfig(size=16), disk_cache_bytes=0))
+    engine = KVBoost(model, build_tokenizer(), EngineConfig.of(chunk_size=16, disk_cache_bytes=0))
     ids = random_ids(5 * 16 + 3, seed=21)
     engine.generate(ids, max_new_tokens=2)
     again = engine.generate(ids, max_new_tokens=2, return_logits=True)
@@ -286,8 +286,7 @@ def smollm_int4(smollm_float):
         if kernel not in copies:
             model = copy.deepcopy(smollm_float.model)
             quantize_model(model, group_size=64, kernel=kernel)
-            copies[kernel] = KVBoost(model, smollm_float.tokenizer, EngineConfig(chunking=ChunkingConfig(size=64),
-                                                                            disk_cache_bytes=0))
+            copies[kernel] = KVBoost(model, smollm_float.tokenizer, EngineConfig.of(chunk_size=64, disk_cache_bytes=0))
         return copies[kernel]
     return get
 

@@ -11,7 +11,7 @@ import torch
 from tiny_models import ARCHS, CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import ChunkingConfig, EngineConfig, KVBoost
-from engine.config import KVQuantConfig
+from engine.config import TierConfig
 from engine.keys import chain_key
 from engine.kv.disk import DiskTier
 from engine.kv.disk_rows import entry_fields
@@ -32,7 +32,7 @@ def random_kv(num_tokens, heads=2, dim=16, layers=2, dtype=torch.float32):
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_the_layout_from_the_config_is_the_layout_the_model_computes(arch, one_thread):
     model = build_model(arch)
-    engine = KVBoost(model, build_tokenizer(), EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0),
+    engine = KVBoost(model, build_tokenizer(), EngineConfig.of(chunk_size=CHUNK, disk_cache_bytes=0),
                      name=arch)
     expected = KVLayout.of_model(model)
     engine.warm(random_ids(4 * CHUNK, seed=3))
@@ -80,13 +80,12 @@ def test_the_disk_tier_serves_a_payload_only_if_it_is_the_models_kv(tmp_path):
 @pytest.mark.parametrize("quant", ["none", "int8", "int4"])
 @pytest.mark.parametrize("chunking", ["fixed", "adaptive"])
 def test_the_value_limit_holds_the_longest_chunk_and_little_more(quant, chunking):
-    config = EngineConfig(chunking=ChunkingConfig(mode=chunking, size=CHUNK, window=4),
-                          kv_quant=KVQuantConfig(disk=quant))
+    chunks = ChunkingConfig(mode=chunking, size=CHUNK, window=4)
     longest = CHUNK + (4 if chunking == "adaptive" else 0)
     # token ids of the largest vocabularies (6 digits each in the header)
     entry = {"kind": "chunk", "parent": "ab" * 16, "start": 123456, "tokens": [151_000] * longest, "exact": True,
              "lossy": False}
     blob = encode_file(encode_kv(random_kv(longest), quant, torch.device("cpu")), "n" * 32, b"k" * 16, entry)
-    limit = _max_value_bytes(config, LAYOUT, quant)
+    limit = _max_value_bytes(TierConfig(), chunks, LAYOUT, quant)
     assert len(blob) <= limit <= len(blob) + (8 << 10), (len(blob), limit)
-    assert _max_value_bytes(EngineConfig(remote_max_value_bytes=12345), LAYOUT, quant) == 12345
+    assert _max_value_bytes(TierConfig(remote_max_value_bytes=12345), chunks, LAYOUT, quant) == 12345

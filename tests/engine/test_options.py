@@ -8,7 +8,17 @@ import dataclasses
 
 import pytest
 
-from engine.config import EngineConfig, LoadOptions, options, split_options
+from engine.config import (
+    ChunkingConfig,
+    DecodeConfig,
+    EngineConfig,
+    LoadOptions,
+    RepairConfig,
+    ReuseConfig,
+    TierConfig,
+    options,
+    split_options,
+)
 
 
 def _engine_flags() -> argparse.ArgumentParser:
@@ -65,6 +75,43 @@ def test_every_dataclass_field_is_an_option():
     assert set(leaves(LoadOptions)) | set(leaves(EngineConfig)) == paths
 
 
+# Which part of the engine config owns each option, as the split into three parts intends (written out, so a field
+# moved to another part is a decision this test is edited for).
+REUSE_OPTIONS = {"reuse", "chunking", "chunk_size", "chunk_window", "repair", "selective_tokens", "selective_before",
+                 "blend_ratio", "probe_layer", "blend_seam_tokens", "blend_select"}
+TIER_OPTIONS = {"cache_bytes", "cpu_cache_bytes", "disk_cache_bytes", "disk_cache_dir", "disk_busy_timeout_s",
+                "kv_quant", "eviction", "remote_cache", "remote_timeout_s", "remote_max_wait_s", "remote_retry_s",
+                "remote_max_value_bytes"}
+DECODE_OPTIONS = {"speculative", "num_draft", "live_kv_bytes", "live_page_tokens", "prefill_piece_tokens",
+                  "cuda_graphs"}
+
+
+def test_reuse_tiers_and_decode_each_own_their_options_and_together_every_engine_option():
+    config = EngineConfig()
+    assert (type(config.reuse), type(config.tiers), type(config.decode)) == (ReuseConfig, TierConfig, DecodeConfig)
+    owned = {part: {name for name, opt in options().items() if opt.owner is EngineConfig and opt.path[0] == part}
+             for part in ("reuse", "tiers", "decode")}
+    assert owned == {"reuse": REUSE_OPTIONS, "tiers": TIER_OPTIONS, "decode": DECODE_OPTIONS}
+    assert not REUSE_OPTIONS & TIER_OPTIONS and not REUSE_OPTIONS & DECODE_OPTIONS and not TIER_OPTIONS & DECODE_OPTIONS
+    engine_options = {name for name, opt in options().items() if opt.owner is EngineConfig}
+    assert REUSE_OPTIONS | TIER_OPTIONS | DECODE_OPTIONS == engine_options
+
+
+def test_engine_config_of_takes_flat_names_and_builds_the_nested_config():
+    nested = EngineConfig(reuse=ReuseConfig(chunking=ChunkingConfig(size=64)), tiers=TierConfig(cache_bytes=0),
+                          decode=DecodeConfig(num_draft=2))
+    assert EngineConfig.of(chunk_size=64, cache_bytes=0, num_draft=2) == nested
+    assert EngineConfig.of() == EngineConfig()
+    assert EngineConfig.of(repair="none", gpu_cache_bytes=5) == EngineConfig(  # an older name too
+        reuse=ReuseConfig(repair=RepairConfig(mode="none")), tiers=TierConfig(cache_bytes=5))
+    with pytest.raises(TypeError, match="chunksize"):
+        EngineConfig.of(chunksize=64)
+    with pytest.raises(TypeError, match="weights"):  # a load option is no engine option
+        EngineConfig.of(weights="int4")
+    with pytest.raises(ValueError, match="chunk_size"):  # checked as from_pretrained's keywords are
+        EngineConfig.of(chunk_size=2)
+
+
 def test_parsed_flags_reach_the_load_options_and_the_engine_config():
     from cli.kvboost import engine_options
 
@@ -74,10 +121,11 @@ def test_parsed_flags_reach_the_load_options_and_the_engine_config():
         "--selective-tokens", "4"])
     load, config = split_options(engine_options(args))
     assert (load.weights, load.group_size) == ("int4", 64)
-    assert config.chunking.size == 64 and config.repair.mode == "none" and config.repair.selective_tokens == 4
-    assert config.speculative is None and config.remote_timeout_s == 0.5 and config.cache_bytes == 1000
-    assert (config.kv_quant.host, config.kv_quant.disk, config.kv_quant.device) == ("int8", "int8", "none")
-    assert config.cuda_graphs is False
+    reuse, tiers, decode = config.reuse, config.tiers, config.decode
+    assert reuse.chunking.size == 64 and reuse.repair.mode == "none" and reuse.repair.selective_tokens == 4
+    assert decode.speculative is None and tiers.remote_timeout_s == 0.5 and tiers.cache_bytes == 1000
+    assert (tiers.kv_quant.host, tiers.kv_quant.disk, tiers.kv_quant.device) == ("int8", "int8", "none")
+    assert decode.cuda_graphs is False
     # and nothing given: the defaults of the dataclasses
     assert split_options(engine_options(_engine_flags().parse_args([]))) == (LoadOptions(), EngineConfig())
 
@@ -94,21 +142,21 @@ def test_a_bad_value_or_unknown_name_is_refused_before_any_load():
     with pytest.raises(ValueError, match="group_size"):
         split_options({"group_size": 48})
     with pytest.raises(ValueError, match="chunk_size"):
-        split_options({}, config=EngineConfig(chunking=dataclasses.replace(EngineConfig().chunking, size=2)))
+        split_options({}, config=EngineConfig(reuse=ReuseConfig(chunking=ChunkingConfig(size=2))))
 
 
 def test_options_apply_over_given_dataclasses(tmp_path):
     load, config = split_options({"chunk_size": 64, "disk_cache_dir": tmp_path},
-                                 LoadOptions(weights="int4"), EngineConfig(reuse="prefix"))
-    assert load.weights == "int4" and config.reuse == "prefix" and config.chunking.size == 64
-    assert config.disk_cache_dir == str(tmp_path)
+                                 LoadOptions(weights="int4"), EngineConfig(reuse=ReuseConfig(mode="prefix")))
+    assert load.weights == "int4" and config.reuse.mode == "prefix" and config.reuse.chunking.size == 64
+    assert config.tiers.disk_cache_dir == str(tmp_path)
 
 
 def test_with_options_changes_only_what_it_names_and_refuses_load_options(smollm):
     engine = smollm.with_options(selective_tokens=4, chunk_size=64)
     other = engine.with_options(repair="none")
-    assert other.config.repair.mode == "none" and other.config.repair.selective_tokens == 4
-    assert other.config.chunking.size == 64 and other.model is smollm.model
+    assert other.config.reuse.repair.mode == "none" and other.config.reuse.repair.selective_tokens == 4
+    assert other.config.reuse.chunking.size == 64 and other.model is smollm.model
     with pytest.raises(ValueError, match="load options"):
         engine.with_options(weights="int4")
     with pytest.raises(TypeError, match="chunksize"):
@@ -116,7 +164,7 @@ def test_with_options_changes_only_what_it_names_and_refuses_load_options(smollm
 
 
 def test_with_config_runs_the_same_model_under_another_config(smollm):
-    config = dataclasses.replace(smollm.config, reuse="off")
+    config = dataclasses.replace(smollm.config, reuse=dataclasses.replace(smollm.config.reuse, mode="off"))
     engine = smollm.with_config(config)
     assert engine.config == config and engine.model is smollm.model
     messages = [{"role": "user", "content": "Name a colour."}]

@@ -13,7 +13,7 @@ import pytest
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.generate import Result
 
 pytestmark = NEEDS_REDIS
@@ -33,8 +33,8 @@ SLOWER_BOUND_S = 0.3
 
 
 def make_engine(url, folder) -> KVBoost:
-    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
-                          remote_cache=url, remote_timeout_s=TIMEOUT_S, remote_retry_s=RETRY_S)
+    config = EngineConfig.of(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
+                             remote_cache=url, remote_timeout_s=TIMEOUT_S, remote_retry_s=RETRY_S)
     return KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny-llama")
 
 
@@ -44,7 +44,7 @@ def prompt(seed):
 
 @pytest.fixture(scope="module")
 def cold_answers():
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(prompt(seed), max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 
 
@@ -91,10 +91,10 @@ def test_a_killed_or_hung_store_changes_no_answer_and_slows_no_request(redis_ser
         run("hung", seed)
         time.sleep(RETRY_S / 2)
     redis_server.resume()
-    assert shared.cache_stats()["tiers"]["remote"]["errors"] >= 2
+    assert shared.cache_stats().tiers.remote.errors >= 2
     time.sleep(RETRY_S)
     run("healthy", 216)  # the trial call succeeds: the outage is over
-    assert shared.cache_stats()["tiers"]["remote"]["state"] == "closed"
+    assert shared.cache_stats().tiers.remote.state == "closed"
     # killed in the middle of a request, then requests while it is gone
     run("killed", 220, during=redis_server.kill)
     for seed in range(221, 226):
@@ -109,16 +109,16 @@ def test_a_killed_or_hung_store_changes_no_answer_and_slows_no_request(redis_ser
     # one warning per outage (hung, then gone), not one per call
     failures = [r for r in caplog.records if "failed" in r.getMessage()]
     assert len(failures) == 2, [r.getMessage() for r in caplog.records]
-    stats = shared.cache_stats()["tiers"]["remote"]
-    assert stats["state"] != "closed" and stats["skipped"] > 0
+    stats = shared.cache_stats().tiers.remote
+    assert stats.state != "closed" and stats.skipped > 0
 
     # restarted on the same port: after the breaker's wait the tier is used again, for reads and writes
     redis_server.start()
     time.sleep(RETRY_S + 0.05)
     run("healthy", 230)
     assert shared.store.remote.flush(10)
-    stats = shared.cache_stats()["tiers"]["remote"]
-    assert stats["state"] == "closed" and stats["writes"] > 0
+    stats = shared.cache_stats().tiers.remote
+    assert stats.state == "closed" and stats.writes > 0
     fresh = make_engine(redis_server.url, tmp_path / "fresh")
     result = fresh.generate(prompt(230), max_new_tokens=disk_worker.NEW_TOKENS)
     assert result.stats.reused_by_tier == {"remote": disk_worker.DOC_TOKENS}

@@ -16,7 +16,7 @@ from fake_resp import CLOSE, Drip, Endless, FakeResp, Silence, bulk
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
 from engine.kv.kv_quant import QuantizedTensor, quantize
@@ -47,15 +47,15 @@ def tiny(one_thread):
 @pytest.fixture(scope="module")
 def cold(tiny):
     model, tokenizer = tiny
-    engine = KVBoost(model, tokenizer, EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off"), name="tiny-llama")
     return engine.generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS).token_ids
 
 
 def engine_on(tiny, url, quant="none") -> KVBoost:
     """An engine with nothing of its own (no host or disk tier): a machine that only has the shared store."""
     model, tokenizer = tiny
-    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_bytes=0,
-                          kv_quant=KVQuantConfig(disk=quant), remote_cache=url)
+    config = EngineConfig.of(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_bytes=0,
+                             kv_quant=KVQuantConfig(disk=quant), remote_cache=url)
     return KVBoost(model, tokenizer, config, name="tiny-llama")
 
 
@@ -142,8 +142,8 @@ def test_a_value_that_checks_but_is_not_this_models_kv_is_a_counted_miss_and_del
     client.set(key, _rewritten(good, namespace, key, changes[change]))
     reader = engine_on(tiny, redis_server.url, quant)
     result = ask(reader)  # no exception out of the request
-    remote = reader.cache_stats()["tiers"]["remote"]
-    assert (remote["bad"], remote["hits"], remote["errors"]) == (1, DOC_CHUNKS - 1, 0)
+    remote = reader.cache_stats().tiers.remote
+    assert (remote.bad, remote.hits, remote.errors) == (1, DOC_CHUNKS - 1, 0)
     # the bad value never entered a memory tier: its chunk was computed, the others came from the store
     assert result.stats.reused_by_tier == {"remote": (DOC_CHUNKS - 1) * CHUNK}
     assert reader.store.remote.flush(10)

@@ -8,7 +8,7 @@ from tiny_models import build_model, build_tokenizer
 
 from cli.kvboost import build_parser
 from cli.server import build_server_parser
-from engine import EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost, TierConfig
 from engine.kv.remote_tier import remote_namespace, shown_url
 
 
@@ -32,10 +32,11 @@ def test_from_pretrained_and_with_options_carry_the_remote_cache(tmp_path):
     engine = KVBoost.from_pretrained(folder, device="cpu", chunk_size=16, disk_cache_bytes=0,
                                      remote_cache="redis://127.0.0.1:1/3", remote_timeout_s=0.02,
                                      remote_max_wait_s=3.0, remote_retry_s=7.0, remote_max_value_bytes=1 << 20)
-    assert engine.config.remote_cache == "redis://127.0.0.1:1/3"
+    assert engine.config.tiers.remote_cache == "redis://127.0.0.1:1/3"
     other = engine.with_options(reuse="prefix")
-    assert (other.config.remote_cache, other.config.remote_timeout_s, other.config.remote_max_wait_s,
-            other.config.remote_retry_s, other.config.remote_max_value_bytes) == \
+    tiers = other.config.tiers
+    assert (tiers.remote_cache, tiers.remote_timeout_s, tiers.remote_max_wait_s, tiers.remote_retry_s,
+            tiers.remote_max_value_bytes) == \
         ("redis://127.0.0.1:1/3", 0.02, 3.0, 7.0, 1 << 20)
     tier = other.store.remote
     assert (tier.timeout_s, tier.max_wait_s, tier.max_value_bytes) == (0.02, 3.0, 1 << 20)
@@ -45,15 +46,15 @@ def test_from_pretrained_and_with_options_carry_the_remote_cache(tmp_path):
     assert engine.with_options(remote_cache=None).store.remote is None
     result = engine.generate("w5 w6 w7 " * 40, max_new_tokens=3)
     assert result.stats.reused_by_tier == {}
-    remote = engine.cache_stats()["tiers"]["remote"]
-    assert remote["errors"] == 1 and remote["state"] == "open"
-    assert engine.memory()["remote"]["state"] == "open"
+    remote = engine.cache_stats().tiers.remote
+    assert remote.errors == 1 and remote.state == "open"
+    assert engine.memory().remote.state == "open"
 
 
 @pytest.mark.parametrize("bad", ["http://host:6379", "127.0.0.1:6379", 6379])
 def test_a_remote_cache_that_is_not_a_redis_url_is_refused(bad):
     with pytest.raises(ValueError, match="remote_cache"):
-        EngineConfig(remote_cache=bad).validate()
+        EngineConfig(tiers=TierConfig(remote_cache=bad)).validate()
 
 
 @pytest.mark.parametrize("options,named", [
@@ -65,7 +66,7 @@ def test_a_remote_cache_that_is_not_a_redis_url_is_refused(bad):
 ])
 def test_remote_timing_and_size_options_are_checked(options, named):
     with pytest.raises(ValueError, match=named):
-        EngineConfig(remote_cache="redis://h/0", **options).validate()
+        EngineConfig(tiers=TierConfig(remote_cache="redis://h/0", **options)).validate()
 
 
 def test_the_password_is_never_shown():
@@ -73,7 +74,7 @@ def test_the_password_is_never_shown():
     assert shown_url("rediss://:s3cret@host/0") == "rediss://:***@host/0"
     assert shown_url("redis://host:6379/0") == "redis://host:6379/0"
     with pytest.raises(ValueError) as info:
-        EngineConfig(remote_cache="http://alice:s3cret@host").validate()
+        EngineConfig(tiers=TierConfig(remote_cache="http://alice:s3cret@host")).validate()
     assert "s3cret" not in str(info.value)
 
 
@@ -88,4 +89,4 @@ def test_both_command_lines_take_remote_cache():
     assert (timing.remote_timeout_s, timing.remote_max_wait_s) == (0.5, 30.0)
     defaults = build_parser().parse_args(["run", "hi"])
     assert (defaults.remote_timeout_s, defaults.remote_max_wait_s) == \
-        (EngineConfig().remote_timeout_s, EngineConfig().remote_max_wait_s)
+        (TierConfig().remote_timeout_s, TierConfig().remote_max_wait_s)

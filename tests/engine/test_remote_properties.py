@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.keys import chain_key
 from engine.kv.payload_file import encode_file, read_header
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
@@ -95,7 +95,7 @@ def tiny(one_thread):
     model = build_model("llama")
     tokenizer = build_tokenizer()
     doc = random_ids(4 * CHUNK, seed=71) + random_ids(5, seed=72)
-    cold = KVBoost(model, tokenizer, EngineConfig(reuse="off"), name="tiny").generate(doc, max_new_tokens=4)
+    cold = KVBoost(model, tokenizer, EngineConfig.of(reuse="off"), name="tiny").generate(doc, max_new_tokens=4)
     return model, tokenizer, doc, cold.token_ids
 
 
@@ -109,8 +109,8 @@ def test_an_engine_served_any_value_answers_as_a_full_prefill(tiny, payload):
     stored, exact = payload
     usable = exact and stored.quant == "none"
     with FakeResp() as fake:
-        config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_bytes=0,
-                              remote_cache=fake.url)
+        config = EngineConfig.of(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_bytes=0,
+                                 remote_cache=fake.url)
         writer = KVBoost(model, tokenizer, config, name="tiny")
         writer.warm(doc)
         assert writer.store.remote.flush(5) and writer.store.remote.counters.writes == 4

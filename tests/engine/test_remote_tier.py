@@ -16,7 +16,7 @@ from processes import SUPPORT, child_env
 from redis_server import NEEDS_REDIS, running_redis
 from tiny_models import CHUNK, build_model, build_tokenizer
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
@@ -44,14 +44,14 @@ def run_worker(url, folder, mode, *seeds, chunk=CHUNK, quant="none"):
 
 @pytest.fixture(scope="module")
 def cold_answers():
-    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     return lambda seed: engine.generate(disk_worker.document(seed) + disk_worker.QUESTION,
                                         max_new_tokens=disk_worker.NEW_TOKENS).token_ids
 
 
 def make_engine(url, folder, model=None, chunk=CHUNK, quant="none", **options) -> KVBoost:
-    config = EngineConfig(chunking=ChunkingConfig(size=chunk), cpu_cache_bytes=0, disk_cache_dir=str(folder),
-                          kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **options)
+    config = EngineConfig.of(chunk_size=chunk, cpu_cache_bytes=0, disk_cache_dir=str(folder),
+                             kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **options)
     return KVBoost(model or build_model("llama"), build_tokenizer(), config, name="tiny-llama")
 
 
@@ -113,8 +113,8 @@ def test_values_that_fail_a_check_are_misses_and_deleted(redis_server, tmp_path,
     engine = make_engine(redis_server.url, tmp_path / "b")
     result = ask(engine, 4)
     assert result.token_ids == cold_answers(4)
-    remote = engine.cache_stats()["tiers"]["remote"]
-    assert remote["bad"] == 4 and remote["hits"] == DOC_CHUNKS - 4
+    remote = engine.cache_stats().tiers.remote
+    assert remote.bad == 4 and remote.hits == DOC_CHUNKS - 4
     assert result.stats.reused_by_tier.get("remote", 0) < disk_worker.DOC_TOKENS
     assert engine.store.remote.flush()
     # the bad values were deleted and the chunks computed again were shared afresh: the good bytes are back
@@ -226,13 +226,13 @@ def test_a_password_in_the_url_is_used_and_a_wrong_one_is_a_counted_error(tmp_pa
     try:
         warm = make_engine(server.url, tmp_path / "a")
         warm.warm(disk_worker.document(30))
-        assert warm.store.remote.flush() and warm.cache_stats()["tiers"]["remote"]["writes"] == DOC_CHUNKS
+        assert warm.store.remote.flush() and warm.cache_stats().tiers.remote.writes == DOC_CHUNKS
         assert ask(make_engine(server.url, tmp_path / "b"), 30).stats.reused_by_tier == \
             {"remote": disk_worker.DOC_TOKENS}
         wrong = make_engine(server.url.replace("s3cret", "guess"), tmp_path / "c")
         result = ask(wrong, 30)
         assert result.stats.reused_by_tier == {}
-        remote = wrong.cache_stats()["tiers"]["remote"]
-        assert remote["errors"] == 1 and remote["state"] == "open" and "guess" not in str(remote)
+        remote = wrong.cache_stats().tiers.remote
+        assert remote.errors == 1 and remote.state == "open" and "guess" not in str(remote.to_dict())
     finally:
         server.stop()

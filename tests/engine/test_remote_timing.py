@@ -19,7 +19,7 @@ from redis_server import NEEDS_REDIS, running_redis
 from remote_worker import WIDE_CHUNK, WIDE_DOC_TOKENS
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.keys import chain_key
 from engine.kv.payload_file import encode_file
 from engine.kv.remote_tier import DEFAULT_PREFILL_TOKENS_PER_S, RemoteEntry, RemoteTier
@@ -82,14 +82,14 @@ def test_the_read_budget_has_a_default_a_floor_and_a_cap():
 
 
 def test_an_engine_measures_its_prefill_rate(one_thread):
-    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_bytes=0,
-                          remote_cache="redis://127.0.0.1:1/0")
+    config = EngineConfig.of(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_bytes=0,
+                             remote_cache="redis://127.0.0.1:1/0")
     engine = KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny-llama")
-    assert engine.cache_stats()["tiers"]["remote"]["prefill_tokens_per_s"] is None
+    assert engine.cache_stats().tiers.remote.prefill_tokens_per_s is None
     t0 = time.perf_counter()
     result = engine.generate(random_ids(8 * CHUNK, seed=5), max_new_tokens=1)
     elapsed = time.perf_counter() - t0
-    rate = engine.cache_stats()["tiers"]["remote"]["prefill_tokens_per_s"]
+    rate = engine.cache_stats().tiers.remote.prefill_tokens_per_s
     # the prefill is part of the request, so its rate is at least what the whole request managed
     assert rate is not None and rate >= result.stats.prompt_tokens / elapsed * 0.9
 

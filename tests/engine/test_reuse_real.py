@@ -15,7 +15,7 @@ QUESTION = "In one sentence, what does an augmented assignment do?"
 
 
 def reused_logits(eng, ids):
-    plan = eng._plan(ids, eng.config.reuse)
+    plan = eng._plan(ids, eng.config.reuse.mode)
     with torch.inference_mode():
         logits, _ = prefill(eng.model, plan, eng.store, DynamicCache(), eng.device)
     return plan, logits
@@ -113,7 +113,7 @@ def test_chunk_rows_cover_the_prompt_in_order(smollm):
     rows = stats.chunks
     assert rows[0][0] == 0 and rows[-1][1] == stats.prompt_tokens
     assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
-    assert all(end - start <= eng.config.chunking.size for start, end, _ in rows)
+    assert all(end - start <= eng.config.reuse.chunking.size for start, end, _ in rows)
     assert sum(end - start for start, end, kind in rows if kind != "MISS") == stats.reused_tokens
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine import EngineConfig, KVBoost
 from engine.batching import drive_alone
-from engine.config import ChunkingConfig, SamplingConfig
+from engine.config import SamplingConfig
 from engine.generate import Decoder, Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
 from engine.live_cache import GrowingCache
 from engine.speculative import NgramIndex, verify
@@ -62,7 +62,7 @@ def test_greedy_keeps_drafts_while_they_equal_the_greedy_choice():
 
 def engines(arch: str, **config):
     model, tokenizer = build_model(arch), build_tokenizer()
-    plain = KVBoost(model, tokenizer, EngineConfig(disk_cache_bytes=0, reuse="off", speculative=None, **config))
+    plain = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative=None, **config))
     return plain, plain.with_options(speculative="prompt-lookup", num_draft=4)
 
 
@@ -166,7 +166,7 @@ def test_sampled_continuations_follow_the_models_distribution_with_speculation(m
 def test_the_kv_left_by_a_speculative_answer_is_reused_exactly(one_thread):
     """The answer's KV is stored (reuse on): a follow-up that contains it must equal a run without reuse."""
     model, tokenizer = build_model("llama"), build_tokenizer()
-    config = EngineConfig(disk_cache_bytes=0, chunking=ChunkingConfig(size=16), speculative="prompt-lookup")
+    config = EngineConfig.of(disk_cache_bytes=0, chunk_size=16, speculative="prompt-lookup")
     spec = KVBoost(model, tokenizer, config)
     fresh = spec.with_options(reuse="off", speculative=None)
     prompt = looping_prompt(2)
@@ -189,9 +189,9 @@ def test_no_drafts_over_a_cache_that_spills(one_thread):
 
 
 def test_speculation_is_on_by_default():
-    assert EngineConfig().speculative == "prompt-lookup"
-    assert KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(disk_cache_bytes=0)).config.speculative \
-        == "prompt-lookup"
+    assert EngineConfig().decode.speculative == "prompt-lookup"
+    engine = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(disk_cache_bytes=0))
+    assert engine.config.decode.speculative == "prompt-lookup"
 
 
 def test_bad_speculative_options_are_refused():

@@ -36,7 +36,7 @@ def load(folder, tmp_path, **options) -> KVBoost:
 def smallest_budget(folder, tmp_path) -> int:
     """The minimum of the plan for this model (read from a plan made with a budget that holds everything)."""
     probe = load(folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
-    return probe.info()["weights"]["streaming"]["min_budget_bytes"]
+    return probe.info().weights["streaming"]["min_budget_bytes"]
 
 
 def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_folder, tmp_path, one_thread):
@@ -49,7 +49,7 @@ def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_
     assert torch.equal(got.first_logits, want.first_logits) and want.first_logits.abs().max() > 0
     assert len(set(want.token_ids)) > 1
 
-    report = streamed.info()["weights"]["streaming"]
+    report = streamed.info().weights["streaming"]
     num_layers = resident.model.config.num_hidden_layers
     assert report["streamed_layers"] and sorted(report["resident_layers"] + report["streamed_layers"]) == \
         list(range(num_layers))
@@ -65,14 +65,14 @@ def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_
     assert want.stats.weight_passes == 0
 
     held, everything = streamed.memory(), resident.memory()
-    assert held["streamed_weights_bytes"] == report["streamed_bytes"] > 0
-    assert held["weights_bytes"] < everything["weights_bytes"]
-    assert everything["streamed_weights_bytes"] == 0
+    assert held.streamed_weights_bytes == report["streamed_bytes"] > 0
+    assert held.weights_bytes < everything.weights_bytes
+    assert everything.streamed_weights_bytes == 0
 
 
 def test_a_budget_that_holds_everything_streams_nothing_and_answers_the_same(awq_folder, tmp_path, one_thread):
     engine = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
-    report = engine.info()["weights"]["streaming"]
+    report = engine.info().weights["streaming"]
     assert report["streamed_layers"] == [] and report["predicted_decode_tokens_per_s"] is None
     assert engine.generate(PROMPT, max_new_tokens=4).token_ids == \
         load(awq_folder, tmp_path).generate(PROMPT, max_new_tokens=4).token_ids
@@ -93,8 +93,8 @@ def test_streaming_float_weights_is_refused_before_loading(tmp_path):
 
 
 def test_the_info_of_an_int4_engine_says_streaming_can_run_and_of_a_float_one_why_not(awq_folder, tmp_path):
-    assert load(awq_folder, tmp_path).info()["layer_streaming_unavailable"] is None
-    assert "needs int4 weights" in load(awq_folder, tmp_path, weights="float").info()["layer_streaming_unavailable"]
+    assert load(awq_folder, tmp_path).info().layer_streaming_unavailable is None
+    assert "needs int4 weights" in load(awq_folder, tmp_path, weights="float").info().layer_streaming_unavailable
 
 
 def test_the_bandwidth_probe_measures_a_real_copy():
@@ -155,7 +155,7 @@ def test_the_old_option_name_still_streams_with_a_deprecation_warning(awq_folder
     assert engine.streaming is not None
     with pytest.raises(ValueError, match="disagree"), pytest.warns(DeprecationWarning):
         load(awq_folder, tmp_path, layer_streaming=True, awq_streaming=False)
-    info = engine.info()
+    info = engine.info().to_dict()
     assert info["awq_unavailable"] == info["layer_streaming_unavailable"] is None  # the old key, for API clients
     from engine import awq_streaming_unavailable
 

@@ -367,4 +367,4 @@ def test_the_default_load_streamed_runs_its_layers_through_the_slots(smollm, tmp
     got = streamed.with_options(speculative=None).chat(question, max_new_tokens=8)
     assert got.token_ids == want.token_ids
     assert got.stats.weight_passes == got.stats.decode_forwards + 1  # the prompt's pass, then one per token
-    assert streamed.info()["layer_streaming_unavailable"] is None  # a quantized load can stream
+    assert streamed.info().layer_streaming_unavailable is None  # a quantized load can stream

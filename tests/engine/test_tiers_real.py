@@ -37,7 +37,7 @@ def in_memory(smollm, *texts, **options):
 def test_after_a_restart_exact_hits_come_from_disk_bit_identical_to_memory(smollm, tmp_path):
     first = restart(smollm, tmp_path, kv_quant="none")
     first.warm(messages(DOC)[:1])
-    assert first.cache_stats()["tiers"]["disk"]["writes"] > 0
+    assert first.cache_stats().tiers.disk.writes > 0
     written = {key: first.store.payload(key) for key, r in first.store.records.items() if r.tier == "device"}
     assert written
 
@@ -48,7 +48,7 @@ def test_after_a_restart_exact_hits_come_from_disk_bit_identical_to_memory(smoll
     kinds = {kind for _, _, kind in result.stats.chunks}
     assert "EXACT" in kinds and "QUANTIZED" not in kinds
     stats = second.cache_stats()
-    assert stats["tier_hits"]["disk"] >= 1 and stats["promoted"] >= 1
+    assert stats.tier_hits["disk"] >= 1 and stats.promoted >= 1
     # a lossless payload file gives back exactly the KV that was written
     promoted = [key for key in written if key in second.store.records and second.store.records[key].tier == "device"]
     assert len(promoted) >= 1
@@ -78,7 +78,7 @@ def test_after_a_restart_moved_text_is_an_approximate_hit_from_disk_served_as_fr
     result = second.chat(messages(OTHER, DOC), max_new_tokens=16, return_logits=True)  # DOC now sits after OTHER
     assert any(kind == "APPROXIMATE" for _, _, kind in result.stats.chunks)
     assert result.stats.reused_by_tier.get("disk", 0) > 0
-    assert second.cache_stats()["hits"]["APPROXIMATE"] > 0
+    assert second.cache_stats().hits["APPROXIMATE"] > 0
     # the same approximate reuse (same plan, same repair) as from memory, bit for bit: the disk adds no error
     memory = in_memory(smollm, messages(DOC)[:1], messages(OTHER)[:1], reuse="approx")
     from_memory = memory.chat(messages(OTHER, DOC), max_new_tokens=16, return_logits=True)
@@ -105,12 +105,12 @@ def test_a_damaged_file_is_recomputed_and_rewritten_after_a_restart(smollm, tmp_
     result = second.chat(messages(DOC), max_new_tokens=24)
     cold = smollm.with_options(reuse="off").chat(messages(DOC), max_new_tokens=24)
     assert result.token_ids == cold.token_ids
-    assert second.cache_stats()["disk_misses"] >= 1
+    assert second.cache_stats().disk_misses >= 1
     # the damaged chunks were computed again and written anew: a third engine reads every one of them cleanly
     third = restart(smollm, tmp_path, kv_quant="none")
     again = third.chat(messages(DOC), max_new_tokens=24)
     assert again.token_ids == cold.token_ids
-    assert third.cache_stats()["disk_misses"] == 0
+    assert third.cache_stats().disk_misses == 0
     assert again.stats.reused_by_tier.get("disk", 0) >= result.stats.reused_by_tier.get("disk", 0)
 
 
@@ -131,8 +131,8 @@ def test_memory_report_lists_every_tier(smollm, tmp_path):
     engine = restart(smollm, tmp_path)
     engine.warm(messages(DOC)[:1])
     report = engine.memory()
-    assert set(report["kv_bytes"]) == {"device", "host", "disk"}
-    assert report["kv_bytes"]["disk"] > 0 and report["kv_budget_bytes"]["disk"] > 0
+    assert set(report.kv_bytes) == {"device", "host", "disk"}
+    assert report.kv_bytes["disk"] > 0 and report.kv_budget_bytes["disk"] > 0
 
 
 def test_a_long_generation_over_the_live_budget_spills_pages_and_matches_an_unbounded_run(smollm):

@@ -70,14 +70,14 @@ def test_from_pretrained_takes_the_weight_format_and_reports_what_it_holds(tmp_p
     build_tokenizer().save_pretrained(tmp_path)
     dense = KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0)
     int4 = KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0, weights="int4", group_size=32)
-    assert dense.info()["weights"]["format"] == "float32" and dense.info()["weights"]["kernel"] == "dense"
-    weights = int4.info()["weights"]
+    assert dense.info().weights["format"] == "float32" and dense.info().weights["kernel"] == "dense"
+    weights = int4.info().weights
     assert weights["format"] == "int4-g32" and weights["num_int4_linears"] == 14
     # memory() counts what is held: the packed codes and per-group scales, not the float parameters alone
-    assert int4.memory()["weights_bytes"] == weights["resident_bytes"] == weights_report(int4.model)["resident_bytes"]
+    assert int4.memory().weights_bytes == weights["resident_bytes"] == weights_report(int4.model)["resident_bytes"]
     estimate = weight_sizes.estimate(str(tmp_path), device="cpu", group_size=32)
-    assert close(estimate["int4"], int4.memory()["weights_bytes"])
-    assert close(estimate["float"], dense.memory()["weights_bytes"])
+    assert close(estimate["int4"], int4.memory().weights_bytes)
+    assert close(estimate["float"], dense.memory().weights_bytes)
     assert int4.fingerprint != dense.fingerprint
     with pytest.raises(ValueError, match="weights must be one of"):
         KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0, weights="int3")

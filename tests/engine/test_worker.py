@@ -9,7 +9,7 @@ import time
 import pytest
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost, Result, TokenEvent
+from engine import EngineConfig, KVBoost, Result, TokenEvent
 from engine.worker import FAILED, FINISHED, SKIPPED, EngineWorker, WorkerStopped
 
 WAIT_S = 30
@@ -172,7 +172,7 @@ def test_submit_after_stop_raises(worker):
 @pytest.fixture(scope="module")
 def tiny_engine(one_thread):
     return KVBoost(build_model("llama"), build_tokenizer(),
-                   EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0, reuse="off"))
+                   EngineConfig.of(chunk_size=CHUNK, disk_cache_bytes=0, reuse="off"))
 
 
 def test_a_real_engine_streams_from_the_worker_as_it_does_directly(worker, tiny_engine):

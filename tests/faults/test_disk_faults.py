@@ -19,7 +19,7 @@ import torch
 from processes import SUPPORT, child_env
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.kv.disk import INDEX_FILENAME, DiskTier
 
 DOCS = [random_ids(4 * CHUNK + 3, seed=60 + i) for i in range(3)]
@@ -37,7 +37,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def cold(tiny):
-    engine = KVBoost(*tiny, EngineConfig(reuse="off"), name="tiny-llama")
+    engine = KVBoost(*tiny, EngineConfig.of(reuse="off"), name="tiny-llama")
     answers = {}
 
     def answer(i):
@@ -49,10 +49,10 @@ def cold(tiny):
 
 
 def engine_on(tiny, folder, **config) -> KVBoost:
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), cpu_cache_bytes=0, disk_cache_dir=str(folder),
+    fields = dict(chunk_size=CHUNK, cpu_cache_bytes=0, disk_cache_dir=str(folder),
                   disk_cache_bytes=1 << 30)
     fields.update(config)
-    return KVBoost(*tiny, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(*tiny, EngineConfig.of(**fields), name="tiny-llama")
 
 
 def check_folder_serves_only_the_truth(tiny, folder, cold) -> dict:
@@ -153,8 +153,8 @@ def test_a_full_disk_degrades_to_memory_and_what_was_written_stays_good(tiny, tm
         for _ in range(2):
             for i in range(len(DOCS)):
                 assert engine.generate(DOCS[i] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(i)
-        disk = engine.cache_stats()["tiers"]["disk"]
-        assert disk["rejected"] + disk["errors"] > 0  # the disk really filled up
+        disk = engine.cache_stats().tiers.disk
+        assert disk.rejected + disk.errors > 0  # the disk really filled up
         engine.store.disk.close()
         check_folder_serves_only_the_truth(tiny, folder / "kv", cold)
     finally:
@@ -183,7 +183,7 @@ def test_a_write_waits_for_another_process_holding_the_index_then_lands(tiny, tm
     assert engine.generate(DOCS[0] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(0)
     assert time.monotonic() - t0 >= 1.0  # it waited for the lock...
     holder.wait(timeout=30)
-    assert engine.cache_stats()["tiers"]["disk"]["errors"] == 0  # ...and nothing failed
+    assert engine.cache_stats().tiers.disk.errors == 0  # ...and nothing failed
     engine.store.disk.close()
     assert check_folder_serves_only_the_truth(tiny, folder, cold)["served_from_disk"] >= 4 * CHUNK
 
@@ -196,7 +196,7 @@ def test_an_index_locked_past_the_timeout_degrades_without_a_wrong_answer(tiny, 
         engine = engine_on(tiny, folder, disk_busy_timeout_s=0.5)
         for i in range(len(DOCS)):
             assert engine.generate(DOCS[i] + QUESTION, max_new_tokens=NEW_TOKENS).token_ids == cold(i)
-        assert engine.disk_error is not None or engine.cache_stats()["tiers"]["disk"]["errors"] > 0
+        assert engine.disk_error is not None or engine.cache_stats().tiers.disk.errors > 0
     finally:
         holder.kill()
         holder.wait()
@@ -235,7 +235,7 @@ def test_a_writer_killed_mid_write_leaves_a_folder_the_next_process_trusts(tmp_p
 
     from engine import EngineConfig, KVBoost
 
-    cold = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig(reuse="off"), name="tiny-llama")
+    cold = KVBoost(build_model("llama"), build_tokenizer(), EngineConfig.of(reuse="off"), name="tiny-llama")
     out = subprocess.run([sys.executable, str(SUPPORT / "disk_worker.py"), str(folder), str(1 << 30), "none",
                           "ask", "100", "101"], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
-from engine import ChunkingConfig, EngineConfig, KVBoost  # noqa: E402
+from engine import EngineConfig, KVBoost  # noqa: E402
 from engine.kv.tiers import default_device_budget  # noqa: E402
 from engine.weights.loader import pick_dtype  # noqa: E402
 
@@ -23,9 +23,9 @@ def tiny_cuda():
 
 
 def engine_on(tiny_cuda, **config) -> KVBoost:
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0)
+    fields = dict(chunk_size=CHUNK, disk_cache_bytes=0)
     fields.update(config)
-    return KVBoost(*tiny_cuda, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(*tiny_cuda, EngineConfig.of(**fields), name="tiny-llama")
 
 
 def test_auto_dtype_is_bf16_where_supported_else_fp16():
@@ -57,10 +57,10 @@ def test_the_host_tier_is_pinned_and_its_hits_equal_device_hits(tiny_cuda):
 def test_the_memory_report_has_the_devices_totals(tiny_cuda):
     report = engine_on(tiny_cuda).memory()
     free, total = torch.cuda.mem_get_info(CUDA)
-    assert report["device_total_bytes"] == total
-    assert 0 < report["device_used_bytes"] <= total
+    assert report.device_total_bytes == total
+    assert 0 < report.device_used_bytes <= total
     held = [*tiny_cuda[0].parameters(), *tiny_cuda[0].buffers()]  # the rotary tables are held too
-    assert report["weights_bytes"] == sum(t.numel() * t.element_size() for t in held)
+    assert report.weights_bytes == sum(t.numel() * t.element_size() for t in held)
 
 
 def test_ttft_covers_the_devices_work(tiny_cuda):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.graph_decode import GraphDecode
 from engine.live_cache import BLOCK_TOKENS, GrowingCache
 
@@ -23,16 +23,16 @@ def tiny_cuda():
 
 
 def engine_on(tiny_cuda, **config) -> KVBoost:
-    fields = dict(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0, speculative=None)
+    fields = dict(chunk_size=CHUNK, disk_cache_bytes=0, speculative=None)
     fields.update(config)
-    return KVBoost(*tiny_cuda, EngineConfig(**fields), name="tiny-llama")
+    return KVBoost(*tiny_cuda, EngineConfig.of(**fields), name="tiny-llama")
 
 
 def test_graph_decoding_gives_the_answers_of_eager_decoding(tiny_cuda):
     graphed = engine_on(tiny_cuda, reuse="off")
     eager = engine_on(tiny_cuda, reuse="off", cuda_graphs=False)
-    assert graphed.info()["cuda_graphs_unavailable"] is None
-    assert eager.info()["cuda_graphs_unavailable"] == "cuda_graphs=False"
+    assert graphed.info().cuda_graphs_unavailable is None
+    assert eager.info().cuda_graphs_unavailable == "cuda_graphs=False"
     ours = graphed.generate(PROMPT, max_new_tokens=24, temperature=0)
     theirs = eager.generate(PROMPT, max_new_tokens=24, temperature=0)
     assert ours.token_ids == theirs.token_ids and len(ours.token_ids) == 24

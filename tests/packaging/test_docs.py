@@ -43,7 +43,8 @@ def test_the_readme_is_a_short_quick_start():
     assert "bash scripts/run.sh" in readme and "bash scripts/test.sh" in readme
 
 
-@pytest.mark.parametrize("config_class", [config.EngineConfig, config.ChunkingConfig, config.RepairConfig,
+@pytest.mark.parametrize("config_class", [config.EngineConfig, config.ReuseConfig, config.TierConfig,
+                                          config.DecodeConfig, config.ChunkingConfig, config.RepairConfig,
                                           config.KVQuantConfig, config.SamplingConfig])
 def test_every_engine_option_carries_one_line_of_help(config_class):
     for f in dataclasses.fields(config_class):

@@ -19,7 +19,7 @@ WINDOW_WORD = 400  # the window's prompts start with this token, the API's with 
 def recording_engine():
     """A real KVBoost over a tiny Llama that notes, for each stream, who asked (by the prompt's first token) and
     the thread it runs on, then streams as KVBoost does."""
-    from engine import ChunkingConfig, EngineConfig, KVBoost
+    from engine import EngineConfig, KVBoost
 
     class Recording(KVBoost):
         def __init__(self, *args, **kwargs):
@@ -35,7 +35,7 @@ def recording_engine():
     tokenizer = build_tokenizer()
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     return Recording(build_model("llama"), tokenizer,
-                     EngineConfig(chunking=ChunkingConfig(size=CHUNK), disk_cache_bytes=0))
+                     EngineConfig.of(chunk_size=CHUNK, disk_cache_bytes=0))
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def main() -> int:
                                                "reused_by_tier": result.stats.reused_by_tier}
 
     turns = conversation(answer)
-    stats = engine.cache_stats()
+    stats = engine.cache_stats().to_dict()  # printed as JSON for the test that runs this process
     print(json.dumps({"turns": turns, "hits": stats["hits"],
                       "kv_quant": {name: tier["kv_quant"] for name, tier in stats["tiers"].items()}}))
     return 0

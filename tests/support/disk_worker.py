@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 
 DOC_TOKENS = 10 * CHUNK
@@ -31,8 +31,8 @@ def document(seed: int) -> list[int]:
 
 
 def make_engine(folder: str, budget: int, quant: str, device_bytes: int | None = None) -> KVBoost:
-    config = EngineConfig(chunking=ChunkingConfig(size=CHUNK), cache_bytes=device_bytes, cpu_cache_bytes=0,
-                          disk_cache_dir=folder, disk_cache_bytes=budget, kv_quant=KVQuantConfig(disk=quant))
+    config = EngineConfig.of(chunk_size=CHUNK, cache_bytes=device_bytes, cpu_cache_bytes=0,
+                             disk_cache_dir=folder, disk_cache_bytes=budget, kv_quant=KVQuantConfig(disk=quant))
     return KVBoost(build_model("llama"), build_tokenizer(), config, name="tiny-llama")
 
 
@@ -59,7 +59,7 @@ def exchange(folder: str, budget: int, quant: str, name: str, peer: str, seeds: 
         result = engine.generate(document(int(seed)) + QUESTION, max_new_tokens=NEW_TOKENS)
         out["answers"][seed] = result.token_ids
         out["reused_by_tier"][seed] = result.stats.reused_by_tier
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     return out
 
 
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         result = engine.generate(document(int(seed)) + QUESTION, max_new_tokens=NEW_TOKENS)
         out["answers"][seed] = result.token_ids
         out["reused_by_tier"][seed] = result.stats.reused_by_tier
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     print(json.dumps(out))
     return 0
 

@@ -18,7 +18,7 @@ import torch
 from disk_worker import NEW_TOKENS, QUESTION, document
 from tiny_models import COMMON, build_model, build_tokenizer, random_ids
 
-from engine import ChunkingConfig, EngineConfig, KVBoost
+from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 
 WIDE_CHUNK = 64
@@ -37,8 +37,8 @@ def build_wide_model():
 def make_engine(url: str, folder: str, chunk: int, quant: str, model: str = "tiny",
                 silence_s: float | None = None) -> KVBoost:
     timing = {} if silence_s is None else {"remote_timeout_s": silence_s}
-    config = EngineConfig(chunking=ChunkingConfig(size=chunk), cpu_cache_bytes=0, disk_cache_dir=folder,
-                          kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **timing)
+    config = EngineConfig.of(chunk_size=chunk, cpu_cache_bytes=0, disk_cache_dir=folder,
+                             kv_quant=KVQuantConfig(disk=quant), remote_cache=url, **timing)
     weights = build_wide_model() if model == "wide" else build_model("llama")
     return KVBoost(weights, build_tokenizer(), config, name=f"{model}-llama")
 
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             out["answers"][seed] = result.token_ids
             out["reused_by_tier"][seed] = result.stats.reused_by_tier
     out["flushed"] = engine.store.remote.flush(30)
-    out["stats"] = engine.cache_stats()
+    out["stats"] = engine.cache_stats().to_dict()
     print(json.dumps(out))
     return 0
 
