@@ -6,6 +6,9 @@ with_options' keywords (`split_options`: one flat name per option however deep i
 EngineConfig.reuse.chunking.size; EngineConfig.of takes the same names), the command lines' flags
 (cli.kvboost.add_engine_options, one loop), the app's settings (app.settings) and the options reference of the
 documentation (docs/hooks/options.py).
+
+Over 400 lines: every option of the project with its help, bounds and checks is the point of this module; the
+flat table that the command lines, the settings and the docs read sits beside the fields it walks.
 """
 
 from __future__ import annotations
