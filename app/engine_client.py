@@ -71,9 +71,10 @@ class EngineClient(QObject):
         def loaded(self, engine, source, load_s: float) -> None:
             from engine.weights.weights_report import describe_weights
 
-            info = engine.info().to_dict()
+            report = engine.info()
+            info = report.to_dict()
             self._client._info = dict(info, source=source, disk_cache=info["cache_folder"], load_s=load_s,
-                                      weights_text=describe_weights(info["weights"]))
+                                      weights_text=describe_weights(report.weights))
             self._client.model_loaded.emit(dict(self._client._info))
 
         def failed(self, message: str) -> None:

@@ -194,7 +194,7 @@ def gguf_rows(model, src, kernel: str, head_groups: Sequence[int]) -> dict:
         return {}
     direct = copy.deepcopy(model)
     quantize_model(direct, group_size=64, kernel=kernel, layers_from=blocks.layer)
-    name = f"ours {weights_report(direct)['format']} {kernel}"
+    name = f"ours {weights_report(direct).format} {kernel}"
     rows = {name: direct, f"{name} (DynamicCache)": direct, f"{name} + int8 head": with_head(direct, "int8"),
             f"{name} + int8 head + int8 embedding": with_head(direct, "int8+embedding")}
     for group_size in head_groups:
@@ -231,14 +231,14 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
             models.update(gguf_rows(model, src, kernel, head_groups))
     if src.kind == "gguf" and gguf_blocks.unavailable(dev) is None:  # the file's blocks, head and table included
         blocks, _ = load_model(src, dev, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)
-        models[f"ours {weights_report(blocks)['format']} {gguf_blocks.KERNEL}"] = blocks
+        models[f"ours {weights_report(blocks).format} {gguf_blocks.KERNEL}"] = blocks
     models["ours default (weights=\"auto\")"] = load_model(src, dev, torch.float32, weights="auto")[0]
     for m in models.values():  # as KVBoost runs a model: ROWS attention where it rounds, blocks in one C call
         use_exact_attention(m)
         use_block_forward(m)
     reports = {name: weights_report(m) for name, m in models.items()}
     bandwidth = read_bandwidth(torch.get_num_threads())
-    few = {name for name, r in reports.items() if r["kernel"] == "reference"}
+    few = {name for name, r in reports.items() if r.kernel == "reference"}
     interleaved_speeds(models, short[:16], 2, few, dev)  # warm-up: first-call costs
     speeds_short = interleaved_speeds(models, short, num_new, few, dev)
     print(f"  decode at {len(short)} tokens done, {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -253,14 +253,14 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
     for name, m in models.items():
         r = reports[name]
         agree, kl = agreement(reference, reference if m is model else next_token_logprobs(m, prompts, dev))
-        read = step_bytes(m, r["resident_bytes"], len(short))
-        rows.append({"row": name, "format": r["format"], "kernel": r["kernel"], "head": r["head"],
+        read = step_bytes(m, r.resident_bytes, len(short))
+        rows.append({"row": name, "format": r.format, "kernel": r.kernel, "head": r.head,
                      "attention": m.config._attn_implementation,
                      "forward": "one call" if uses_block_forward(m) else "modules",
                      "read_mb": read / MB, "limit_128": bandwidth / read, "bandwidth": bandwidth,
-                     "embedding": r["embedding"], "linear_mb": r["linear_bytes"] / MB,
-                     "linear_vs_f32": r["linear_bytes"] / r["linear_float32_bytes"],
-                     "resident_mb": r["resident_bytes"] / MB, "prefill_tps": speeds_long[name][0],
+                     "embedding": r.embedding, "linear_mb": r.linear_bytes / MB,
+                     "linear_vs_f32": r.linear_bytes / r.linear_float32_bytes,
+                     "resident_mb": r.resident_bytes / MB, "prefill_tps": speeds_long[name][0],
                      "decode_tps_128": speeds_short[name][1], "decode_tps_long": speeds_long[name][1],
                      "agree": agree, "kl": kl, "needle": needle_scores.get(name, float("nan"))})
     nan = float("nan")

@@ -88,7 +88,7 @@ def run_format(label: str, source, weights: str, count: int, new_tokens: int, ke
             for _start, _end, kind in result.stats.chunks:
                 kinds[kind] = kinds.get(kind, 0) + 1
         print(f"  {label}: prompt {number}/{count}, {diverged} diverged of {compared}", file=sys.stderr, flush=True)
-    return {"format": label, "weights": f"{cached.info().weights['format']} ({cached.info().weights['kernel']})",
+    return {"format": label, "weights": f"{cached.info().weights.format} ({cached.info().weights.kernel})",
             "prompts": count,
             "answers_compared": compared, "diverged": diverged, "rate": diverged / compared,
             "reused_tokens": reused, "chunk_kinds": kinds, "seconds": round(time.perf_counter() - t0, 1)}

@@ -95,7 +95,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
         built_s = time.perf_counter() - start
         engine = KVBoost(model, tokenizer, EngineConfig.of(reuse="off", disk_cache_bytes=0, speculative=None),
                          name=body.name)
-        fmt = engine.info().weights.get("format", weights)
+        fmt = engine.info().weights.format
         graphs_off = engine.info().cuda_graphs_unavailable
         eager = engine.with_options(cuda_graphs=False)  # the same model, every step through transformers' forward
         for context in contexts:
@@ -111,7 +111,7 @@ def engine_rows(body: Body, kernel: str, device: torch.device, bandwidth: float,
             eager.generate(ids, max_new_tokens=4, temperature=0)
             eager_stats = eager.generate(ids, max_new_tokens=new_tokens, temperature=0).stats
             plain = plain_decode_tps(model, ids, new_tokens)
-            nbytes = step_bytes(model, engine.info().weights["resident_bytes"], context + new_tokens // 2,
+            nbytes = step_bytes(model, engine.info().weights.resident_bytes, context + new_tokens // 2,
                                 kv_element_bytes=model.dtype.itemsize)
             limit = bandwidth / nbytes
             row = {"body": body.name, "weights": weights, "format": fmt, "kernel": kernel if weights == "int4" else "-",

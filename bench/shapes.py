@@ -265,9 +265,9 @@ for event in eng.stream(ids, max_new_tokens=job["new"] + 1, temperature=0.0):
         steps.append(now - last)
     last = now
 print(json.dumps({"load_s": load_s, "peak_load_rss": peak_load, "rss_before": before,
-                  "resident_bytes": weights["resident_bytes"], "format": weights["format"], "ttft_s": first,
+                  "resident_bytes": weights.resident_bytes, "format": weights.format, "ttft_s": first,
                   "decode_tok_s": len(steps) / sum(steps),
-                  "bytes_per_token": step_bytes(model, weights["resident_bytes"], job["prompt"] + job["new"] // 2)}))
+                  "bytes_per_token": step_bytes(model, weights.resident_bytes, job["prompt"] + job["new"] // 2)}))
 """
 
 LLAMA_CHILD = RSS_NOW + r"""

@@ -94,6 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for k in (int(x) for x in args.drafts.split(",")):
         rows += run(engine, k, args.prompts, args.new_tokens)
-    print(f"weights: {engine.info().weights['format']}, threads: {torch.get_num_threads()}")
+    print(f"weights: {engine.info().weights.format}, threads: {torch.get_num_threads()}")
     print(table(rows))
     return 0

@@ -108,10 +108,10 @@ def run(source=None, device="cpu", slots: Sequence[int] = (2, 4), num_new: int =
             decoded = {key: streamer.stats()[key] - before[name][key] for key in ("bytes_copied", "weight_passes")} \
                 if streamer else {"bytes_copied": 0, "weight_passes": 0}
             rows.append({
-                "row": name, "format": report["format"], "kernel": report["kernel"],
+                "row": name, "format": report.format, "kernel": report.kernel,
                 "budget_mib": plan.budget_bytes / MIB if plan.streams else float("nan"),
                 "min_budget_mib": plan.min_budget_bytes / MIB,
-                "weights_mib": (streamer.resident_bytes() if streamer else report["resident_bytes"]) / MIB,
+                "weights_mib": (streamer.resident_bytes() if streamer else report.resident_bytes) / MIB,
                 "planned_mib": plan.device_bytes / MIB,
                 "copied_mib_per_pass": decoded["bytes_copied"] / max(1, decoded["weight_passes"]) / MIB,
                 "tokens_per_pass": streamer.stats()["tokens_per_pass"] if streamer else float("nan"),

@@ -16,6 +16,7 @@ _EXPORTS = {
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
     "CacheStats": "reports", "EngineInfo": "reports", "MemoryReport": "reports",  # info(), memory(), cache_stats()
+    "WeightsReport": "reports",  # info().weights
     "ModelLoadError": "weights.loader",
     # the engine thread, its queue, its one job type
     "MAX_BATCH": "worker", "EngineWorker": "worker", "Job": "worker", "WorkerStopped": "worker",

@@ -32,7 +32,7 @@ from .kv.tiered_store import build_store
 from .paged import make_cache, spill_unsupported
 from .prefill import prefill_steps
 from .prompt import Messages, encode
-from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats
+from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats, WeightsReport
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
 from .runner import ModelRunner
@@ -114,7 +114,7 @@ class KVBoost:
             reason = spill_unsupported(model)
             if reason is not None:
                 raise UnsupportedModelError(f"live_kv_bytes (spilling the live KV to host RAM): {reason}")
-        self._weights_report: dict | None = None
+        self._weights_report: WeightsReport | None = None
         # One-token decode steps replayed from a CUDA graph where they can be (engine.graph_decode)
         self.graphs_unavailable = graph_decode_unavailable(model, enabled=config.decode.cuda_graphs,
                                                            streaming=streaming is not None,
@@ -394,7 +394,7 @@ class KVBoost:
             reuse=self.config.reuse.mode,
             cache_folder=self.store.disk.folder.as_posix() if self.store.disk is not None else None,
             disk_error=self.disk_error,
-            weights=dict(self._weights()),
+            weights=self._weights(),
             cuda_graphs_unavailable=self.graphs_unavailable,
             layer_streaming_unavailable=layer_streaming_unavailable(self.model.config, self.device,
                                                                     "int4" if self._quantized() else "float"),
@@ -403,15 +403,15 @@ class KVBoost:
     def _quantized(self) -> bool:
         """Whether the decoder's linears are int4 layers or a GGUF's blocks (what layer streaming can stream)."""
         report = self._weights()
-        return bool(report["num_int4_linears"]) or report.get("kernel") == "gguf_blocks"
+        return bool(report.num_int4_linears) or report.kernel == "gguf_blocks"
 
-    def _weights(self) -> dict:
+    def _weights(self) -> WeightsReport:
         """weights_report of the model, made once (the weights never change under an engine)."""
         if self._weights_report is None:
             report = weights_report(self.model)
             if self.streaming is not None:  # streamed layers' images are off the device: count what is on it
-                report["resident_bytes"] = self.streaming.streamer.resident_bytes()
-                report["streaming"] = self.streaming.report()
+                report = dataclasses.replace(report, resident_bytes=self.streaming.streamer.resident_bytes(),
+                                             streaming=self.streaming.report())
             self._weights_report = report
         return self._weights_report
 
@@ -430,7 +430,7 @@ class KVBoost:
             used = total - free
         remote = self.store.remote
         return MemoryReport(
-            device=str(self.device), weights_bytes=self._weights()["resident_bytes"],
+            device=str(self.device), weights_bytes=self._weights().resident_bytes,
             streamed_weights_bytes=self.streaming.plan.streamed_bytes if self.streaming is not None else 0,
             kv_bytes=self.store.tier_bytes(), kv_budget_bytes=self.store.tier_budgets(),
             kv_quant=self.store.tier_quants(), disk_error=self.disk_error or None,

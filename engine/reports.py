@@ -165,9 +165,72 @@ class MemoryReport(_Report):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GgufTensors(_Report):
+    """The tensors of one GGUF type held in one form (engine.weights.gguf_loader counts them as it loads)."""
+
+    tensors: int
+    file_bytes: int  # as the file holds them
+    bytes: int  # as they are held
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsChoice(_Report):
+    """What a load was asked for and what it loaded (engine.weights.loader.load_model): "auto" becomes a format for
+    a reason a front end shows."""
+
+    asked: str  # engine.config.WEIGHT_FORMATS
+    loaded: str
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightStreaming(_Report):
+    """Layer streaming as it runs under an engine (engine.weights.stream_setup.Streaming): which decoder layers stay
+    on the device and which are copied into a slot before they run, the bytes of each, the plan's budget and the
+    decode speed the measured copy bandwidth allows."""
+
+    resident_layers: list[int]
+    streamed_layers: list[int]
+    resident_bytes: int  # on the device: everything outside the streamed layers' images, the slots included
+    streamed_bytes: int
+    min_budget_bytes: int
+    budget_bytes: int
+    num_slots: int
+    slot_bytes: int
+    bandwidth_bytes_per_s: float
+    predicted_decode_tokens_per_s: float | None  # None when nothing streams
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightsReport(_Report):
+    """What a load holds (engine.weights.weights_report): the decoder linears' format and kernel, the head's and the
+    table's, the bytes held, a GGUF's mix of what each tensor type became, what weights="auto" chose, the attention
+    implementation, and layer streaming where the engine streams (its `resident_bytes` is then what stays on the
+    device)."""
+
+    # "float32", "bfloat16", ..., "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (a GGUF's 4-bit
+    # codes as int4 groups), "gguf-q4_k" (a GGUF type's blocks as the file holds them), "int8" (int8 rows); several
+    # joined by "+", most common first
+    format: str
+    kernel: str  # the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm", "gguf_blocks", "+"-joined
+    fallback_reason: str | None  # why a faster int4 path is not used
+    head: str  # the output head's format: "float32", "int8", "int4-g32", ...
+    head_kernel: str  # "dense", "cpu_int8pack", "reference", ...
+    embedding: str  # the input table's format, as `head`
+    resident_bytes: int  # every parameter and buffer held, packed weights, scales and zeros included
+    linear_bytes: int  # the decoder layers' linears as held
+    linear_float32_bytes: int  # the same linears in float32
+    head_bytes: int  # the head as held; 0 when it shares its float weight with the table
+    num_int4_linears: int
+    gguf: dict[str, GgufTensors] | None  # by "<GGUF type>-><form>" ("Q4_K->int4", "Q6_K->blocks"); None: no GGUF
+    choice: WeightsChoice | None  # None for a model built outside engine.weights.loader
+    attention: str | None  # "sdpa", "rows_exact", "sdpa_float64" (engine.exact_attention)
+    streaming: WeightStreaming | None = _omitted_when_none()
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineInfo(_Report):
-    """info(): what a front end shows about the loaded model. `weights` is engine.weights.weights_report's dict
-    (format, kernel, resident_bytes, ...: keys documented there, a GGUF's tensor mix and streaming nested)."""
+    """info(): what a front end shows about the loaded model, its weights in `weights`."""
 
     name: str
     model_type: str
@@ -177,7 +240,7 @@ class EngineInfo(_Report):
     reuse: str
     cache_folder: str | None  # the disk tier's folder; None when it is off
     disk_error: str | None  # why the disk tier is off when it could not be opened
-    weights: dict
+    weights: WeightsReport
     cuda_graphs_unavailable: str | None
     layer_streaming_unavailable: str | None
 

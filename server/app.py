@@ -224,7 +224,7 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
     scheduler = Scheduler(engine, max_queue, worker, max_batch)
     app.state.scheduler = scheduler
     card = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "kvboost"}
-    weights = engine.info().weights  # what was loaded: format, resident bytes, a GGUF's mix, auto's choice
+    weights = engine.info().weights.to_dict()  # what was loaded: format, resident bytes, a GGUF's mix, auto's choice
 
     @app.exception_handler(APIError)
     async def on_api_error(_request, exc: APIError):

@@ -36,7 +36,7 @@ def smollm_float():
     from engine import KVBoost
 
     engine = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights="float")
-    assert engine.model.dtype == torch.float32 and engine.info().weights["num_int4_linears"] == 0
+    assert engine.model.dtype == torch.float32 and engine.info().weights.num_int4_linears == 0
     return engine
 
 

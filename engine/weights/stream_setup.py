@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..config import STREAM_SLOTS
+from ..reports import WeightStreaming
 from . import loader
 from .copy_engines import CopyEngine, CpuCopyEngine, CudaCopyEngine
 from .int4 import Int4Linear
@@ -192,14 +193,14 @@ class Streaming:
             return None
         return self.bandwidth_bytes_per_s / self.plan.streamed_bytes
 
-    def report(self) -> dict:
+    def report(self) -> WeightStreaming:
         plan = self.plan
-        return {"resident_layers": list(plan.resident_layers), "streamed_layers": list(plan.streamed_layers),
-                "resident_bytes": self.streamer.resident_bytes(), "streamed_bytes": plan.streamed_bytes,
-                "min_budget_bytes": plan.min_budget_bytes, "budget_bytes": plan.budget_bytes,
-                "num_slots": plan.num_slots, "slot_bytes": plan.slot_bytes,
-                "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-                "predicted_decode_tokens_per_s": self.predicted_decode_tokens_per_s}
+        return WeightStreaming(
+            resident_layers=list(plan.resident_layers), streamed_layers=list(plan.streamed_layers),
+            resident_bytes=self.streamer.resident_bytes(), streamed_bytes=plan.streamed_bytes,
+            min_budget_bytes=plan.min_budget_bytes, budget_bytes=plan.budget_bytes, num_slots=plan.num_slots,
+            slot_bytes=plan.slot_bytes, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            predicted_decode_tokens_per_s=self.predicted_decode_tokens_per_s)
 
     def counters(self) -> tuple[int, int]:
         """(weight passes, tokens computed) so far: a request's share is the difference across it."""

@@ -1,5 +1,5 @@
 """What a load holds, for info() and the front ends: the weights' format and kernels, their bytes, the head and
-the table, and one line of it (describe_weights)."""
+the table (a WeightsReport, engine.reports), and one line of it (describe_weights)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..reports import GgufTensors, WeightsChoice, WeightsReport
 from .gguf_blocks import BlockLinear
 from .head import Int8Linear, head_format
 from .int4 import DECODER_LINEAR, Int4Linear, decoder_linears, weights_format
@@ -17,23 +18,11 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def weights_report(model) -> dict:
-    """What the weights are and what they hold: `format` of the decoder linears ("float32", "bfloat16", ...,
-    "int4-g128" (quantized at load), "awq-int4-g128", "gguf-q4_1-g32" (GGUF 4-bit codes as int4 groups), "gguf-q4_k"
-    (a GGUF type's blocks as the file holds them: engine.weights.gguf_blocks), several joined by "+", most common
-    first), `kernel` (the linears' matmul path: "dense", "reference", "cpu_int4pack", "tinygemm", "gguf_blocks", or
-    several joined by "+"), `fallback_reason` (why a faster int4 path is not used, or None), `head` and
-    `embedding` (the output head's and the input table's format: "float32", "int8", "int4-g32"), `head_kernel` (the
-    head's matmul path: "dense", "cpu_int8pack", "reference", ...), `resident_bytes` (every
-    parameter and buffer held, packed weights, scales and zeros included), `linear_bytes` (the decoder layers'
-    linears as held), `linear_float32_bytes` (the same linears in float32) and `head_bytes` (the head as held,
-    0 when it shares its float weight with the embedding table). Decoder linears in int8 rows (a GGUF's 5/6/8-bit
-    tensors with weights="int4") count as "int8" in `format` and by their kernel in `kernel`. `gguf` (a model
-    loaded by engine.weights.gguf_loader, else None): per "<GGUF type>-><form>" ("Q4_K->int4", "Q6_K->int8",
-    "F32->float32") the number of tensors, their bytes in the file and as held. `choice`: what weights="auto"
-    (or the asked format) became and why (engine.weights.loader.load_model), None for a model built elsewhere;
-    `attention`: the attention implementation ("sdpa", or under quantized CPU kernels "rows_exact", else "sdpa_float64":
-    engine.exact_attention)."""
+def weights_report(model) -> WeightsReport:
+    """What the weights are and what they hold (WeightsReport says each field). Decoder linears in int8 rows (a
+    GGUF's 5/6/8-bit tensors with weights="int4") count as "int8" in `format` and by their kernel in `kernel`. `gguf`
+    and `choice` are what engine.weights.gguf_loader and engine.weights.loader.load_model left on the model; a model
+    built elsewhere has neither. `streaming` is the engine's to add (it knows whether layers stream)."""
     params = list(model.parameters())  # tied weights once
     resident = _tensor_bytes(params) + _tensor_bytes(model.buffers())
     output, inputs = model.get_output_embeddings(), model.get_input_embeddings()
@@ -59,22 +48,24 @@ def weights_report(model) -> dict:
         kernel = "dense"
     shared = isinstance(output, nn.Linear) and isinstance(inputs, nn.Embedding) and output.weight is inputs.weight
     head_bytes = 0 if shared else _tensor_bytes([*output.parameters(), *output.buffers()])
-    return {"format": fmt, "kernel": kernel, "fallback_reason": reason, "head": head_format(output),
-            "head_kernel": getattr(output, "kernel", "dense"),
-            "embedding": head_format(inputs), "resident_bytes": resident, "linear_bytes": linear_bytes,
-            "linear_float32_bytes": float32_bytes, "head_bytes": head_bytes, "num_int4_linears": len(int4),
-            "gguf": getattr(model, "gguf_tensors", None), "choice": getattr(model, "weights_choice", None),
-            "attention": getattr(model.config, "_attn_implementation", None)}
+    mix = getattr(model, "gguf_tensors", None)
+    choice = getattr(model, "weights_choice", None)
+    return WeightsReport(
+        format=fmt, kernel=kernel, fallback_reason=reason, head=head_format(output),
+        head_kernel=getattr(output, "kernel", "dense"), embedding=head_format(inputs), resident_bytes=resident,
+        linear_bytes=linear_bytes, linear_float32_bytes=float32_bytes, head_bytes=head_bytes,
+        num_int4_linears=len(int4),
+        gguf=None if mix is None else {label: GgufTensors(**entry) for label, entry in mix.items()},
+        choice=None if choice is None else WeightsChoice(**choice),
+        attention=getattr(model.config, "_attn_implementation", None))
 
 
-def describe_weights(weights: dict) -> str:
-    """One line of what a load holds (weights_report): the format, why "auto" chose it, the bytes,
-    and a GGUF's mix of what each tensor type became."""
-    text = f"weights {weights['format']}, {weights['resident_bytes'] / 2**20:,.0f} MiB"
-    choice = weights.get("choice") or {}
-    if choice.get("asked") == "auto":
-        text += f" (auto: {choice['why']})"
-    mix = weights.get("gguf")
-    if mix:
-        text += "; " + ", ".join(f"{label} x{entry['tensors']}" for label, entry in mix.items())
+def describe_weights(weights: WeightsReport) -> str:
+    """One line of what a load holds: the format, why "auto" chose it, the bytes, and a GGUF's mix of what each
+    tensor type became."""
+    text = f"weights {weights.format}, {weights.resident_bytes / 2**20:,.0f} MiB"
+    if weights.choice is not None and weights.choice.asked == "auto":
+        text += f" (auto: {weights.choice.why})"
+    if weights.gguf:
+        text += "; " + ", ".join(f"{label} x{entry.tensors}" for label, entry in weights.gguf.items())
     return text

@@ -109,7 +109,7 @@ def test_the_real_models_q4_1_layers_on_the_cpu_kernel_are_within_bf16_rounding(
 def test_quantizing_the_real_model_takes_its_blocks_and_reports_them(smollm_float, real_blocks, one_thread):
     model = copy.deepcopy(smollm_float.model)
     report = quantize_model(model, group_size=128, kernel="reference", layers_from=real_blocks.layer)
-    assert report["format"] == "gguf-q4_1-g32" == weights_report(model)["format"]
+    assert report["format"] == "gguf-q4_1-g32" == weights_report(model).format
     assert report["kernels"] == {"reference": 210}
     ids = torch.tensor([random_ids(24, seed=2)])
     with torch.inference_mode():  # the same weights, bit for bit: the same logits up to matmul order
@@ -121,14 +121,14 @@ def test_load_model_reads_a_q4_1_gguf_as_int4_with_an_int4_head(smollm_float, on
     model, _ = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4", head="int4",
                           kernel="cpu_int4pack")
     report = weights_report(model)
-    assert report["format"] == "gguf-q4_1-g32" and report["kernel"] == "cpu_int4pack"
-    assert report["head"] == "int4-g128" and report["embedding"] == "float32"
+    assert report.format == "gguf-q4_1-g32" and report.kernel == "cpu_int4pack"
+    assert report.head == "int4-g128" and report.embedding == "float32"
     # per 32 weights: 16 bytes of codes, a bfloat16 scale and offset (the size of the Q4_1 block itself: 20 / 128
     # bytes = 0.156 of float32)
-    assert report["linear_bytes"] == sum(m.out_features * m.in_features * 20 // 32 for _, m in
+    assert report.linear_bytes == sum(m.out_features * m.in_features * 20 // 32 for _, m in
                                          decoder_linears(smollm_float.model))
     float_head = smollm_float.model.get_output_embeddings().weight
-    assert 0 < report["head_bytes"] < float_head.numel() * 4 / 6
+    assert 0 < report.head_bytes < float_head.numel() * 4 / 6
 
 
 def test_the_gguf_loader_builds_the_int4_model_the_blocks_made_over_transformers_float_model(smollm_float, real_blocks,

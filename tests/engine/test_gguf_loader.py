@@ -13,6 +13,7 @@ from tiny_models import ARCHS
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from engine.reports import GgufTensors
 from engine.weights import gguf_blocks
 from engine.weights.fingerprint import fingerprint
 from engine.weights.gguf_file import read_gguf
@@ -91,8 +92,8 @@ def test_a_float_load_equals_transformers_gguf_loader_bit_for_bit(files, kind, a
     assert all(torch.equal(b, dict(reference.named_buffers())[n]) for n, b in model.named_buffers())  # inv_freq
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied: one Parameter
     assert fingerprint(model) == fingerprint(reference)  # KV written under either load is the same KV
-    mix = weights_report(model)["gguf"]
-    assert mix[f"{kind}->float32"]["tensors"] == sum(r.type_name == kind for r in read_gguf(path).tensors.values())
+    mix = weights_report(model).gguf
+    assert mix[f"{kind}->float32"].tensors == sum(r.type_name == kind for r in read_gguf(path).tensors.values())
 
 
 @pytest.mark.parametrize("kind", INT4_TYPES)
@@ -105,8 +106,8 @@ def test_4_bit_tensors_become_int4_layers_holding_the_files_codes(files, kind, o
         assert torch.equal(held.dequantize(torch.float32), layer.weight), name  # llama's q/k rows included
     assert torch.allclose(logits(model), logits(reference), atol=1e-5, rtol=0)
     report = weights_report(model)
-    assert report["format"] == f"gguf-{kind.lower()}-g32" and report["kernel"] == "reference"
-    assert report["gguf"][f"{kind}->int4"]["tensors"] == 14
+    assert report.format == f"gguf-{kind.lower()}-g32" and report.kernel == "reference"
+    assert report.gguf[f"{kind}->int4"].tensors == 14
 
 
 needs_blocks = pytest.mark.skipif(gguf_blocks.unavailable() is not None,
@@ -143,12 +144,12 @@ def test_the_types_the_block_kernel_holds_are_kept_as_the_files_own_bytes(files,
     ref = logits(reference)
     assert (logits(model) - ref).abs().max() <= BLOCKS_LOGIT_BOUND * ref.abs().max()
     report = weights_report(model)
-    assert report["format"] == f"gguf-{kind.lower()}" and report["kernel"] == gguf_blocks.KERNEL
-    assert report["head"] == report["embedding"] == f"gguf-{kind.lower()}"
+    assert report.format == f"gguf-{kind.lower()}" and report.kernel == gguf_blocks.KERNEL
+    assert report.head == report.embedding == f"gguf-{kind.lower()}"
     matrices = [r for r in file.tensors.values() if r.type_name == kind]
-    assert report["gguf"][f"{kind}->blocks"] == {"tensors": 15, "file_bytes": sum(r.nbytes for r in matrices),
-                                                 "bytes": sum(r.nbytes for r in matrices)}
-    assert report["attention"] == "sdpa"  # the engine switches it (engine.exact_attention): the next test
+    assert report.gguf[f"{kind}->blocks"] == GgufTensors(tensors=15, file_bytes=sum(r.nbytes for r in matrices),
+                                                         bytes=sum(r.nbytes for r in matrices))
+    assert report.attention == "sdpa"  # the engine switches it (engine.exact_attention): the next test
 
 
 @needs_blocks
@@ -158,7 +159,7 @@ def test_an_engine_over_blocks_computes_attention_in_float64(files, one_thread):
     model, tokenizer = load_model(resolve_source(str(files("Q4_K"))), CPU, torch.float32, weights="int4",
                                   kernel=gguf_blocks.KERNEL)
     engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0))
-    assert engine.info().weights["attention"] == "rows_exact"
+    assert engine.info().weights.attention == "rows_exact"
 
 
 @needs_blocks
@@ -199,8 +200,8 @@ def test_5_6_and_8_bit_tensors_become_int8_rows_of_their_dequantized_values(file
     ref = logits(reference)
     assert (logits(model) - ref).abs().max() <= BF16_LOGIT_BOUND * ref.abs().max()
     report = weights_report(model)
-    assert report["format"] == "int8" and report["kernel"] == "cpu_int8pack" and report["num_int4_linears"] == 0
-    assert report["gguf"][f"{kind}->int8"]["tensors"] == 14
+    assert report.format == "int8" and report.kernel == "cpu_int8pack" and report.num_int4_linears == 0
+    assert report.gguf[f"{kind}->int8"].tensors == 14
 
 
 @pytest.mark.parametrize("kind", FLOAT_TYPES)
@@ -212,7 +213,7 @@ def test_float_tensors_are_quantized_to_int4_one_at_a_time(files, kind, one_thre
         assert isinstance(held, Int4Linear) and held.origin == "rtn" and held.group_size == 32, name
         step = held.scales.repeat_interleave(32, dim=1)  # round-to-nearest: within half a step
         assert torch.all((held.dequantize(torch.float32) - layer.weight).abs() <= step * (0.5 + 1e-4)), name
-    assert weights_report(model)["gguf"][f"{kind}->int4"]["tensors"] == 14
+    assert weights_report(model).gguf[f"{kind}->int4"].tensors == 14
 
 
 def test_qwen2_biases_stay_float_beside_int4_codes(files, one_thread):
@@ -284,7 +285,7 @@ def test_int8_head_and_table_share_codes_made_from_the_files_table(files, one_th
     assert isinstance(head, Int8Linear) and isinstance(table, Int8Embedding)
     assert table.codes.data_ptr() == head.codes.data_ptr()  # held once
     assert torch.all((head.dequantize() - reference.lm_head.weight).abs() <= int8_bound(head))
-    assert weights_report(model)["gguf"]["Q8_0->int8"]["tensors"] == 1
+    assert weights_report(model).gguf["Q8_0->int8"].tensors == 1
 
 
 def test_an_int4_head_and_table_take_a_q4_k_tables_codes_as_they_are(files, one_thread):
@@ -305,10 +306,10 @@ def test_an_untied_head_is_read_from_its_own_tensor(files, one_thread):
     assert torch.equal(model.lm_head.weight, reference.lm_head.weight)
     assert torch.equal(logits(model), logits(reference))
     quantized = ours(path, weights="int4", kernel="cpu_int4pack")
-    assert weights_report(quantized)["gguf"]["Q6_K->int8"]["tensors"] == 2  # head and table, each its own rows
+    assert weights_report(quantized).gguf["Q6_K->int8"].tensors == 2  # head and table, each its own rows
     if gguf_blocks.unavailable() is None:  # head and table each their own tensor's blocks, under block layers
         blocks = ours(path, weights="int4", kernel=gguf_blocks.KERNEL)
-        assert weights_report(blocks)["gguf"]["Q6_K->blocks"]["tensors"] == 2
+        assert weights_report(blocks).gguf["Q6_K->blocks"].tensors == 2
         assert blocks.lm_head.blocks.data_ptr() != blocks.model.embed_tokens.blocks.data_ptr()
         assert torch.equal(blocks.lm_head.dequantize(), reference.lm_head.weight)
         ids = torch.arange(512)
@@ -318,12 +319,12 @@ def test_an_untied_head_is_read_from_its_own_tensor(files, one_thread):
 def test_the_report_counts_tensors_and_bytes_per_type_and_form(files, one_thread):
     path = files("Q4_K", table_type="Q8_0")
     file = read_gguf(path)
-    mix = weights_report(ours(path, weights="int4", kernel="reference"))["gguf"]
-    assert {k: v["tensors"] for k, v in mix.items()} == {"F32->float32": 5, "Q4_K->int4": 14, "Q8_0->int8": 1}
+    mix = weights_report(ours(path, weights="int4", kernel="reference")).gguf
+    assert {k: v.tensors for k, v in mix.items()} == {"F32->float32": 5, "Q4_K->int4": 14, "Q8_0->int8": 1}
     q4 = [r for r in file.tensors.values() if r.type_name == "Q4_K"]
-    assert mix["Q4_K->int4"]["file_bytes"] == sum(r.nbytes for r in q4)
+    assert mix["Q4_K->int4"].file_bytes == sum(r.nbytes for r in q4)
     # reference layout: half a byte a weight, a float32 scale, a byte zero and a float32 offset per 32
-    assert mix["Q4_K->int4"]["bytes"] == sum(r.num_elements // 2 + r.num_elements // 32 * 9 for r in q4)
+    assert mix["Q4_K->int4"].bytes == sum(r.num_elements // 2 + r.num_elements // 32 * 9 for r in q4)
 
 
 def test_auto_weights_say_int4_for_a_4_bit_file_and_float_otherwise(files):
@@ -340,7 +341,7 @@ def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm_f
     path = default_model_path()
     reference = transformers_model(path)
     model = smollm_float.model  # loaded with weights="float" through engine.weights.gguf_loader
-    assert set(weights_report(model)["gguf"]) == {"F32->float32", "Q4_1->float32", "Q8_0->float32"}
+    assert set(weights_report(model).gguf) == {"F32->float32", "Q4_1->float32", "Q8_0->float32"}
     want = dict(reference.named_parameters())
     assert sorted(dict(model.named_parameters())) == sorted(want)
     assert all(torch.equal(p, want[n]) for n, p in model.named_parameters())
@@ -349,8 +350,8 @@ def test_the_real_models_float_load_equals_transformers_own_gguf_loader(smollm_f
 
 def test_the_real_model_loads_its_q4_1_blocks_as_int4_and_answers(smollm_float, one_thread):
     model, tokenizer = load_model(resolve_source(None), CPU, torch.float32, weights="int4", kernel="reference")
-    mix = weights_report(model)["gguf"]
-    assert {k: v["tensors"] for k, v in mix.items()} == {"F32->float32": 61, "Q4_1->int4": 210, "Q8_0->int8": 1}
+    mix = weights_report(model).gguf
+    assert {k: v.tensors for k, v in mix.items()} == {"F32->float32": 61, "Q4_1->int4": 210, "Q8_0->int8": 1}
     for name, layer in decoder_linears(smollm_float.model)[:14]:  # two decoder layers: every projection, q/k permuted
         assert torch.equal(model.get_submodule(name).dequantize(torch.float32), layer.weight), name
     chat = [{"role": "user", "content": "What is the capital of France?"}]

@@ -160,10 +160,10 @@ def test_the_real_model_with_int4_weights_and_an_int8_head_and_table_answers(smo
     model, tokenizer = load_model(resolve_source(None), torch.device("cpu"), torch.float32, weights="int4",
                                   head="int8+embedding")
     report = weights_report(model)
-    assert report["head"] == "int8" == report["embedding"] and report["head_kernel"] == "cpu_int8pack"
+    assert report.head == "int8" == report.embedding and report.head_kernel == "cpu_int8pack"
     float_table = smollm_float.model.get_input_embeddings().weight
     # the int8 codes once (1 byte per weight) instead of the float32 table: 3/4 of the table's bytes gone
-    assert report["resident_bytes"] < weights_report(smollm_float.model)["resident_bytes"] - 0.7 * float_table.nbytes
+    assert report.resident_bytes < weights_report(smollm_float.model).resident_bytes - 0.7 * float_table.nbytes
     from engine import EngineConfig, KVBoost
 
     engine = KVBoost(model, tokenizer, EngineConfig.of(disk_cache_bytes=0))

@@ -182,7 +182,7 @@ def test_awq_checkpoints_load_without_an_awq_package_and_match_the_dequantized_m
     assert (logits_of(reference, ids) - want).abs().max() <= 1e-5
     if CPU_FAST is None:
         fast = load(folder, weights="int4")
-        assert weights_report(fast)["kernel"] == "cpu_int4pack"
+        assert weights_report(fast).kernel == "cpu_int4pack"
         # two decoder layers, each within the bf16 bound above: a few parts in a hundred of the logit scale
         assert (logits_of(fast, ids) - want).abs().max() <= 0.05 * float(want.abs().max())
 
@@ -218,16 +218,16 @@ def test_weights_report_counts_packed_weights_scales_and_zeros(awq_folders):
     dense = weights_report(load(folder, weights="float"))
     int4 = load(folder, weights="int4", kernel="reference")
     report = weights_report(int4)
-    assert dense["format"] == "float32" and dense["kernel"] == "dense"
-    assert report["format"] == "awq-int4-g32" and report["kernel"] == "reference"
+    assert dense.format == "float32" and dense.kernel == "dense"
+    assert report.format == "awq-int4-g32" and report.kernel == "reference"
     held = {id(t): t for t in [*int4.parameters(), *int4.buffers()]}
-    assert report["resident_bytes"] == sum(t.numel() * t.element_size() for t in held.values())
+    assert report.resident_bytes == sum(t.numel() * t.element_size() for t in held.values())
     # per linear of [out, in]: in*out/2 code bytes + (in/32)*out * (4 scale + 1 zero) bytes + bias
     linears = [m for m in int4.modules() if isinstance(m, Int4Linear)]
-    assert report["linear_bytes"] == sum(m.in_features * m.out_features // 2 + m.in_features // 32 * m.out_features * 5
+    assert report.linear_bytes == sum(m.in_features * m.out_features // 2 + m.in_features // 32 * m.out_features * 5
                                          + (4 * m.out_features if m.bias is not None else 0) for m in linears)
-    assert report["linear_float32_bytes"] == dense["linear_bytes"]
-    assert dense["resident_bytes"] - report["resident_bytes"] == dense["linear_bytes"] - report["linear_bytes"]
+    assert report.linear_float32_bytes == dense.linear_bytes
+    assert dense.resident_bytes - report.resident_bytes == dense.linear_bytes - report.linear_bytes
 
 
 def test_the_fingerprint_tells_float_int4_group_sizes_and_kernels_apart(one_thread):
@@ -268,8 +268,8 @@ def test_load_model_quantizes_a_float_folder_at_load(tmp_path, one_thread):
     dense, _ = load_model(resolve_source(str(tmp_path)), CPU, torch.float32)
     int4, _ = load_model(resolve_source(str(tmp_path)), CPU, torch.float32, weights="int4", group_size=32)
     report = weights_report(int4)
-    assert weights_report(dense)["format"] == "float32" and report["format"] == "int4-g32"
-    assert report["num_int4_linears"] == 14 and report["resident_bytes"] < weights_report(dense)["resident_bytes"]
+    assert weights_report(dense).format == "float32" and report.format == "int4-g32"
+    assert report.num_int4_linears == 14 and report.resident_bytes < weights_report(dense).resident_bytes
     ids = random_ids(32, seed=4)
     want = logits_of(dense, ids)
     # 4-bit codes of random init weights: the logits move, by a fraction of their scale (11% measured)
@@ -295,9 +295,9 @@ def smollm_int4(smollm_float):
 def test_smollm_int4_holds_a_fifth_of_the_float_linears_and_answers(smollm_float, smollm_int4):
     engine = smollm_int4("cpu_int4pack")
     report = weights_report(engine.model)
-    assert report["format"] == "int4-g64" and report["kernel"] == "cpu_int4pack"
-    assert report["num_int4_linears"] == 30 * 7
-    assert report["linear_bytes"] < report["linear_float32_bytes"] / 5
+    assert report.format == "int4-g64" and report.kernel == "cpu_int4pack"
+    assert report.num_int4_linears == 30 * 7
+    assert report.linear_bytes < report.linear_float32_bytes / 5
     assert engine.fingerprint != smollm_float.fingerprint
     result = engine.chat([{"role": "user", "content": "What is the capital of France?"}], max_new_tokens=12)
     assert "Paris" in result.text

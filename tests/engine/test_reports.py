@@ -25,6 +25,11 @@ REMOTE_TIER = {"url": str, "namespace": str, "kv_quant": str, "state": str, "bre
 HIT_KINDS = {"EXACT": int, "PREFIX": int, "APPROXIMATE": int, "QUANTIZED": int}
 TIER_HITS = {"device": int, "host": int, "disk": int, "remote": int}
 CHUNKING = {"mode": str, "size": int}
+WEIGHTS = {"format": str, "kernel": str, "fallback_reason": (str, NONE), "head": str, "head_kernel": str,
+           "embedding": str, "resident_bytes": int, "linear_bytes": int, "linear_float32_bytes": int, "head_bytes": int,
+           "num_int4_linears": int, "gguf": (dict, NONE), "choice": ({"asked": str, "loaded": str, "why": str}, NONE),
+           "attention": (str, NONE)}  # and "streaming" last, only where layers stream (tests/engine/test_stream_engine)
+GGUF_TENSORS = {"tensors": int, "file_bytes": int, "bytes": int}
 
 
 def cache_stats(tiers: dict, disk_error: bool = False) -> dict:
@@ -42,7 +47,13 @@ def memory(tiers: list[str], *, disk_error: bool = False, remote: bool = False) 
 
 
 def assert_shape(value, shape, where="report"):
-    """`value` has exactly the keys of `shape`, in its order, each of its type (a bool is no int) or shape."""
+    """`value` has exactly the keys of `shape`, in its order, each of its type (a bool is no int) or shape; a tuple
+    of alternatives may hold a shape (a dict) beside types."""
+    if isinstance(shape, tuple) and any(isinstance(kind, dict) for kind in shape):
+        nested = next(kind for kind in shape if isinstance(kind, dict))
+        if isinstance(value, dict):
+            return assert_shape(value, nested, where)
+        shape = tuple(kind for kind in shape if kind is not nested)
     if isinstance(shape, dict):
         assert isinstance(value, dict), f"{where}: {value!r}"
         assert list(value) == list(shape), where
@@ -83,7 +94,7 @@ def test_reports_are_read_by_attribute_with_the_values_their_json_shows(every_ti
     assert held.kv_bytes["device"] == stats.tiers.device.bytes and held.kv_quant["disk"] == stats.tiers.disk.kv_quant
     assert held.kv_budget_bytes["host"] == stats.tiers.host.budget_bytes == 1 << 24
     assert info.to_dict()["awq_unavailable"] == info.layer_streaming_unavailable  # the old key, for API clients
-    assert info.weights == info.to_dict()["weights"] and info.cache_folder == info.to_dict()["cache_folder"]
+    assert info.weights.to_dict() == info.to_dict()["weights"] and info.cache_folder == info.to_dict()["cache_folder"]
 
 
 def test_optional_keys_appear_only_where_the_engine_has_what_they_name(smollm, tmp_path):
@@ -113,3 +124,52 @@ def test_the_servers_health_still_carries_the_weights_report(every_tier):
         running.stop()
     assert health["weights"] == json.loads(json.dumps(every_tier.info().to_dict()["weights"]))
     assert health["weights"]["resident_bytes"] == every_tier.memory().weights_bytes > 0
+
+
+def test_a_tiny_float_models_weights_report_is_a_dataclass_with_the_keys_the_dict_had():
+    """A model built outside the loader: no GGUF mix, no choice; every byte count follows from the config (a tiny
+    llama, its head untied from the table)."""
+    from tiny_models import COMMON, VOCAB, build_model
+
+    from engine import WeightsReport
+    from engine.weights.weights_report import weights_report
+
+    model = build_model("llama")
+    report = weights_report(model)
+    assert isinstance(report, WeightsReport)
+    hidden, inner = COMMON["hidden_size"], COMMON["intermediate_size"]
+    kv = COMMON["num_key_value_heads"] * hidden // COMMON["num_attention_heads"]  # k and v projections' rows
+    linear = 4 * COMMON["num_hidden_layers"] * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner)
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert report.to_dict() == {
+        "format": "float32", "kernel": "dense", "fallback_reason": None, "head": "float32", "head_kernel": "dense",
+        "embedding": "float32", "resident_bytes": held, "linear_bytes": linear, "linear_float32_bytes": linear,
+        "head_bytes": 4 * VOCAB * hidden, "num_int4_linears": 0, "gguf": None, "choice": None, "attention": "sdpa"}
+    assert list(report.to_dict()) == list(WEIGHTS)
+    assert report.resident_bytes > linear + report.head_bytes  # the table and the norms too
+
+
+def test_the_embedded_gguf_reports_its_weights_as_a_dataclass_and_info_as_the_same_json(smollm):
+    """weights="auto" on the built-in 4-bit GGUF: the report says what auto chose and why, and per GGUF type what
+    its tensors became; info()'s JSON (what /health and the app show) carries exactly the report's to_dict()."""
+    from engine import WeightsReport
+    from engine.reports import GgufTensors, WeightsChoice
+    from engine.weights.weights_report import describe_weights, weights_report
+
+    report = smollm.info().weights
+    assert isinstance(report, WeightsReport) and report == weights_report(smollm.model)
+    as_json = report.to_dict()
+    assert_shape(as_json, WEIGHTS, "info().weights")
+    assert report.choice == WeightsChoice(asked="auto", loaded=report.choice.loaded, why=report.choice.why)
+    assert as_json["choice"] == {"asked": "auto", "loaded": report.choice.loaded, "why": report.choice.why}
+    assert report.gguf and all(isinstance(entry, GgufTensors) for entry in report.gguf.values())
+    for label, entry in as_json["gguf"].items():
+        assert_shape(entry, GGUF_TENSORS, f"gguf[{label!r}]")
+        assert entry == {"tensors": report.gguf[label].tensors, "file_bytes": report.gguf[label].file_bytes,
+                         "bytes": report.gguf[label].bytes}
+    assert sum(entry.tensors for entry in report.gguf.values()) == 61 + 210 + 1  # every tensor of the file
+    assert smollm.info().to_dict()["weights"] == smollm.info().weights.to_dict() == as_json
+    assert json.loads(json.dumps(as_json)) == as_json
+    assert as_json["resident_bytes"] == smollm.memory().weights_bytes > 0
+    assert describe_weights(report).startswith(f"weights {report.format}, ")
+    assert f"(auto: {report.choice.why})" in describe_weights(report)

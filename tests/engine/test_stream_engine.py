@@ -36,7 +36,7 @@ def load(folder, tmp_path, **options) -> KVBoost:
 def smallest_budget(folder, tmp_path) -> int:
     """The minimum of the plan for this model (read from a plan made with a budget that holds everything)."""
     probe = load(folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
-    return probe.info().weights["streaming"]["min_budget_bytes"]
+    return probe.info().weights.streaming.min_budget_bytes
 
 
 def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_folder, tmp_path, one_thread):
@@ -49,14 +49,20 @@ def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_
     assert torch.equal(got.first_logits, want.first_logits) and want.first_logits.abs().max() > 0
     assert len(set(want.token_ids)) > 1
 
-    report = streamed.info().weights["streaming"]
+    report = streamed.info().weights.streaming
     num_layers = resident.model.config.num_hidden_layers
-    assert report["streamed_layers"] and sorted(report["resident_layers"] + report["streamed_layers"]) == \
+    assert report.streamed_layers and sorted(report.resident_layers + report.streamed_layers) == \
         list(range(num_layers))
-    assert report["min_budget_bytes"] == minimum == report["budget_bytes"]
-    assert report["bandwidth_bytes_per_s"] > 0
-    assert report["predicted_decode_tokens_per_s"] == pytest.approx(
-        report["bandwidth_bytes_per_s"] / report["streamed_bytes"])
+    assert report.min_budget_bytes == minimum == report.budget_bytes
+    assert report.bandwidth_bytes_per_s > 0
+    assert report.predicted_decode_tokens_per_s == pytest.approx(
+        report.bandwidth_bytes_per_s / report.streamed_bytes)
+    as_json = streamed.info().to_dict()["weights"]  # the API's JSON: "streaming" last, and only where layers stream
+    assert list(as_json)[-1] == "streaming" and "streaming" not in resident.info().to_dict()["weights"]
+    assert list(as_json["streaming"]) == ["resident_layers", "streamed_layers", "resident_bytes", "streamed_bytes",
+                                          "min_budget_bytes", "budget_bytes", "num_slots", "slot_bytes",
+                                          "bandwidth_bytes_per_s", "predicted_decode_tokens_per_s"]
+    assert as_json["resident_bytes"] == as_json["streaming"]["resident_bytes"] == report.resident_bytes
     # one weight pass for the prompt, one per decode forward (which speculative decoding makes fewer than tokens)
     assert got.stats.weight_passes == 1 + got.stats.decode_forwards
     prompt_tokens = got.stats.prompt_tokens
@@ -65,15 +71,15 @@ def test_a_streamed_engine_answers_as_the_resident_one_and_reports_its_plan(awq_
     assert want.stats.weight_passes == 0
 
     held, everything = streamed.memory(), resident.memory()
-    assert held.streamed_weights_bytes == report["streamed_bytes"] > 0
+    assert held.streamed_weights_bytes == report.streamed_bytes > 0
     assert held.weights_bytes < everything.weights_bytes
     assert everything.streamed_weights_bytes == 0
 
 
 def test_a_budget_that_holds_everything_streams_nothing_and_answers_the_same(awq_folder, tmp_path, one_thread):
     engine = load(awq_folder, tmp_path, layer_streaming=True, weight_budget_bytes=1 << 40)
-    report = engine.info().weights["streaming"]
-    assert report["streamed_layers"] == [] and report["predicted_decode_tokens_per_s"] is None
+    report = engine.info().weights.streaming
+    assert report.streamed_layers == [] and report.predicted_decode_tokens_per_s is None
     assert engine.generate(PROMPT, max_new_tokens=4).token_ids == \
         load(awq_folder, tmp_path).generate(PROMPT, max_new_tokens=4).token_ids
 

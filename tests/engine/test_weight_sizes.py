@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 def held_bytes(folder, **options) -> int:
     model, _ = load_model(resolve_source(str(folder)), CPU, torch.float32, **options)
-    return weights_report(model)["resident_bytes"]
+    return weights_report(model).resident_bytes
 
 
 def close(estimate: int, held: int) -> bool:
@@ -47,7 +47,7 @@ def test_an_awq_checkpoint_is_estimated_at_its_own_group_size(tmp_path, one_thre
 
 def test_the_embedded_model_estimate_matches_the_loaded_float_model(smollm_float):
     sizes = weight_sizes.estimate(None, device="cpu")
-    assert close(sizes["float"], weights_report(smollm_float.model)["resident_bytes"])
+    assert close(sizes["float"], weights_report(smollm_float.model).resident_bytes)
     # SmolLM2-135M: the 30 layers' linears shrink to 0.156x; the tied 49152 x 576 embedding (113 MB in float32)
     # is held once for table and head: as the file's Q8_0 blocks (34 bytes a 32) where "auto" keeps the Q4_1
     # layers as blocks (a CPU without AVX-512), else as one int8 table (28 MB) where the int8 kernel runs
@@ -70,11 +70,11 @@ def test_from_pretrained_takes_the_weight_format_and_reports_what_it_holds(tmp_p
     build_tokenizer().save_pretrained(tmp_path)
     dense = KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0)
     int4 = KVBoost.from_pretrained(str(tmp_path), device="cpu", disk_cache_bytes=0, weights="int4", group_size=32)
-    assert dense.info().weights["format"] == "float32" and dense.info().weights["kernel"] == "dense"
+    assert dense.info().weights.format == "float32" and dense.info().weights.kernel == "dense"
     weights = int4.info().weights
-    assert weights["format"] == "int4-g32" and weights["num_int4_linears"] == 14
+    assert weights.format == "int4-g32" and weights.num_int4_linears == 14
     # memory() counts what is held: the packed codes and per-group scales, not the float parameters alone
-    assert int4.memory().weights_bytes == weights["resident_bytes"] == weights_report(int4.model)["resident_bytes"]
+    assert int4.memory().weights_bytes == weights.resident_bytes == weights_report(int4.model).resident_bytes
     estimate = weight_sizes.estimate(str(tmp_path), device="cpu", group_size=32)
     assert close(estimate["int4"], int4.memory().weights_bytes)
     assert close(estimate["float"], dense.memory().weights_bytes)
@@ -97,8 +97,8 @@ def test_a_gguf_of_mixed_types_is_estimated_as_the_loader_holds_each_tensor(tmp_
     sizes = weight_sizes.estimate(str(path), device="cpu", group_size=64)
     int4_model, _ = load_model(resolve_source(str(path)), CPU, torch.float32, weights="int4", group_size=64)
     held = weights_report(int4_model)
-    assert {label.split("->")[1] for label in held["gguf"]} >= {"int4", "float32"}
-    assert close(sizes["int4"], held["resident_bytes"]), (sizes, held["gguf"])
+    assert {label.split("->")[1] for label in held.gguf} >= {"int4", "float32"}
+    assert close(sizes["int4"], held.resident_bytes), (sizes, held.gguf)
     assert close(sizes["float"], held_bytes(path, weights="float"))
     auto_model, _ = load_model(resolve_source(str(path)), CPU, torch.float32, weights="auto")
     assert sizes["auto"]["loads"] == auto_model.weights_choice["loaded"]
@@ -108,5 +108,5 @@ def test_a_gguf_of_mixed_types_is_estimated_as_the_loader_holds_each_tensor(tmp_
 def test_the_embedded_model_estimate_matches_what_the_default_load_holds(smollm):
     sizes = weight_sizes.estimate(None, device="cpu")
     assert sizes["auto"]["loads"] == smollm.model.weights_choice["loaded"] == "int4"
-    assert close(sizes["int4"], weights_report(smollm.model)["resident_bytes"])
+    assert close(sizes["int4"], weights_report(smollm.model).resident_bytes)
     assert sizes["int4"] < 0.3 * sizes["float"]
