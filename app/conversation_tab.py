@@ -4,17 +4,15 @@ Everything the user has seen is in SQLite: the user message before the request i
 "streaming" row written each time its widget renders new text (renders are throttled to RENDER_INTERVAL_MS)
 and at the end, so killing the app mid-answer loses nothing that was on screen.
 
-Over 400 lines on purpose: the documents bar (reading dropped files, pre-warming their KV) and the chat (the
-running request) share one conversation id, database and engine client, and they meet where a question is
-sent (its prompt is built from the documents attached so far); split apart, each would reach into the other.
+Over 400 lines on purpose: the documents bar (its files read by app.document_ingest, their KV pre-warmed) and the
+chat (the running request) share one conversation id, database and engine client, and they meet where a question
+is sent (its prompt is built from the documents attached so far); split apart, each would reach into the other.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import threading
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal
@@ -31,18 +29,13 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from . import document_worker, documents, rag
+from . import document_worker, rag
 from .answers import CANCELLED, INTERRUPTED, Answer, ChatRequest, WarmReport, WarmRequest
-from .background import executor
 from .chat_view import ChatView
 from .db import DEFAULT_TITLE, DatabaseError
+from .document_ingest import Ingest
 
 log = logging.getLogger(__name__)
-
-# Hashing files and waiting on the processes that read them (app/document_worker.py) runs here, never on the
-# UI thread (and never on the engine thread).
-_FILE_WORKERS = executor("kvboost-files", workers=2)
-
 
 TITLE_CHARS = 48
 
@@ -86,7 +79,7 @@ class ConversationTab(QWidget):
         self._save_failed = False  # a write of the current answer failed and was reported
         self.warm_request: WarmRequest | None = None
         self._ingest_task: asyncio.Task | None = None
-        self._read_cancelled = threading.Event()  # set: stop the process reading a file for this tab now
+        self._ingest: Ingest | None = None  # the drop being read (app.document_ingest)
         self.extraction_limits = document_worker.ExtractionLimits()
         self._pending_sources: list[dict] = []
         self.setAcceptDrops(True)
@@ -374,64 +367,23 @@ class ConversationTab(QWidget):
         return self._ingest_task
 
     async def ingest(self, paths: list[str]) -> dict:
-        loop = asyncio.get_running_loop()
-        files, skipped = documents.collect_files(paths)
-        problems = [f"{documents.display_name(p)}: {why}" for p, why in skipped]
-        added = unchanged = 0
-        self._show_progress(f"Indexing %v of {len(files)} file(s)", len(files))
-        for i, path in enumerate(files):
-            try:
-                doc, changed = await self._index_file(loop, path)
-                attached = {d["id"] for d in self.db.conversation_documents(self.conversation_id)}
-                if doc["id"] not in attached:
-                    self.db.attach_document(self.conversation_id, doc["id"])
-                    added += 1
-                elif changed:
-                    added += 1
-                else:
-                    unchanged += 1
-            except documents.DocumentError as exc:
-                problems.append(str(exc))
-            except Exception as exc:  # a bad file never takes the app down
-                log.exception("indexing %s failed", path)
-                problems.append(f"{documents.display_name(path)}: {type(exc).__name__}: {exc}")
-            self.progress.setValue(i + 1)
+        """Indexes and attaches `paths` (app.document_ingest) with its progress shown; reports what could not be
+        added; pre-warms when something was."""
+        self._ingest = Ingest(self.db, self.conversation_id, self.extraction_limits)
+        report = await self._ingest.run(
+            paths, lambda n: self._show_progress(f"Indexing %v of {n} file(s)", n), self.progress.setValue)
         self._hide_progress()
         self.refresh_documents()
+        problems = report["problems"]
         if problems:
             shown = problems[:6] + ([f"and {len(problems) - 6} more (see the log)"] if len(problems) > 6 else [])
             log.warning("files not added: %s", problems)
             self.error_raised.emit("Some files were not added: " + "; ".join(shown))
-        if added:
+        if report["added"]:
             self.prewarm()
-        return {"added": added, "unchanged": unchanged, "problems": problems}
+        return report
 
-    async def _index_file(self, loop, path: Path) -> tuple[dict, bool]:
-        """(document row, whether its content changed). Unchanged path + mtime + size: no work at all;
-        touched but same bytes (sha256): only the row's mtime is refreshed."""
-        known = self.db.find_document(str(path))
-        mtime, size = documents.file_signature(path)
-        if known and known["mtime"] == mtime and known["size"] == size:
-            return known, False
-        if known:
-            digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path)
-            if digest == known["sha256"]:
-                return self.db.upsert_document_signature(known["id"], mtime, size), False
-        self._read_cancelled = cancelled = threading.Event()
-        read = functools.partial(document_worker.shared_pool().extract, path, self.extraction_limits, cancelled)
-        try:
-            doc = await loop.run_in_executor(_FILE_WORKERS, read)
-        except asyncio.CancelledError:  # however the task was cancelled, stop the process reading the file too
-            cancelled.set()
-            raise
-        row = self.db.upsert_document(
-            doc.path, doc.name, doc.kind, doc.sha256, doc.mtime, doc.size, len(doc.text),
-            [{"text": p.text, "page": p.page, "section": p.section, "start": p.start, "end": p.end}
-             for p in doc.passages],
-        )
-        return row, True
-
-    def prewarm(self) -> int | None:
+    def prewarm(self) -> WarmRequest | None:
         """Pre-fills the documents' KV the way the next prompt will use it (see app/rag.py)."""
         if not self.client.is_loaded:
             return None
@@ -478,7 +430,7 @@ class ConversationTab(QWidget):
         if self.warm_request is not None:
             self.warm_request.cancel()
         if self._ingest_task is not None and not self._ingest_task.done():
-            self._read_cancelled.set()
+            self._ingest.cancel_reading()
             self._ingest_task.cancel()
             self._hide_progress()
 
@@ -505,5 +457,5 @@ class ConversationTab(QWidget):
             self.warm_request.cancel()
         if self._ingest_task is not None and not self._ingest_task.done():
             # Set at once, not when the task next runs: the app may be quitting and its loop never turn again.
-            self._read_cancelled.set()
+            self._ingest.cancel_reading()
             self._ingest_task.cancel()
