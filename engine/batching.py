@@ -152,17 +152,18 @@ def _splitter(registered):
 
 
 @torch.inference_mode()
-def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor | None]:
+def packed_forward(model, forwards: list[Forward], device) -> list[torch.Tensor | None] | None:
     """One forward for every Forward: their tokens packed in one sequence, each at its own positions; returns
-    each one's logits [len(tokens) or keep, V] (None for keep 0). Prompt pieces only where the model is in GGUF
-    blocks (`packs_prompts`)."""
+    each one's logits [len(tokens) or keep, V] (None for keep 0). None (nothing computed) when prompt pieces are
+    among them and the one-call forward cannot take this batch: they run alone then (`packs_prompts`)."""
     sizes = [len(f.tokens) for f in forwards]
     if uses_block_forward(model):  # GGUF blocks: every layer of every request in one C call (engine.block_forward)
         logits = model.forward.packed([f.tokens for f in forwards], [f.cache for f in forwards],
                                       [f.keep for f in forwards])
         if logits is not None:
             return logits
-    assert not any(f.prompt for f in forwards), "prompt pieces are packed only through the one-call forward"
+    if any(f.prompt for f in forwards):  # float attention over a piece is not the same computed row by row
+        return None
     tokens = [t for f in forwards for t in f.tokens]
     starts = [f.cache.get_seq_length() for f in forwards]
     positions = [p for f, start in zip(forwards, starts) for p in range(start, start + len(f.tokens))]
@@ -329,6 +330,14 @@ class Batch:
         except BaseException as exc:
             for m in members:
                 self._end(m, exc)
+            return
+        if results is None:  # prompt pieces this pass could not take: each alone, then the others together
+            for m in members:
+                if m.waiting.prompt:
+                    self._answer([m], engine)
+            rest = [m for m in members if m.waiting is not None and not m.done]
+            if rest:
+                self._answer(rest, engine)
             return
         if len(members) > 1:  # each Forward's share of the pass's time, by its tokens
             elapsed, rows = time.perf_counter() - began, sum(len(f.tokens) for f in forwards)
