@@ -23,6 +23,7 @@
    row bit for bit (built with -ffp-contract=off: no fused multiply-adds that would round differently). */
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -147,6 +148,17 @@ static inline __attribute__((always_inline)) void block32_float(int type, int32_
     if (type == KVB_Q4_1) *offsets = *offsets + (mw * dr) * (float)sr;
 }
 
+/* The float steps of a 256-value block (Q4_K, Q6_K), the same on every path: `sum`, the exact integer sum of the
+   block's sub-block dots times their scales, and `terms`, the exact sum of the activations' sums per 16 times
+   what multiplies them (Q4_K: the sub-blocks' mins; Q6_K: its scales, the codes' offset 32); each added to the
+   output's sum in one rounding (fmaf), blocks in order. Output = acc - mins. */
+static inline __attribute__((always_inline)) void block256_float(int type, int32_t sum, int32_t terms, float dw,
+                                                                   float dmin, float dr, float *acc, float *mins) {
+    if (type == KVB_Q6_K) sum -= 32 * terms;
+    *acc = fmaf((float)sum, dw * dr, *acc);
+    if (type == KVB_Q4_K) *mins = fmaf((float)terms, dmin * dr, *mins);
+}
+
 /* ---- 16-row tiles: the layout the vector kernels read (kvb_repack) ----
    A weight whose row count is a multiple of 16, of a 32-value type, is held as tiles of 16 rows: tile t, block b is
    the 16 rows' block b side by side, 16 * block_bytes bytes (the file's scales and codes, in another order):
@@ -232,11 +244,11 @@ static inline __m256i madd_add(__m256i sum, __m256i a, __m256i b) { /* sum + pai
 #endif
 }
 
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
+static inline int32_t hsum_i32(__m256i v) { /* exact: integers */
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(h);
 }
 
 static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -275,10 +287,7 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
             const int64_t at = r * nb + b;
             const int16_t *x = xs + r * k + b * 32;
             const __m256i p = madd_add(_mm256_madd_epi16(first, load32(x)), second, load32(x + 16));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
-            block32_float(type, _mm_cvtsi128_si32(h), dw, mw, d[at], s[at], &acc[r], &offsets[r]);
+            block32_float(type, hsum_i32(p), dw, mw, d[at], s[at], &acc[r], &offsets[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r * stride] = acc[r] + offsets[r];
@@ -406,8 +415,8 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                                                             int64_t k, float *out, int64_t stride) {
     const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(3);
     const int bytes = block_bytes(type);
-    __m256 acc[MAX_ROWS], mins[MAX_ROWS];
-    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm256_setzero_ps();
+    float acc[MAX_ROWS], mins[MAX_ROWS];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += bytes) {
         for (int line = 0; line < bytes; line += 64)
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
@@ -462,15 +471,12 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                 even = madd_add(even, _mm256_maddubs_epi16(codes[j], load32(x + 32 * j)), scale16[j]);
                 odd = madd_add(odd, _mm256_maddubs_epi16(codes[j + 1], load32(x + 32 * (j + 1))), scale16[j + 1]);
             }
-            __m256i sum = _mm256_add_epi32(even, odd);
             const __m256i sums16 = _mm256_madd_epi16(terms16, load32(bsums + at * 16));
-            if (type == KVB_Q6_K) sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(sums16, 5));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(dw * d[at]), acc[r]);
-            if (type == KVB_Q4_K)
-                mins[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums16), _mm256_set1_ps(dmin * d[at]), mins[r]);
+            block256_float(type, hsum_i32(_mm256_add_epi32(even, odd)), hsum_i32(sums16), dw, dmin, d[at], &acc[r],
+                           &mins[r]);
         }
     }
-    for (int r = 0; r < R; r++) out[r * stride] = hsum(acc[r]) - hsum(mins[r]);
+    for (int r = 0; r < R; r++) out[r * stride] = acc[r] - mins[r];
 }
 
 #else /* portable C: the same integer sums, the float sums in block order */
@@ -521,8 +527,7 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                     sum += part * sc;
                     terms += m * (bs[2 * j] + bs[2 * j + 1]);
                 }
-                acc += (float)sum * (half_at(blk) * d[at]);
-                mins += (float)terms * (half_at(blk + 2) * d[at]);
+                block256_float(type, sum, terms, half_at(blk), half_at(blk + 2), d[at], &acc, &mins);
             } else {
                 const int8_t *sc = (const int8_t *)(blk + 192);
                 for (int n = 0; n < 2; n++) {
@@ -541,8 +546,7 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                     }
                 }
                 for (int g = 0; g < 16; g++) terms += sc[g] * bs[g];
-                sum -= 32 * terms;
-                acc += (float)sum * (half_at(blk + 208) * d[at]);
+                block256_float(type, sum, terms, half_at(blk + 208), 0.0f, d[at], &acc, &mins);
             }
         }
         out[r * stride] = acc - mins;
@@ -591,10 +595,31 @@ ALL_TILES(tile_q4_1, KVB_Q4_1)
 ALL_TILES(tile_q8_0, KVB_Q8_0)
 #endif
 
+/* Q4_K and Q6_K as 16-row tiles (ktiles.c), where the CPU has AVX-512 VNNI: their layout and kernels */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVB_KTILES 1
+#define KVB_KTILE_DECL(NAME, R) \
+    void NAME##_##R(const uint8_t *, int64_t, const int8_t *, const float *, const int32_t *, int64_t, float *, int64_t);
+#define KVB_KTILE_DECLS(NAME) KVB_KTILE_DECL(NAME, 1) KVB_KTILE_DECL(NAME, 2) KVB_KTILE_DECL(NAME, 4) KVB_KTILE_DECL(NAME, 8)
+KVB_KTILE_DECLS(kvb_q4k_tile)
+KVB_KTILE_DECLS(kvb_q6k_tile)
+#endif
+void kvb_ktile(int type, const uint8_t *const rows[16], uint8_t *tile);
+void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block);
+
 /* the 16-row tiles for 1, 2, 4 and 8 activation rows (tiles[0..3]), or 0 where this build has none for the type */
 static int tiles_for(int type, tile_fn tiles[4]) {
-#ifdef KVB_TILES
 #define KVB_TILE_SET(NAME) tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_4, tiles[3] = NAME##_8
+#ifdef KVB_KTILES
+    if (type == KVB_Q4_K || type == KVB_Q6_K) {
+        if (type == KVB_Q4_K)
+            KVB_TILE_SET(kvb_q4k_tile);
+        else
+            KVB_TILE_SET(kvb_q6k_tile);
+        return 1;
+    }
+#endif
+#ifdef KVB_TILES
     switch (type) {
     case KVB_Q4_0: KVB_TILE_SET(tile_q4_0); return 1;
     case KVB_Q4_1: KVB_TILE_SET(tile_q4_1); return 1;
@@ -626,7 +651,7 @@ int kvb_supports(int type) {
     return dots_for(type, dots);
 }
 
-int kvb_activation_block(int type) { return activation_block(type); }
+int kvb_activation_block(int type) { return activation_block(type % KVB_TILED); } /* type: + KVB_TILED or not */
 
 int kvb_vector_path(void) { /* 2: AVX2 with VNNI, 1: AVX2, 0: portable C */
 #if defined(KVB_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
@@ -778,7 +803,7 @@ typedef struct {
     int64_t k, row_bytes;
     const int64_t *idx;
     float *out;
-    int tiled; /* 0, or the 32-value type whose tiles w holds */
+    int tiled; /* 0, or the type whose tiles w holds */
 } dequantize_job;
 
 static void dequantize_rows(void *ctx, int64_t first, int64_t end) {
@@ -788,12 +813,15 @@ static void dequantize_rows(void *ctx, int64_t first, int64_t end) {
             j->row(j->w + j->idx[i] * j->row_bytes, j->k, j->out + i * j->k);
             continue;
         }
-        const int64_t tile = j->idx[i] / 16, bytes = block_bytes(j->tiled);
+        const int64_t tile = j->idx[i] / 16, bytes = block_bytes(j->tiled), values = activation_block(j->tiled);
         const uint8_t *t = j->w + tile * 16 * j->row_bytes;
-        uint8_t block[34];
-        for (int64_t b = 0; b < j->k / 32; b++) {
-            untile_block(j->tiled, t + b * 16 * bytes, (int)(j->idx[i] % 16), block);
-            j->row(block, 32, j->out + i * j->k + b * 32);
+        uint8_t block[210];
+        for (int64_t b = 0; b < j->k / values; b++) {
+            if (values == 256)
+                kvb_kuntile(j->tiled, t + b * 16 * bytes, (int)(j->idx[i] % 16), block);
+            else
+                untile_block(j->tiled, t + b * 16 * bytes, (int)(j->idx[i] % 16), block);
+            j->row(block, values, j->out + i * j->k + b * values);
         }
     }
 }
@@ -804,33 +832,56 @@ int kvb_tile_rows(void) {
     return tiles_for(KVB_Q4_1, tiles) ? 16 : 0;
 }
 
+/* 1 when this build multiplies weights of `type` held as tiles */
+int kvb_tiles(int type) {
+    tile_fn tiles[4];
+    return tiles_for(type, tiles);
+}
+
 typedef struct {
     int type;
     const uint8_t *w;
     int64_t k, row_bytes;
     uint8_t *out;
+    _Atomic int *failed; /* set when an in-place task had no memory for its rows */
 } repack_job;
 
 static void repack_tiles(void *ctx, int64_t first, int64_t end) {
     const repack_job *j = ctx;
-    const int64_t bytes = block_bytes(j->type);
-    for (int64_t t = first; t < end; t++)
-        for (int64_t b = 0; b < j->k / 32; b++) {
+    const int64_t bytes = block_bytes(j->type), values = activation_block(j->type);
+    /* in place (out == w): tile t takes the bytes of its own 16 rows, which are copied aside first */
+    uint8_t *aside = j->out == j->w ? malloc((size_t)(16 * j->row_bytes)) : NULL;
+    if (j->out == j->w && !aside) {
+        atomic_store(j->failed, 1);
+        return;
+    }
+    for (int64_t t = first; t < end; t++) {
+        const uint8_t *from = j->w + 16 * t * j->row_bytes;
+        if (aside) from = memcpy(aside, from, (size_t)(16 * j->row_bytes));
+        for (int64_t b = 0; b < j->k / values; b++) {
             const uint8_t *rows[16];
-            for (int c = 0; c < 16; c++) rows[c] = j->w + (16 * t + c) * j->row_bytes + b * bytes;
-            tile_block(j->type, rows, j->out + 16 * t * j->row_bytes + b * 16 * bytes);
+            for (int c = 0; c < 16; c++) rows[c] = from + c * j->row_bytes + b * bytes;
+            uint8_t *tile = j->out + 16 * t * j->row_bytes + b * 16 * bytes;
+            if (values == 256)
+                kvb_ktile(j->type, rows, tile);
+            else
+                tile_block(j->type, rows, tile);
         }
+    }
+    free(aside);
 }
 
-/* out: the n rows of w (a 32-value type, n a multiple of 16) as tiles; the same number of bytes. Returns 0, or -1
-   for a type or shape that has no tiles. */
+/* out: the n rows of w (a type this build multiplies as tiles, n a multiple of 16) as tiles; the same number of
+   bytes; out may be w (then 16 rows at a time are copied aside: no second copy of the weight). Returns 0, -1 for
+   a type or shape that has no tiles, -2 when memory for 16 rows cannot be had (in place: w is then partly
+   tiles, and unusable). */
 int kvb_repack(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, uint8_t *out, int threads) {
-    if (activation_block(type) != 32 || !kvb_supports(type) || n % 16 || k % 32 ||
-        row_bytes != k / 32 * block_bytes(type))
-        return -1;
-    repack_job job = {type, w, k, row_bytes, out};
+    const int values = activation_block(type);
+    if (!kvb_tiles(type) || n % 16 || k % values || row_bytes != k / values * block_bytes(type)) return -1;
+    _Atomic int failed = 0;
+    repack_job job = {type, w, k, row_bytes, out, &failed};
     kvb_parallel(n / 16, threads, repack_tiles, &job);
-    return 0;
+    return atomic_load(&failed) ? -2 : 0;
 }
 
 /* out[i, :] = row idx[i] of W, for n_idx rows (each index checked by the caller); type + KVB_TILED: W held as
@@ -838,7 +889,7 @@ int kvb_repack(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
 int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, const int64_t *idx, int64_t n_idx,
                    float *out, int threads) {
     const int tiled = type >= KVB_TILED ? type - KVB_TILED : 0;
-    if (tiled && activation_block(tiled) != 32) return -1;
+    if (tiled && !kvb_tiles(tiled)) return -1;
     type = tiled ? tiled : type;
     void (*row)(const uint8_t *, int64_t, float *) = 0;
     switch (type) {

@@ -44,7 +44,7 @@ SOURCE = Path(__file__).resolve().with_name("gguf_blocks.c")
 # (engine.block_forward) and the threads every kernel shares (thread_pool.c: one pool for the process, whichever
 # thread calls).
 ENGINE_DIR = SOURCE.parent.parent  # exact_attention.c and block_forward.c live at engine's root
-SOURCES = (SOURCE, ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
+SOURCES = (SOURCE, SOURCE.with_name("ktiles.c"), ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
            SOURCE.with_name("thread_pool.c"))
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
@@ -173,6 +173,8 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     lib.kvb_tile_rows.restype = i32
+    lib.kvb_tiles.argtypes = [i32]
+    lib.kvb_tiles.restype = i32
     lib.kvb_repack.argtypes = [i32, p, i64, i64, i64, p, i32]
     lib.kvb_repack.restype = i32
     for name, (type_id, _, _) in BLOCK_TYPES.items():
@@ -224,12 +226,12 @@ def vector_path() -> str:
 
 
 def numerics() -> str:
-    """Which float sums this build's outputs come from: "avx2" (with or without VNNI or AVX-512: the integer sums
-    are exact, the float ones the same) or "portable" (the K-quants' float sums run in another order there: other
-    bits; the 32-value types' are the same on every path). "-2": since the 32-value types' float steps became one
-    rounding per block (gguf_blocks.c, block32_float). Part of a model's fingerprint, so that a shared store never
-    hands KV of one to the other."""
-    return ("portable" if _library().kvb_vector_path() == 0 else "avx2") + "-2"
+    """Which float sums this build's outputs come from. "blocks-3": every path (portable C, AVX2 rows, AVX2 and
+    AVX-512 tiles) takes the same float steps, one rounding per block (gguf_blocks.c, block32_float and
+    block256_float), so every build gives the same bits. Before: "avx2-2" / "portable-2" (the K-quants' float sums
+    were per vector lane on the AVX2 path, in block order in portable C). Part of a model's fingerprint, so that
+    a shared store never hands KV computed with other float steps."""
+    return "blocks-3"
 
 
 # The arithmetic of engine/exact_attention.c (built into this library), in a model's fingerprint where it attends
@@ -244,16 +246,24 @@ def tile_rows() -> int:
     return _library().kvb_tile_rows()
 
 
-def as_tiles(blocks: torch.Tensor, type_name: str, columns: int) -> torch.Tensor | None:
+def tiles(type_name: str) -> bool:
+    """Whether this build multiplies `type_name` held as 16-row tiles: the 32-value types with AVX2 or AVX-512,
+    Q4_K with AVX-512 VNNI (engine/weights/ktiles.c)."""
+    return bool(_library().kvb_tiles(BLOCK_TYPES[type_name][0]))
+
+
+def as_tiles(blocks: torch.Tensor, type_name: str, columns: int, in_place: bool = False) -> torch.Tensor | None:
     """The weight whose rows are `blocks` as 16-row tiles (its values in the order the vector kernels read them),
-    or None where this build has no tiles, the type is not a 32-value one or the row count is not a multiple of
-    16."""
+    or None where this build has no tiles for the type or the row count is not a multiple of 16. `in_place`:
+    the tiles are written over `blocks` (returned), so a load never holds a weight twice."""
     _check_blocks(blocks, type_name, columns)
-    if not tile_rows() or activation_block(type_name) != 32 or blocks.shape[0] % 16:
+    if not tiles(type_name) or blocks.shape[0] % 16:
         return None
-    out = torch.empty_like(blocks)
+    out = blocks if in_place else torch.empty_like(blocks)
     status = _library().kvb_repack(BLOCK_TYPES[type_name][0], _ptr(blocks), blocks.shape[0], columns,
                                    blocks.shape[1], _ptr(out), _threads())
+    if status == -2:
+        raise MemoryError(f"no memory to reorder a {type_name} weight into tiles")
     assert status == 0, type_name
     return out
 
@@ -310,7 +320,7 @@ def _check_blocks(blocks: torch.Tensor, type_name: str, columns: int, tiled: boo
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous() or \
             blocks.device.type != "cpu" or blocks.shape[1] != row_bytes(type_name, columns):
         raise ValueError(f"{type_name} blocks {blocks.dtype} {list(blocks.shape)} are not rows of {columns} values")
-    if tiled and (activation_block(type_name) != 32 or blocks.shape[0] % 16 or not tile_rows()):
+    if tiled and (blocks.shape[0] % 16 or not tiles(type_name)):
         raise ValueError(f"{type_name} blocks of {blocks.shape[0]} rows cannot be tiles in this build")
     return BLOCK_TYPES[type_name][0] + (TILED if tiled else 0)
 
@@ -354,16 +364,19 @@ class BlockLinear(nn.Module):
 
     kernel = KERNEL
 
-    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, blocks: torch.Tensor, type_name: str, in_features: int, bias: torch.Tensor | None = None,
+                 take: bool = False):
+        """`take`: `blocks` is handed over (the loader's fresh read): it may be reordered into tiles in place."""
         super().__init__()
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != row_bytes(type_name, in_features):
             raise ValueError(f"{type_name} blocks of shape {list(blocks.shape)} are not rows of {in_features} values")
         self.type_name, self.in_features, self.out_features = type_name, in_features, blocks.shape[0]
         _library()  # built or BlockKernelUnavailable, before a forward needs it
         blocks = blocks.contiguous()
-        tiles = as_tiles(blocks, type_name, in_features)  # where this CPU multiplies tiles: the order it reads
-        self.tiled = tiles is not None
-        self.register_buffer("blocks", blocks if tiles is None else tiles)
+        # where this CPU multiplies tiles: the order it reads
+        as_tiled = as_tiles(blocks, type_name, in_features, in_place=take)
+        self.tiled = as_tiled is not None
+        self.register_buffer("blocks", blocks if as_tiled is None else as_tiled)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.fallback_reason: str | None = None
         self.type_id = BLOCK_TYPES[type_name][0] + (TILED if self.tiled else 0)  # the kernel's id of the weight

@@ -326,7 +326,7 @@ class _Loader:
         order = self.row_order(record)
         if order is False:
             return None
-        layer = BlockLinear(self.block_rows(record, order), record.type_name, record.shape[1], bias)
+        layer = BlockLinear(self.block_rows(record, order), record.type_name, record.shape[1], bias, take=True)
         self.count(record, "blocks", [layer.blocks])
         return layer
 

@@ -108,24 +108,25 @@ def test_an_output_is_the_same_whatever_rows_and_threads_it_is_computed_with(typ
     assert torch.equal(together, column_by_column)
 
 
-TILE_TYPES = [name for name in TYPES if gguf_blocks.activation_block(name) == 32]
-
-
-@pytest.mark.parametrize("type_name", TILE_TYPES)
+@pytest.mark.parametrize("type_name", TYPES)
 def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
-    """Where the CPU multiplies 16-row tiles (AVX2 or AVX-512), a layer holds its weight in their order: the same
-    bytes, the same values read back, the same outputs bit for bit for any number of activation rows."""
-    if not gguf_blocks.tile_rows():
-        pytest.skip("this CPU's build has no tiles")
+    """Where the CPU multiplies 16-row tiles (the 32-value types with AVX2 or AVX-512, Q4_K with AVX-512 VNNI), a
+    layer holds its weight in their order: the same bytes, the same values read back, the same outputs bit for
+    bit for any number of activation rows."""
+    if not gguf_blocks.tiles(type_name):
+        pytest.skip(f"this CPU's build has no tiles for {type_name}")
     data = torch.from_numpy(random_rows(type_name, 48, 512, seed=5))
     tiles = gguf_blocks.as_tiles(data, type_name, 512)
     assert tiles.shape == data.shape and not torch.equal(tiles, data)
+    handed = data.clone()  # reordered where it lies: the same tiles, no second copy
+    assert gguf_blocks.as_tiles(handed, type_name, 512, in_place=True).data_ptr() == handed.data_ptr()
+    assert torch.equal(handed, tiles)
     assert torch.equal(gguf_blocks.dequantize(tiles, type_name, 512, tiled=True),
                        gguf_blocks.dequantize(data, type_name, 512))
     rows = torch.tensor([0, 17, 47, 5, 31])
     assert torch.equal(gguf_blocks.dequantize(tiles, type_name, 512, rows, tiled=True),
                        gguf_blocks.dequantize(data, type_name, 512, rows))
-    for m in (1, 2, 3, 5, 8, 13):
+    for m in (1, 2, 3, 5, 8, 13, 70):
         x = torch.randn(m, 512)
         assert torch.equal(gguf_blocks.matmul(tiles, type_name, 512, x, tiled=True),
                            gguf_blocks.matmul(data, type_name, 512, x)), m
@@ -146,7 +147,7 @@ def test_a_layer_and_a_table_over_the_same_blocks():
     assert y.shape == (2, 3, 64) and y.dtype == torch.bfloat16
     want = x.double() @ weight.double().T + bias.double()
     assert (y.double() - want).norm() <= 0.03 * want.norm()
-    table = BlockEmbedding(layer.blocks, "Q6_K", 256, torch.float32, embed_scale=torch.tensor(2.0))
+    table = BlockEmbedding(layer.blocks, "Q6_K", 256, torch.float32, embed_scale=torch.tensor(2.0), tiled=layer.tiled)
     ids = torch.tensor([[3, 63], [0, 3]])
     assert torch.equal(table(ids), weight[ids] * 2.0)
     assert torch.equal(layer.dequantize(), weight)
@@ -189,11 +190,10 @@ if out["unavailable"] is None:
         got = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x).double()
         exact = rebuilt_activations(x, gguf_blocks.activation_block(name)) @ reference_weight(data, name).double().T
         errors[name] = float((got - exact).abs().max() / exact.abs().max())
-        if gguf_blocks.activation_block(name) == 32:  # every path's float steps are the same: the bits to compare
-            out.setdefault("outputs", {})[name] = got.float().tolist()
-            tiles = gguf_blocks.as_tiles(torch.from_numpy(data.copy()), name, 512)
-            if tiles is not None:
-                out.setdefault("tiled", {})[name] = gguf_blocks.matmul(tiles, name, 512, x, tiled=True).tolist()
+        out.setdefault("outputs", {})[name] = got.float().tolist()  # every path's float steps are the same
+        tiles = gguf_blocks.as_tiles(torch.from_numpy(data.copy()), name, 512)
+        if tiles is not None:
+            out.setdefault("tiled", {})[name] = gguf_blocks.matmul(tiles, name, 512, x, tiled=True).tolist()
     out["errors"] = errors
 elif len(sys.argv) > 2:  # a GGUF load where the kernel cannot be built
     from engine.weights.loader import load_model, resolve_source
@@ -222,34 +222,38 @@ def test_the_portable_c_path_computes_the_same_products(tmp_path):
     assert result["unavailable"] is None
     if os.uname().machine == "x86_64":
         assert result["path"] == "portable C"
-        # its float sums run in another order than the vector paths': other bits, another fingerprint (loader)
-        assert result["numerics"] == "portable-2"
-        assert gguf_blocks.vector_path() == "portable C" or gguf_blocks.numerics() == "avx2-2"
+        # the same float steps as the vector paths': the same numerics in the fingerprint
+        assert result["numerics"] == gguf_blocks.numerics()
     assert max(result["errors"].values()) <= 2e-6, result
 
 
 def this_builds_outputs() -> dict:
     outputs = {}
     for name in gguf_blocks.BLOCK_TYPES:
-        if gguf_blocks.activation_block(name) == 32:
-            data = random_rows(name, 32, 512, seed=4)
-            x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
-            outputs[name] = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x)
+        data = random_rows(name, 32, 512, seed=4)
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+        outputs[name] = gguf_blocks.matmul(torch.from_numpy(data.copy()), name, 512, x)
     return outputs
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="builds for other x86 CPUs")
 @pytest.mark.parametrize("march", ["x86-64", "haswell"])
-def test_the_32_value_types_give_the_same_bits_on_every_path(tmp_path, march):
-    """Q4_0, Q4_1, Q8_0: portable C, AVX2 one weight row at a time and AVX-512's 16-row tiles take the same float
-    steps, so a build for another CPU of the same outputs (KV stored by one is the KV another computes)."""
+def test_every_type_gives_the_same_bits_on_every_path(tmp_path, march):
+    """Portable C, AVX2 one weight row at a time and the 16-row tiles (AVX2's and AVX-512's) take the same float
+    steps for every type, the K-quants included, so a build for another CPU gives the same outputs (KV stored by
+    one is the KV another computes)."""
     result = child(tmp_path, KVBOOST_BLOCKS_MARCH=march)
     assert result["path"] == ("portable C" if march == "x86-64" else "avx2")
     assert ("tiled" in result) == (march != "x86-64")  # AVX2 multiplies tiles too, portable C rows only
     for name, got in this_builds_outputs().items():
         assert torch.equal(torch.tensor(result["outputs"][name]), got), name
-        if march != "x86-64":
+        if name in result.get("tiled", {}):
             assert torch.equal(torch.tensor(result["tiled"][name]), got), name
+    if gguf_blocks.tiles("Q4_K"):  # this build's K-quant tiles against another build's rows
+        data = torch.from_numpy(random_rows("Q4_K", 32, 512, seed=4))
+        x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+        tiled = gguf_blocks.matmul(gguf_blocks.as_tiles(data, "Q4_K", 512), "Q4_K", 512, x, tiled=True)
+        assert torch.equal(torch.tensor(result["outputs"]["Q4_K"]), tiled)
 
 
 def test_without_a_compiler_the_kernel_says_why_and_loaders_keep_torchs_kernels(tmp_path):

@@ -1,0 +1,234 @@
+/* The K-quants' weights as 16-row tiles, for CPUs with AVX-512 VNNI (gguf_blocks.c calls these; kvb_repack
+   makes the tiles).
+
+   A 256-value block of one row is multiplied, in gguf_blocks.c's rows, by widening and scaling its codes before
+   any product: ~50 instructions a block, for one output. A tile puts the same block of 16 rows side by side, so
+   that each vector lane is one row: 64 bytes hold four codes of each of the 16 rows, and one _mm512_dpbusd_epi32
+   with four activation codes broadcast gives all 16 rows' four products. The same bytes as the rows' blocks, in
+   another order:
+
+   Q4_K (file block, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles, byte
+   32p + i holding value i of sub-block 2p in its low nibble and of 2p + 1 in its high one):
+     [0, 32)      16 fp16 d (row c at 2c)             [32, 64)  16 fp16 dmin
+     [64, 256)    the 12 scale bytes, byte i of row c at 64 + 16 i + c
+     [256, 2304)  nibbles: pair p, group g (values 4g .. 4g + 3): 64 bytes at 256 + 64 (8p + g), row c's bytes
+                  32p + 4g .. 32p + 4g + 3 at 4c
+   Q6_K (file block, 210 bytes: 128 bytes of low nibbles ql, 64 of 2-bit high parts qh, 16 int8 scales, fp16 d;
+   value l of 32-value group c in half n: ql[64n + 32 (c & 1) + l] (high nibble for c >= 2) and bits 2c of
+   qh[32n + l]; scale 8n + 2c + l / 16):
+     [0, 32)      16 fp16 d                           [32, 288) the 16 scales, scale s of row c at 32 + 16 s + c
+     [288, 2336)  low nibbles: 64 bytes at 288 + 64 (8P + g), row c's ql bytes 32P + 4g .. + 3 at 4c
+     [2336, 3360) high parts: 64 bytes at 2336 + 64 (8n + g), row c's qh bytes 32n + 4g .. + 3 at 4c
+
+   The sums are gguf_blocks.c's (block256_float there): per row and block the exact integer sum of the sub-block
+   dots times their scales, and the exact sum of the activations' sums times the mins (Q4_K) or scales (Q6_K);
+   then one rounding each into the row's float sums, blocks in order. So a tile's outputs are the rows' bit for
+   bit. */
+
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define KVB_KTILES 1
+#endif
+
+enum { Q4_K = 12, Q6_K = 14, Q4K_BYTES = 144, Q6K_BYTES = 210, Q4K_TILE = 16 * Q4K_BYTES, Q6K_TILE = 16 * Q6K_BYTES };
+
+/* where row c's byte `at` of a block lies in the tile of its 16 rows */
+static int tiled_byte(int type, int c, int at) {
+    if (type == Q4_K) {
+        if (at < 4) return 32 * (at / 2) + 2 * c + at % 2;              /* d, dmin */
+        if (at < 16) return 64 + 16 * (at - 4) + c;                     /* scales and mins */
+        const int i = at - 16;                                          /* nibbles */
+        return 256 + 64 * (8 * (i / 32) + (i % 32) / 4) + 4 * c + i % 4;
+    }
+    if (at < 128) return 288 + 64 * (8 * (at / 32) + (at % 32) / 4) + 4 * c + at % 4; /* ql */
+    if (at < 192) {                                                                   /* qh */
+        const int i = at - 128;
+        return 2336 + 64 * (8 * (i / 32) + (i % 32) / 4) + 4 * c + i % 4;
+    }
+    if (at < 208) return 32 + 16 * (at - 192) + c; /* scales */
+    return 2 * c + at - 208;                       /* d */
+}
+
+static int block_size(int type) { return type == Q4_K ? Q4K_BYTES : Q6K_BYTES; }
+
+/* the tile of 16 rows' blocks of a K-quant type (rows[c]: row c's block) */
+void kvb_ktile(int type, const uint8_t *const rows[16], uint8_t *tile) {
+    for (int c = 0; c < 16; c++)
+        for (int at = 0; at < block_size(type); at++) tile[tiled_byte(type, c, at)] = rows[c][at];
+}
+
+/* row c's block back from a tile */
+void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block) {
+    for (int at = 0; at < block_size(type); at++) block[at] = tile[tiled_byte(type, c, at)];
+}
+
+#ifdef KVB_KTILES
+#define PREFETCH_BYTES 4096
+
+/* 16 int32 lanes from the 16 rows' bytes */
+static inline __m512i lanes(__m128i bytes) { return _mm512_cvtepu8_epi32(bytes); }
+
+/* out[r * stride + c] for activation rows r < R against one tile (w: its first block; nb blocks): the activations
+   as gguf_blocks.c rounds them for 256-value blocks (int8 codes q [R, k], scales d [R, nb], sums per 16
+   bsums [R, k / 16]). */
+static inline __attribute__((always_inline)) void q4k_tile(int R, const uint8_t *w, int64_t nb, const int8_t *q,
+                                                             const float *d, const int16_t *bsums, int64_t k,
+                                                             float *out, int64_t stride) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+    __m512 acc[8], mins[8];
+    for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm512_setzero_ps();
+    __m512i split[64] __attribute__((aligned(64))); /* R > 1: the block's codes, masked and shifted once */
+    for (int64_t b = 0; b < nb; b++, w += Q4K_TILE) {
+        for (int line = 0; line < Q4K_TILE; line += 64)
+            _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
+        __m128i s[12];
+        for (int i = 0; i < 12; i++) s[i] = _mm_loadu_si128((const __m128i *)(w + 64 + 16 * i));
+        __m512i scale[8];
+        __m128i m[8];
+        for (int j = 0; j < 4; j++) {
+            scale[j] = lanes(_mm_and_si128(s[j], six));
+            m[j] = _mm_and_si128(s[j + 4], six);
+            const __m128i high_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j], 6), two), 4);
+            const __m128i high_m = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j + 4], 6), two), 4);
+            scale[j + 4] = lanes(_mm_or_si128(_mm_and_si128(s[j + 8], four), high_sc));
+            m[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), four), high_m);
+        }
+        __m512i mpair[4]; /* lane c: row c's mins of sub-blocks 2i and 2i + 1, two int16 */
+        for (int i = 0; i < 4; i++) {
+            const __m128i lo = _mm_unpacklo_epi8(m[2 * i], m[2 * i + 1]), hi = _mm_unpackhi_epi8(m[2 * i], m[2 * i + 1]);
+            mpair[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+        const uint8_t *codes = w + 256; /* the nibbles */
+        if (R > 1)
+            for (int pg = 0; pg < 32; pg++) {
+                const __m512i raw = _mm512_loadu_si512((const void *)(codes + 64 * pg));
+                split[2 * pg] = _mm512_and_si512(raw, low);
+                split[2 * pg + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            }
+        for (int r = 0; r < R; r++) {
+            const int64_t at = r * nb + b;
+            const int8_t *x = q + r * k + b * 256;
+            __m512i sum = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++) { /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g++) {
+                    __m512i lo, hi;
+                    if (R > 1) {
+                        lo = split[2 * (8 * p + g)], hi = split[2 * (8 * p + g) + 1];
+                    } else {
+                        const __m512i raw = _mm512_loadu_si512((const void *)(codes + 64 * (8 * p + g)));
+                        lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    }
+                    int32_t four_even, four_odd;
+                    memcpy(&four_even, x + 64 * p + 4 * g, 4);
+                    memcpy(&four_odd, x + 64 * p + 32 + 4 * g, 4);
+                    even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(four_even));
+                    odd = _mm512_dpbusd_epi32(odd, hi, _mm512_set1_epi32(four_odd));
+                }
+                sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(even, scale[2 * p]),
+                                                             _mm512_mullo_epi32(odd, scale[2 * p + 1])));
+            }
+            const int16_t *bs = bsums + at * 16;
+            __m512i terms = _mm512_setzero_si512();
+            for (int i = 0; i < 4; i++) { /* the activations' sums per 32 for sub-blocks 2i, 2i + 1, as int16 */
+                const uint16_t first = (uint16_t)(bs[4 * i] + bs[4 * i + 1]);
+                const uint16_t second = (uint16_t)(bs[4 * i + 2] + bs[4 * i + 3]);
+                terms = _mm512_dpwssd_epi32(terms, mpair[i], _mm512_set1_epi32((int32_t)(first | (uint32_t)second << 16)));
+            }
+            const __m512 dr = _mm512_set1_ps(d[at]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dr), acc[r]);
+            mins[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(terms), _mm512_mul_ps(dmin, dr), mins[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, _mm512_sub_ps(acc[r], mins[r]));
+}
+
+/* the four 32-value groups c = 0..3 of half n, values 4g .. 4g + 3, of a Q6_K tile block: 16 lanes of four 6-bit
+   codes each (out[c]) */
+static inline void q6k_codes(const uint8_t *w, int n, int g, __m512i out[4]) {
+    const __m512i low = _mm512_set1_epi8(0x0f), two = _mm512_set1_epi8(3);
+    const __m512i qh = _mm512_loadu_si512((const void *)(w + 2336 + 64 * (8 * n + g)));
+    for (int e = 0; e < 2; e++) {
+        const __m512i ql = _mm512_loadu_si512((const void *)(w + 288 + 64 * (8 * (2 * n + e) + g)));
+        for (int c = e; c < 4; c += 2) {
+            const __m512i nibble = _mm512_and_si512(c >= 2 ? _mm512_srli_epi16(ql, 4) : ql, low);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi16(qh, 2 * c), two);
+            out[c] = _mm512_or_si512(nibble, _mm512_slli_epi16(high, 4));
+        }
+    }
+}
+
+/* Q6_K: as q4k_tile, with a scale per 16 values and the codes' offset 32 (the scales times the activations'
+   sums, times 32, taken off the integer sum) */
+static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t *w, int64_t nb, const int8_t *q,
+                                                             const float *d, const int16_t *bsums, int64_t k,
+                                                             float *out, int64_t stride) {
+    __m512 acc[8];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    __m512i codes[64] __attribute__((aligned(64))); /* R > 1: the block's codes, assembled once ([n][g][c]) */
+    for (int64_t b = 0; b < nb; b++, w += Q6K_TILE) {
+        for (int line = 0; line < Q6K_TILE; line += 64)
+            _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
+        __m512i scale[16], spair[8]; /* lane c: row c's scale s; spair: scales 2i and 2i + 1, two int16 */
+        for (int i = 0; i < 8; i++) {
+            const __m128i a = _mm_loadu_si128((const __m128i *)(w + 32 + 32 * i));
+            const __m128i b2 = _mm_loadu_si128((const __m128i *)(w + 48 + 32 * i));
+            scale[2 * i] = _mm512_cvtepi8_epi32(a), scale[2 * i + 1] = _mm512_cvtepi8_epi32(b2);
+            spair[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b2), _mm_unpacklo_epi8(a, b2)));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        if (R > 1)
+            for (int ng = 0; ng < 16; ng++) q6k_codes(w, ng / 8, ng % 8, codes + 4 * ng);
+        for (int r = 0; r < R; r++) {
+            const int64_t at = r * nb + b;
+            const int8_t *x = q + r * k + b * 256;
+            __m512i sum = _mm512_setzero_si512();
+            for (int n = 0; n < 2; n++)
+                for (int half = 0; half < 2; half++) { /* values 16 half .. 16 half + 15 of each group: one scale */
+                    __m512i dot[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                                      _mm512_setzero_si512()};
+                    for (int g = 4 * half; g < 4 * half + 4; g++) {
+                        __m512i made[4];
+                        const __m512i *c4 = codes + 4 * (8 * n + g);
+                        if (R == 1) q6k_codes(w, n, g, made), c4 = made;
+                        for (int c = 0; c < 4; c++) {
+                            int32_t four;
+                            memcpy(&four, x + 128 * n + 32 * c + 4 * g, 4);
+                            dot[c] = _mm512_dpbusd_epi32(dot[c], c4[c], _mm512_set1_epi32(four));
+                        }
+                    }
+                    for (int c = 0; c < 4; c++)
+                        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot[c], scale[2 * (4 * n + c) + half]));
+                }
+            const int16_t *bs = bsums + at * 16;
+            __m512i terms = _mm512_setzero_si512();
+            for (int i = 0; i < 8; i++) {
+                const uint32_t pair = (uint16_t)bs[2 * i] | (uint32_t)(uint16_t)bs[2 * i + 1] << 16;
+                terms = _mm512_dpwssd_epi32(terms, spair[i], _mm512_set1_epi32((int32_t)pair));
+            }
+            sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(terms, 5));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
+}
+
+#define KTILE_FNS(R)                                                                                               \
+    void kvb_q4k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
+                          int64_t k, float *out, int64_t stride) {                                               \
+        q4k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
+    }                                                                                                            \
+    void kvb_q6k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
+                          int64_t k, float *out, int64_t stride) {                                               \
+        q6k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
+    }
+KTILE_FNS(1)
+KTILE_FNS(2)
+KTILE_FNS(4)
+KTILE_FNS(8)
+#endif
