@@ -44,8 +44,9 @@ SOURCE = Path(__file__).resolve().with_name("gguf_blocks.c")
 # (engine.block_forward) and the threads every kernel shares (thread_pool.c: one pool for the process, whichever
 # thread calls).
 ENGINE_DIR = SOURCE.parent.parent  # exact_attention.c and block_forward.c live at engine's root
-SOURCES = (SOURCE, SOURCE.with_name("ktiles.c"), ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
-           SOURCE.with_name("thread_pool.c"))
+SOURCES = (SOURCE, SOURCE.with_name("gguf_dots.c"), SOURCE.with_name("gguf_layout.c"), SOURCE.with_name("ktiles.c"),
+           ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c", SOURCE.with_name("thread_pool.c"))
+HEADERS = (SOURCE.with_name("gguf_blocks.h"),)  # included by the sources: part of a build's key, shipped beside them
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
@@ -128,7 +129,7 @@ def _build(folder: Path) -> ctypes.CDLL:
     compiler = _compiler()
     if compiler is None:
         return _bind(_prebuilt())
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     march = os.environ.get(MARCH_ENV_VAR) or "native"
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
                                      _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]

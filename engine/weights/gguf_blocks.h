@@ -1,0 +1,76 @@
+/* What the GGUF block kernel's C files share (gguf_blocks.c: activations and products; gguf_layout.c: tiles
+   and values back; ktiles.c: the K-quants' tiles): the block types, their sizes, a half float's value, Q4_K's
+   6-bit scales, and the thread pool (thread_pool.c). */
+
+#ifndef KVB_GGUF_BLOCKS_H
+#define KVB_GGUF_BLOCKS_H
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define KVB_AVX2 1
+#endif
+
+enum { KVB_Q4_0 = 2, KVB_Q4_1 = 3, KVB_Q8_0 = 8, KVB_Q4_K = 12, KVB_Q6_K = 14 };
+
+/* engine/weights/thread_pool.c: fn(ctx, begin, end) over [0, n) in `threads` contiguous parts, on the process's one pool */
+typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
+void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#endif
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0) {
+        const float f = ldexpf((float)man, -24); /* zero or subnormal */
+        return sign ? -f : f;
+    }
+    const uint32_t bits = exp == 31 ? (sign | 0x7f800000u | (man << 13)) : (sign | ((exp + 112u) << 23) | (man << 13));
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline void q4k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+static inline int block_bytes(int type) {
+    return type == KVB_Q4_0 ? 18 : type == KVB_Q4_1 ? 20 : type == KVB_Q8_0 ? 34 : type == KVB_Q4_K ? 144 : 210;
+}
+static inline int activation_block(int type) { return type == KVB_Q4_K || type == KVB_Q6_K ? 256 : 32; }
+
+#define KVB_TILED 256 /* added to a type: its weight is held as 16-row tiles (gguf_layout.c) */
+
+static inline int tile_codes_start(int type) { return type == KVB_Q4_1 ? 64 : 32; } /* a 32-value tile's codes */
+
+/* 1 when this build multiplies weights of `type` held as tiles (gguf_blocks.c) */
+int kvb_tiles(int type);
+/* the K-quants' tiles (ktiles.c): a tile from 16 rows' blocks, and row c's block back */
+void kvb_ktile(int type, const uint8_t *const rows[16], uint8_t *tile);
+void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block);
+
+/* a weight row's dot with R activation rows (R = 1, 2, 4, 8: dots[0..3]), and a 16-row tile's (gguf_dots.c) */
+typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const void *, int64_t, float *,
+                       int64_t);
+typedef void (*tile_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const int32_t *, int64_t, float *,
+                        int64_t);
+int kvb_dots_for(int type, dot_fn dots[4]);
+int kvb_tiles_for(int type, tile_fn tiles[4]); /* 0 where this build has no tiles for the type */
+
+#endif
