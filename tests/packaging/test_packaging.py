@@ -280,11 +280,13 @@ def test_a_built_bundle_holds_the_model_the_families_and_no_system_libraries(con
 
 
 def test_an_installed_package_holds_every_source_of_the_block_kernel():
-    """The kernel is compiled on the user's machine from its sources: each must be package data."""
+    """The kernel is compiled on the user's machine from its sources and the header they include: each must be
+    package data."""
     import tomllib
 
     from engine.weights import gguf_blocks
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     shipped = {f"{package.replace('.', '/')}/{name}" for package, names in data.items() for name in names}
-    assert sorted(source.relative_to(ROOT).as_posix() for source in gguf_blocks.SOURCES) == sorted(shipped)
+    files = (*gguf_blocks.SOURCES, *gguf_blocks.HEADERS)
+    assert sorted(source.relative_to(ROOT).as_posix() for source in files) == sorted(shipped)
