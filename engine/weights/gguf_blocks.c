@@ -104,6 +104,7 @@ typedef struct {
     const float *d;
     int64_t n, k, nb, row_bytes, row, per_block, m;
     float *y;
+    int amx_type; /* a K-quant held as tiles on a CPU with AMX: 16 activation rows at a time go there */
 } matmul_job;
 
 #define M_BLOCK 64
@@ -115,6 +116,13 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
       for (int64_t t = first_task; t < end_task; t++) {
         const int64_t first = t * ROWS_PER_TASK, last = first + ROWS_PER_TASK < n ? first + ROWS_PER_TASK : n;
         int64_t i = from;
+        if (j->amx_type && upto - i >= 16) { /* the same outputs as the tiles below give (ktiles.c) */
+            const int64_t whole = (upto - i) / 16 * 16;
+            if (kvb_ktile_amx(j->amx_type, j->w + first * j->row_bytes, nb, (const int8_t *)(j->acts + i * row),
+                              j->d + i * nb, (const int32_t *)(j->sum_bytes + i * nb * per_block), j->k, whole,
+                              j->y + i * n + first, n) == 0)
+                i += whole;
+        }
         for (int size = 3; size >= 0; size--) /* activation rows 8, then 4, 2 and 1 at a time */
             for (; i + (1 << size) <= upto; i += 1 << size) {
                 const int8_t *acts = (const int8_t *)(j->acts + i * row);
@@ -139,7 +147,7 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
    sums are the same however they are taken). */
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads) {
-    matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y};
+    matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y, 0};
     const int tiled = type >= KVB_TILED;
     type = tiled ? type - KVB_TILED : type;
     if (!kvb_dots_for(type, job.dots) || (tiled && (!kvb_tiles_for(type, job.tiles) || n % 16))) return -1;
@@ -147,6 +155,7 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     job.nb = k / block;
     job.row = block == 32 ? 2 * k : k;            /* bytes of one activation row */
     job.per_block = block == 32 ? 4 : 32;         /* bytes of sums per activation block */
+    job.amx_type = tiled && block == 256 && m >= 16 && kvb_amx() ? type : 0;
     kvb_parallel((n + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads, matmul_tasks, &job);
     return 0;
 }

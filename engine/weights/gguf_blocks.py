@@ -174,6 +174,7 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     lib.kvb_tile_rows.restype = i32
+    lib.kvb_amx.restype = i32
     lib.kvb_tiles.argtypes = [i32]
     lib.kvb_tiles.restype = i32
     lib.kvb_repack.argtypes = [i32, p, i64, i64, i64, p, i32]
@@ -251,6 +252,12 @@ def tiles(type_name: str) -> bool:
     """Whether this build multiplies `type_name` held as 16-row tiles: the 32-value types with AVX2 or AVX-512,
     Q4_K with AVX-512 VNNI (engine/weights/ktiles.c)."""
     return bool(_library().kvb_tiles(BLOCK_TYPES[type_name][0]))
+
+
+def amx() -> bool:
+    """Whether AMX multiplies the K-quants' tiles 16 activation rows at a time here (ktiles.c: the CPU has it, the
+    OS grants the process its tile state, and $KVBOOST_BLOCKS_AMX is not "0"); the same outputs either way."""
+    return bool(_library().kvb_amx())
 
 
 def as_tiles(blocks: torch.Tensor, type_name: str, columns: int, in_place: bool = False) -> torch.Tensor | None:

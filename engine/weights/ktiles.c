@@ -25,6 +25,7 @@
    then one rounding each into the row's float sums, blocks in order. So a tile's outputs are the rows' bit for
    bit. */
 
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -70,6 +71,59 @@ void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block) {
 /* 16 int32 lanes from the 16 rows' bytes */
 static inline __m512i lanes(__m128i bytes) { return _mm512_cvtepu8_epi32(bytes); }
 
+/* What a Q4_K tile block gives every activation row: its sub-blocks' scales (lane c: row c's), its mins in pairs
+   (lane c: row c's mins of sub-blocks 2i and 2i + 1, two int16), d and dmin. */
+typedef struct {
+    __m512i scale[8], mpair[4];
+    __m512 dw, dmin;
+} q4k_block;
+
+static inline void q4k_prepare(const uint8_t *w, q4k_block *blk) {
+    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
+    __m128i s[12], m[8];
+    for (int i = 0; i < 12; i++) s[i] = _mm_loadu_si128((const __m128i *)(w + 64 + 16 * i));
+    for (int j = 0; j < 4; j++) {
+        blk->scale[j] = lanes(_mm_and_si128(s[j], six));
+        m[j] = _mm_and_si128(s[j + 4], six);
+        const __m128i high_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j], 6), two), 4);
+        const __m128i high_m = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j + 4], 6), two), 4);
+        blk->scale[j + 4] = lanes(_mm_or_si128(_mm_and_si128(s[j + 8], four), high_sc));
+        m[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), four), high_m);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m128i lo = _mm_unpacklo_epi8(m[2 * i], m[2 * i + 1]), hi = _mm_unpackhi_epi8(m[2 * i], m[2 * i + 1]);
+        blk->mpair[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
+    }
+    blk->dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+    blk->dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+}
+
+/* the block's codes as bytes: split[2 (8p + g)] sub-block 2p's values 4g .. 4g + 3 (16 lanes of four), split[2 (8p
+   + g) + 1] sub-block 2p + 1's */
+static inline void q4k_split(const uint8_t *w, __m512i split[64]) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int pg = 0; pg < 32; pg++) {
+        const __m512i raw = _mm512_loadu_si512((const void *)(w + 256 + 64 * pg));
+        split[2 * pg] = _mm512_and_si512(raw, low);
+        split[2 * pg + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+}
+
+/* one activation row's float steps for a block: `sum` its integer sum of sub-block dots times their scales,
+   bs its code sums per 16 (block256_float in gguf_blocks.c, lane by lane) */
+static inline void q4k_finish(const q4k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc,
+                              __m512 *mins) {
+    __m512i terms = _mm512_setzero_si512();
+    for (int i = 0; i < 4; i++) { /* the activations' sums per 32 for sub-blocks 2i, 2i + 1, as int16 */
+        const uint16_t first = (uint16_t)(bs[4 * i] + bs[4 * i + 1]);
+        const uint16_t second = (uint16_t)(bs[4 * i + 2] + bs[4 * i + 3]);
+        terms = _mm512_dpwssd_epi32(terms, blk->mpair[i], _mm512_set1_epi32((int32_t)(first | (uint32_t)second << 16)));
+    }
+    const __m512 r = _mm512_set1_ps(dr);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(blk->dw, r), *acc);
+    *mins = _mm512_fmadd_ps(_mm512_cvtepi32_ps(terms), _mm512_mul_ps(blk->dmin, r), *mins);
+}
+
 /* out[r * stride + c] for activation rows r < R against one tile (w: its first block; nb blocks): the activations
    as gguf_blocks.c rounds them for 256-value blocks (int8 codes q [R, k], scales d [R, nb], sums per 16
    bsums [R, k / 16]). */
@@ -77,41 +131,17 @@ static inline __attribute__((always_inline)) void q4k_tile(int R, const uint8_t 
                                                              const float *d, const int16_t *bsums, int64_t k,
                                                              float *out, int64_t stride) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(0x0f), two = _mm_set1_epi8(3);
     __m512 acc[8], mins[8];
     for (int r = 0; r < R; r++) acc[r] = mins[r] = _mm512_setzero_ps();
     __m512i split[64] __attribute__((aligned(64))); /* R > 1: the block's codes, masked and shifted once */
     for (int64_t b = 0; b < nb; b++, w += Q4K_TILE) {
         for (int line = 0; line < Q4K_TILE; line += 64)
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
-        __m128i s[12];
-        for (int i = 0; i < 12; i++) s[i] = _mm_loadu_si128((const __m128i *)(w + 64 + 16 * i));
-        __m512i scale[8];
-        __m128i m[8];
-        for (int j = 0; j < 4; j++) {
-            scale[j] = lanes(_mm_and_si128(s[j], six));
-            m[j] = _mm_and_si128(s[j + 4], six);
-            const __m128i high_sc = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j], 6), two), 4);
-            const __m128i high_m = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(s[j + 4], 6), two), 4);
-            scale[j + 4] = lanes(_mm_or_si128(_mm_and_si128(s[j + 8], four), high_sc));
-            m[j + 4] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(s[j + 8], 4), four), high_m);
-        }
-        __m512i mpair[4]; /* lane c: row c's mins of sub-blocks 2i and 2i + 1, two int16 */
-        for (int i = 0; i < 4; i++) {
-            const __m128i lo = _mm_unpacklo_epi8(m[2 * i], m[2 * i + 1]), hi = _mm_unpackhi_epi8(m[2 * i], m[2 * i + 1]);
-            mpair[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
-        }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)));
+        q4k_block blk;
+        q4k_prepare(w, &blk);
         const uint8_t *codes = w + 256; /* the nibbles */
-        if (R > 1)
-            for (int pg = 0; pg < 32; pg++) {
-                const __m512i raw = _mm512_loadu_si512((const void *)(codes + 64 * pg));
-                split[2 * pg] = _mm512_and_si512(raw, low);
-                split[2 * pg + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-            }
+        if (R > 1) q4k_split(w, split);
         for (int r = 0; r < R; r++) {
-            const int64_t at = r * nb + b;
             const int8_t *x = q + r * k + b * 256;
             __m512i sum = _mm512_setzero_si512();
             for (int p = 0; p < 4; p++) { /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
@@ -130,19 +160,10 @@ static inline __attribute__((always_inline)) void q4k_tile(int R, const uint8_t 
                     even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(four_even));
                     odd = _mm512_dpbusd_epi32(odd, hi, _mm512_set1_epi32(four_odd));
                 }
-                sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(even, scale[2 * p]),
-                                                             _mm512_mullo_epi32(odd, scale[2 * p + 1])));
+                sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(even, blk.scale[2 * p]),
+                                                             _mm512_mullo_epi32(odd, blk.scale[2 * p + 1])));
             }
-            const int16_t *bs = bsums + at * 16;
-            __m512i terms = _mm512_setzero_si512();
-            for (int i = 0; i < 4; i++) { /* the activations' sums per 32 for sub-blocks 2i, 2i + 1, as int16 */
-                const uint16_t first = (uint16_t)(bs[4 * i] + bs[4 * i + 1]);
-                const uint16_t second = (uint16_t)(bs[4 * i + 2] + bs[4 * i + 3]);
-                terms = _mm512_dpwssd_epi32(terms, mpair[i], _mm512_set1_epi32((int32_t)(first | (uint32_t)second << 16)));
-            }
-            const __m512 dr = _mm512_set1_ps(d[at]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dr), acc[r]);
-            mins[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(terms), _mm512_mul_ps(dmin, dr), mins[r]);
+            q4k_finish(&blk, sum, bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r], &mins[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, _mm512_sub_ps(acc[r], mins[r]));
@@ -163,8 +184,34 @@ static inline void q6k_codes(const uint8_t *w, int n, int g, __m512i out[4]) {
     }
 }
 
-/* Q6_K: as q4k_tile, with a scale per 16 values and the codes' offset 32 (the scales times the activations'
-   sums, times 32, taken off the integer sum) */
+/* What a Q6_K tile block gives every activation row: its 16 scales (lane c: row c's), in pairs (two int16), d */
+typedef struct {
+    __m512i scale[16], spair[8];
+    __m512 dw;
+} q6k_block;
+
+static inline void q6k_prepare(const uint8_t *w, q6k_block *blk) {
+    for (int i = 0; i < 8; i++) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(w + 32 + 32 * i));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(w + 48 + 32 * i));
+        blk->scale[2 * i] = _mm512_cvtepi8_epi32(a), blk->scale[2 * i + 1] = _mm512_cvtepi8_epi32(b);
+        blk->spair[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+    }
+    blk->dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+}
+
+/* the codes offset 32 (the scales times the activations' sums, times 32) off the integer sum, then the float step */
+static inline void q6k_finish(const q6k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc) {
+    __m512i terms = _mm512_setzero_si512();
+    for (int i = 0; i < 8; i++) {
+        const uint32_t pair = (uint16_t)bs[2 * i] | (uint32_t)(uint16_t)bs[2 * i + 1] << 16;
+        terms = _mm512_dpwssd_epi32(terms, blk->spair[i], _mm512_set1_epi32((int32_t)pair));
+    }
+    sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(terms, 5));
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(blk->dw, _mm512_set1_ps(dr)), *acc);
+}
+
+/* Q6_K: as q4k_tile, with a scale per 16 values */
 static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t *w, int64_t nb, const int8_t *q,
                                                              const float *d, const int16_t *bsums, int64_t k,
                                                              float *out, int64_t stride) {
@@ -174,18 +221,11 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
     for (int64_t b = 0; b < nb; b++, w += Q6K_TILE) {
         for (int line = 0; line < Q6K_TILE; line += 64)
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
-        __m512i scale[16], spair[8]; /* lane c: row c's scale s; spair: scales 2i and 2i + 1, two int16 */
-        for (int i = 0; i < 8; i++) {
-            const __m128i a = _mm_loadu_si128((const __m128i *)(w + 32 + 32 * i));
-            const __m128i b2 = _mm_loadu_si128((const __m128i *)(w + 48 + 32 * i));
-            scale[2 * i] = _mm512_cvtepi8_epi32(a), scale[2 * i + 1] = _mm512_cvtepi8_epi32(b2);
-            spair[i] = _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b2), _mm_unpacklo_epi8(a, b2)));
-        }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
+        q6k_block blk;
+        q6k_prepare(w, &blk);
         if (R > 1)
             for (int ng = 0; ng < 16; ng++) q6k_codes(w, ng / 8, ng % 8, codes + 4 * ng);
         for (int r = 0; r < R; r++) {
-            const int64_t at = r * nb + b;
             const int8_t *x = q + r * k + b * 256;
             __m512i sum = _mm512_setzero_si512();
             for (int n = 0; n < 2; n++)
@@ -203,16 +243,9 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
                         }
                     }
                     for (int c = 0; c < 4; c++)
-                        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot[c], scale[2 * (4 * n + c) + half]));
+                        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot[c], blk.scale[2 * (4 * n + c) + half]));
                 }
-            const int16_t *bs = bsums + at * 16;
-            __m512i terms = _mm512_setzero_si512();
-            for (int i = 0; i < 8; i++) {
-                const uint32_t pair = (uint16_t)bs[2 * i] | (uint32_t)(uint16_t)bs[2 * i + 1] << 16;
-                terms = _mm512_dpwssd_epi32(terms, spair[i], _mm512_set1_epi32((int32_t)pair));
-            }
-            sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(terms, 5));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), acc[r]);
+            q6k_finish(&blk, sum, bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r]);
         }
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
@@ -231,4 +264,166 @@ KTILE_FNS(1)
 KTILE_FNS(2)
 KTILE_FNS(4)
 KTILE_FNS(8)
+#endif
+
+/* ---- AMX: many activation rows at once ----
+   Where the CPU has AMX (Sapphire Rapids and later) and the OS grants its tile state, 16 activation rows times a
+   tile's 16 weight rows over 32 values (Q6_K: 16, one scale's worth) are one instruction (TDPBSUD: signed int8
+   activations, unsigned codes), whose 256 integer dots are exact: the same integers the vector paths above sum,
+   then the same integer scaling and the same float steps per row. So a row's output does not depend on whether
+   AMX computed it (test: any number of rows against the weight's rows, bit for bit). */
+#if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static _Atomic int amx_state; /* 0: not asked yet; 1: granted; -1: not available or turned off */
+
+int kvb_amx(void) {
+    int state = atomic_load(&amx_state);
+    if (state == 0) {
+        const char *off = getenv("KVBOOST_BLOCKS_AMX");
+        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): the process may use the tile registers */
+        state = (off && off[0] == '0') ? -1 : syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+        atomic_store(&amx_state, state);
+    }
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* tiles 0-3: 16 x 16 int32 dots; 4 and 6: 16 activation rows of `values` int8; 5 and 7: the weights' codes for
+   them, `values` / 4 rows of 16 columns x 4 */
+static void amx_configure(int values) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = 16;
+    for (int t = 4; t < 8; t += 2) c.colsb[t] = (uint16_t)values, c.rows[t] = 16;
+    for (int t = 5; t < 8; t += 2) c.colsb[t] = 64, c.rows[t] = (uint8_t)(values / 4);
+    _tile_loadconfig(&c);
+}
+
+/* dots[t][r * 16 + c] for four products t: activations a[t] (16 rows, k apart) times codes b[t] (stride bytes
+   between their rows) */
+static inline void amx_four(const int8_t *const a[4], int64_t k, const void *const b[4], int64_t stride,
+                            int32_t dots[4][256]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, a[0], k);
+    _tile_loadd(5, b[0], stride);
+    _tile_dpbsud(0, 4, 5);
+    _tile_loadd(6, a[1], k);
+    _tile_loadd(7, b[1], stride);
+    _tile_dpbsud(1, 6, 7);
+    _tile_loadd(4, a[2], k);
+    _tile_loadd(5, b[2], stride);
+    _tile_dpbsud(2, 4, 5);
+    _tile_loadd(6, a[3], k);
+    _tile_loadd(7, b[3], stride);
+    _tile_dpbsud(3, 6, 7);
+    _tile_stored(0, dots[0], 64);
+    _tile_stored(1, dots[1], 64);
+    _tile_stored(2, dots[2], 64);
+    _tile_stored(3, dots[3], 64);
+}
+
+#define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's M_BLOCK) */
+
+/* Q4_K: out[r * stride + c] for `rows` (a multiple of 16, at most AMX_ROWS) activation rows against one tile */
+static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *bsums, int64_t k,
+                    int64_t rows, float *out, int64_t stride) {
+    amx_configure(32);
+    __m512 acc[AMX_ROWS], mins[AMX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
+    __m512i split[64] __attribute__((aligned(64)));
+    int32_t dots[8][256] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++, w += Q4K_TILE) {
+        q4k_block blk;
+        q4k_prepare(w, &blk);
+        q4k_split(w, split);
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int8_t *x = q + m0 * k + b * 256;
+            for (int half = 0; half < 2; half++) { /* sub-blocks 4 half .. 4 half + 3 */
+                const int8_t *a[4];
+                const void *codes[4];
+                for (int t = 0; t < 4; t++) {
+                    const int j = 4 * half + t;
+                    a[t] = x + 32 * j, codes[t] = &split[2 * 8 * (j / 2) + j % 2]; /* rows g: 128 bytes apart */
+                }
+                amx_four(a, k, codes, 128, &dots[4 * half]);
+            }
+            for (int r = 0; r < 16; r++) {
+                __m512i sum = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++)
+                    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_load_si512(dots[j] + 16 * r), blk.scale[j]));
+                const int64_t at = (m0 + r) * nb + b;
+                q4k_finish(&blk, sum, bsums + at * 16, d[at], &acc[m0 + r], &mins[m0 + r]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(out + r * stride, _mm512_sub_ps(acc[r], mins[r]));
+}
+
+/* Q6_K: as q4k_amx, 16 values a product (one scale) */
+static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *bsums, int64_t k,
+                    int64_t rows, float *out, int64_t stride) {
+    amx_configure(16);
+    __m512 acc[AMX_ROWS];
+    for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    __m512i codes[64] __attribute__((aligned(64)));
+    int32_t dots[16][256] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < nb; b++, w += Q6K_TILE) {
+        q6k_block blk;
+        q6k_prepare(w, &blk);
+        for (int ng = 0; ng < 16; ng++) q6k_codes(w, ng / 8, ng % 8, codes + 4 * ng);
+        for (int64_t m0 = 0; m0 < rows; m0 += 16) {
+            const int8_t *x = q + m0 * k + b * 256;
+            for (int pass = 0; pass < 4; pass++) { /* scales 4 pass .. 4 pass + 3: group j = s / 2, half s % 2 */
+                const int8_t *a[4];
+                const void *from[4];
+                for (int t = 0; t < 4; t++) {
+                    const int s = 4 * pass + t, j = s / 2, half = s % 2, n = j / 4, c = j % 4;
+                    a[t] = x + 32 * j + 16 * half, from[t] = &codes[4 * (8 * n + 4 * half) + c]; /* 256 bytes apart */
+                }
+                amx_four(a, k, from, 256, &dots[4 * pass]);
+            }
+            for (int r = 0; r < 16; r++) {
+                __m512i sum = _mm512_setzero_si512();
+                for (int s = 0; s < 16; s++)
+                    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_load_si512(dots[s] + 16 * r), blk.scale[s]));
+                const int64_t at = (m0 + r) * nb + b;
+                q6k_finish(&blk, sum, bsums + at * 16, d[at], &acc[m0 + r]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
+}
+
+/* `rows` activation rows (a multiple of 16, at most 64) against one Q4_K or Q6_K tile (w: its first block), as
+   kvb_q4k_tile_* / kvb_q6k_tile_* compute them; returns 0, or -1 where AMX cannot be used (then nothing is done) */
+int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
+                  int64_t k, int64_t rows, float *out, int64_t stride) {
+    if (!kvb_amx() || rows % 16 || rows > AMX_ROWS || rows <= 0) return -1;
+    if (type == Q4_K)
+        q4k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
+    else
+        q6k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
+    _tile_release(); /* the thread's tile state back to its initial state: nothing to save at a context switch */
+    return 0;
+}
+#else
+int kvb_amx(void) { return 0; }
+int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
+                  int64_t k, int64_t rows, float *out, int64_t stride) {
+    (void)type, (void)w, (void)nb, (void)q, (void)d, (void)sums, (void)k, (void)rows, (void)out, (void)stride;
+    return -1;
+}
 #endif
