@@ -45,7 +45,8 @@ SOURCE = Path(__file__).resolve().with_name("gguf_blocks.c")
 # thread calls).
 ENGINE_DIR = SOURCE.parent.parent  # exact_attention.c and block_forward.c live at engine's root
 SOURCES = (SOURCE, SOURCE.with_name("gguf_dots.c"), SOURCE.with_name("gguf_layout.c"), SOURCE.with_name("ktiles.c"),
-           ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c", SOURCE.with_name("thread_pool.c"))
+           SOURCE.with_name("amx.c"), ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
+           SOURCE.with_name("thread_pool.c"))
 HEADERS = (SOURCE.with_name("gguf_blocks.h"),)  # included by the sources: part of a build's key, shipped beside them
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
@@ -55,7 +56,9 @@ PREBUILT_NEEDS = ("avx2", "fma", "f16c")
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
 ACTIVATION_BLOCK = 32  # every row's length is a multiple of this
-FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-fPIC", "-shared", "-std=c11")
+# -z now: every symbol bound at load, so no lazy-binding trampoline (which saves the vector state with XSAVE into a
+# buffer sized before AMX was granted) runs while a thread's tiles hold data (engine/weights/amx.c)
+FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-fPIC", "-shared", "-std=c11", "-Wl,-z,now")
 MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
 VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
 KERNEL = BLOCK_KERNEL  # the name loaders and reports use for this kernel
@@ -255,8 +258,8 @@ def tiles(type_name: str) -> bool:
 
 
 def amx() -> bool:
-    """Whether AMX multiplies the K-quants' tiles 16 activation rows at a time here (ktiles.c: the CPU has it, the
-    OS grants the process its tile state, and $KVBOOST_BLOCKS_AMX is not "0"); the same outputs either way."""
+    """Whether AMX multiplies tiles 16 activation rows at a time here (amx.c: the CPU has it, the OS grants the
+    process its tile state, and $KVBOOST_BLOCKS_AMX is not "0"); the same outputs either way."""
     return bool(_library().kvb_amx())
 
 

@@ -25,7 +25,7 @@
    then one rounding each into the row's float sums, blocks in order. So a tile's outputs are the rows' bit for
    bit. */
 
-#define _GNU_SOURCE /* syscall() */
+#include "gguf_blocks.h"
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -273,74 +273,12 @@ KTILE_FNS(8)
    then the same integer scaling and the same float steps per row. So a row's output does not depend on whether
    AMX computed it (test: any number of rows against the weight's rows, bit for bit). */
 #if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <stdatomic.h>
-#include <stdlib.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-static _Atomic int amx_state; /* 0: not asked yet; 1: granted; -1: not available or turned off */
-
-int kvb_amx(void) {
-    int state = atomic_load(&amx_state);
-    if (state == 0) {
-        const char *off = getenv("KVBOOST_BLOCKS_AMX");
-        /* ARCH_REQ_XCOMP_PERM (0x1023) for XFEATURE_XTILEDATA (18): the process may use the tile registers */
-        state = (off && off[0] == '0') ? -1 : syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-        atomic_store(&amx_state, state);
-    }
-    return state == 1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* tiles 0-3: 16 x 16 int32 dots; 4 and 6: 16 activation rows of `values` int8; 5 and 7: the weights' codes for
-   them, `values` / 4 rows of 16 columns x 4 */
-static void amx_configure(int values) {
-    amx_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 4; t++) c.colsb[t] = 64, c.rows[t] = 16;
-    for (int t = 4; t < 8; t += 2) c.colsb[t] = (uint16_t)values, c.rows[t] = 16;
-    for (int t = 5; t < 8; t += 2) c.colsb[t] = 64, c.rows[t] = (uint8_t)(values / 4);
-    _tile_loadconfig(&c);
-}
-
-/* dots[t][r * 16 + c] for four products t: activations a[t] (16 rows, k apart) times codes b[t] (stride bytes
-   between their rows) */
-static inline void amx_four(const int8_t *const a[4], int64_t k, const void *const b[4], int64_t stride,
-                            int32_t dots[4][256]) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_loadd(4, a[0], k);
-    _tile_loadd(5, b[0], stride);
-    _tile_dpbsud(0, 4, 5);
-    _tile_loadd(6, a[1], k);
-    _tile_loadd(7, b[1], stride);
-    _tile_dpbsud(1, 6, 7);
-    _tile_loadd(4, a[2], k);
-    _tile_loadd(5, b[2], stride);
-    _tile_dpbsud(2, 4, 5);
-    _tile_loadd(6, a[3], k);
-    _tile_loadd(7, b[3], stride);
-    _tile_dpbsud(3, 6, 7);
-    _tile_stored(0, dots[0], 64);
-    _tile_stored(1, dots[1], 64);
-    _tile_stored(2, dots[2], 64);
-    _tile_stored(3, dots[3], 64);
-}
-
 #define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's M_BLOCK) */
 
 /* Q4_K: out[r * stride + c] for `rows` (a multiple of 16, at most AMX_ROWS) activation rows against one tile */
 static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *bsums, int64_t k,
                     int64_t rows, float *out, int64_t stride) {
-    amx_configure(32);
+    kvb_amx_configure(32);
     __m512 acc[AMX_ROWS], mins[AMX_ROWS];
     for (int64_t r = 0; r < rows; r++) acc[r] = mins[r] = _mm512_setzero_ps();
     __m512i split[64] __attribute__((aligned(64)));
@@ -358,7 +296,7 @@ static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
                     const int j = 4 * half + t;
                     a[t] = x + 32 * j, codes[t] = &split[2 * 8 * (j / 2) + j % 2]; /* rows g: 128 bytes apart */
                 }
-                amx_four(a, k, codes, 128, &dots[4 * half]);
+                kvb_amx_four(a, k, codes, 128, &dots[4 * half]);
             }
             for (int r = 0; r < 16; r++) {
                 __m512i sum = _mm512_setzero_si512();
@@ -375,7 +313,7 @@ static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
 /* Q6_K: as q4k_amx, 16 values a product (one scale) */
 static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *bsums, int64_t k,
                     int64_t rows, float *out, int64_t stride) {
-    amx_configure(16);
+    kvb_amx_configure(16);
     __m512 acc[AMX_ROWS];
     for (int64_t r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     __m512i codes[64] __attribute__((aligned(64)));
@@ -393,7 +331,7 @@ static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
                     const int s = 4 * pass + t, j = s / 2, half = s % 2, n = j / 4, c = j % 4;
                     a[t] = x + 32 * j + 16 * half, from[t] = &codes[4 * (8 * n + 4 * half) + c]; /* 256 bytes apart */
                 }
-                amx_four(a, k, from, 256, &dots[4 * pass]);
+                kvb_amx_four(a, k, from, 256, &dots[4 * pass]);
             }
             for (int r = 0; r < 16; r++) {
                 __m512i sum = _mm512_setzero_si512();
@@ -416,11 +354,10 @@ int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const
         q4k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
     else
         q6k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
-    _tile_release(); /* the thread's tile state back to its initial state: nothing to save at a context switch */
+    kvb_amx_release(); /* the thread's tile state back to its initial state: nothing to save at a switch */
     return 0;
 }
 #else
-int kvb_amx(void) { return 0; }
 int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
                   int64_t k, int64_t rows, float *out, int64_t stride) {
     (void)type, (void)w, (void)nb, (void)q, (void)d, (void)sums, (void)k, (void)rows, (void)out, (void)stride;

@@ -137,12 +137,12 @@ def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
         gguf_blocks.matmul(data[:40].contiguous(), type_name, 512, torch.randn(1, 512), tiled=True)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", TYPES)
 def test_amx_gives_each_row_what_the_vector_tiles_give(type_name):
     """Where AMX takes 16 activation rows at a time, a prefill's rows are those one row at a time gives, bit for
     bit (the integer dots are exact, the scaling and float steps the same)."""
     if not (gguf_blocks.tiles(type_name) and gguf_blocks.amx()):
-        pytest.skip("no AMX for the K-quant tiles here")
+        pytest.skip(f"no AMX for {type_name} tiles here")
     tiles = gguf_blocks.as_tiles(torch.from_numpy(random_rows(type_name, 64, 768, seed=7)), type_name, 768)
     x = torch.randn(80, 768) * torch.logspace(-2, 2, 768)  # activations of very different sizes per column
     together = gguf_blocks.matmul(tiles, type_name, 768, x, tiled=True)
