@@ -66,16 +66,14 @@ void kvb_ktile(int type, const uint8_t *const rows[16], uint8_t *tile);
 void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block);
 /* AMX (amx.c): 1 where it multiplies tiles (the CPU has it, the OS grants it, KVBOOST_BLOCKS_AMX is not 0); its
    tile configuration for products over `values` int8, four products into dots, the tile state given back.
-   kvb_ktile_amx (ktiles.c), kvb_tile32_amx (amx.c): 16n (n <= 4) activation rows against one tile, the vector
-   tiles' outputs bit for bit; -1 where AMX cannot be used. */
+   kvb_ktile_amx (ktiles.c): 16n (n <= 4) activation rows against one Q4_K / Q6_K tile, the vector tiles' outputs
+   bit for bit; -1 where AMX cannot be used. */
 int kvb_amx(void);
 void kvb_amx_configure(int values);
 void kvb_amx_four(const int8_t *const a[4], int64_t k, const void *const b[4], int64_t stride, int32_t dots[4][256]);
 void kvb_amx_release(void);
 int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
                   int64_t k, int64_t rows, float *out, int64_t stride);
-int kvb_tile32_amx(int type, const uint8_t *w, int64_t nb, const int8_t *hl, int64_t all_rows, const float *d,
-                   const int32_t *s, int64_t k, int64_t rows, float *out, int64_t stride);
 
 /* a weight row's dot with R activation rows (R = 1, 2, 4, 8: dots[0..3]), and a 16-row tile's (gguf_dots.c) */
 typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const void *, int64_t, float *,

@@ -258,8 +258,9 @@ def tiles(type_name: str) -> bool:
 
 
 def amx() -> bool:
-    """Whether AMX multiplies tiles 16 activation rows at a time here (amx.c: the CPU has it, the OS grants the
-    process its tile state, and $KVBOOST_BLOCKS_AMX is not "0"); the same outputs either way."""
+    """Whether AMX multiplies the K-quants' tiles 16 activation rows at a time here (amx.c, ktiles.c: the CPU has
+    it, the OS grants the process its tile state, and $KVBOOST_BLOCKS_AMX is not "0"); the same outputs either
+    way."""
     return bool(_library().kvb_amx())
 
 
