@@ -11,6 +11,8 @@ side in one process, over one loaded model:
   chunk / pinned    the app's default: documents pinned in the system message, pre-warmed
   off / retrieved   full prefill, top BM25 passages written into each question
   chunk / retrieved the retrieved layout with exact reuse (new passages + question computed per turn)
+  approx / retrieved the retrieved layout with approximate reuse (`--approx`): passages pre-warmed as the app
+                    warms them for it (app/rag.py warm_inputs), then found wherever a question carries them
 
 Prints TTFT and the share of the prompt reused per question, the pre-warm time, and answer accuracy.
 """
@@ -50,7 +52,8 @@ def run_session(engine, folder: Path, paths, questions, layout: str) -> dict:
         cid = conversation["id"]
         index(db, cid, paths)
         warm_ms = 0.0
-        for item in rag.warm_for(db, cid, max_context=engine.max_context, approximate=False):
+        approximate = engine.config.reuse.mode == "approx"
+        for item in rag.warm_for(db, cid, max_context=engine.max_context, approximate=approximate):
             warm_ms += engine.warm(item)["ms"]
         rows = []
         for q in questions:
@@ -74,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--docs", type=int, default=8)
     p.add_argument("--questions", type=int, default=5)
     p.add_argument("--model", default=None)
+    p.add_argument("--approx", action="store_true", help="also the retrieved layout with reuse=\"approx\"")
     args = p.parse_args(argv)
     from cli.kvboost import quiet_transformers
     from engine import KVBoost
@@ -94,7 +98,7 @@ def main(argv=None) -> int:
             paths.append(path)
         results = {}
         for layout in ("pinned", "retrieved"):
-            for reuse in ("off", "chunk"):
+            for reuse in ("off", "chunk", "approx") if layout == "retrieved" and args.approx else ("off", "chunk"):
                 results[(reuse, layout)] = run_session(base.with_options(reuse=reuse), folder, paths, questions,
                                                        layout)
     print(f"\n{args.docs} documents ({sum(len(d.text) for d in docs)} chars), {len(questions)} questions, "
@@ -114,6 +118,18 @@ def main(argv=None) -> int:
         print(f"| all | | {off_total:.0f} | {chunk_total:.0f} | {off_total / chunk_total:.1f}x | "
               f"{100 * statistics.mean(r['reused'] for r in chunk['rows']):.0f}% mean | "
               f"{sum(r['correct'] for r in off['rows'])}/{sum(r['correct'] for r in chunk['rows'])} |")
+    if ("approx", "retrieved") in results:
+        off, approx = results[("off", "retrieved")], results[("approx", "retrieved")]
+        off_total, approx_total = (sum(r["ttft_ms"] for r in x["rows"]) for x in (off, approx))
+        n = len(off["rows"])
+        print(f"\nlayout: retrieved, reuse=\"approx\"   (pre-warm of the passages: {approx['warm_ms']:.0f} ms)")
+        print("| reuse | TTFT ms, all questions | speed-up vs off | reused (mean) | correct |")
+        print("|---|---|---|---|---|")
+        for name, x, total in (("off", off, off_total), ("approx", approx, approx_total)):
+            correct = sum(r["correct"] for r in x["rows"])
+            print(f"| {name} | {total:.0f} | {off_total / total:.1f}x | "
+                  f"{100 * statistics.mean(r['reused'] for r in x['rows']):.0f}% | {correct}/{n} "
+                  f"({100 * correct / n:.1f}%) |")
     return 0
 
 
