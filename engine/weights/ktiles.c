@@ -35,59 +35,37 @@
 
 enum { Q4_K = 12, Q6_K = 14, Q4K_BYTES = 144, Q6K_BYTES = 210, Q4K_TILE = 16 * Q4K_BYTES, Q6K_TILE = 16 * Q6K_BYTES };
 
-/* where row c's byte `at` of a block lies in the tile of its 16 rows */
-static int tiled_byte(int type, int c, int at) {
-    if (type == Q4_K) {
-        if (at < 4) return 32 * (at / 2) + 2 * c + at % 2;              /* d, dmin */
-        if (at < 16) return 64 + 16 * (at - 4) + c;                     /* scales and mins */
-        const int i = at - 16;                                          /* nibbles */
-        return 256 + 64 * (8 * (i / 32) + (i % 32) / 4) + 4 * c + i % 4;
-    }
-    if (at < 128) return 288 + 64 * (8 * (at / 32) + (at % 32) / 4) + 4 * c + at % 4; /* ql */
-    if (at < 192) {                                                                   /* qh */
-        const int i = at - 128;
-        return 2336 + 64 * (8 * (i / 32) + (i % 32) / 4) + 4 * c + i % 4;
-    }
-    if (at < 208) return 32 + 16 * (at - 192) + c; /* scales */
-    return 2 * c + at - 208;                       /* d */
+/* Row c's block moved into its tile (to_tile) or back: the layout above, written as copies of runs of fixed
+   length (so that reordering a 7B model's 4 GB is ~10^9 small moves the compiler makes single loads and
+   stores, not a lookup per byte) */
+static inline void move(uint8_t *tile, uint8_t *row, int n, int to_tile) {
+    if (to_tile)
+        memcpy(tile, row, (size_t)n);
+    else
+        memcpy(row, tile, (size_t)n);
 }
 
-static int block_size(int type) { return type == Q4_K ? Q4K_BYTES : Q6K_BYTES; }
-
-/* The layout as runs: bytes at .. at + len - 1 of row c's block lie at tile + c * step .. + len - 1 (found from
-   tiled_byte once per call, so that reordering a 7B model's 4 GB is copies of runs, not a lookup per byte). */
-typedef struct {
-    int at, tile, len, step;
-} run;
-
-static int runs_of(int type, run out[80]) {
-    int count = 0;
-    for (int at = 0; at < block_size(type);) {
-        const int first = tiled_byte(type, 0, at), step = tiled_byte(type, 1, at) - first;
-        int len = 1;
-        while (at + len < block_size(type) && tiled_byte(type, 0, at + len) == first + len &&
-               tiled_byte(type, 1, at + len) - tiled_byte(type, 0, at + len) == step)
-            len++;
-        out[count++] = (run){at, first, len, step};
-        at += len;
+static inline __attribute__((always_inline)) void k_move(int type, int c, uint8_t *tile, uint8_t *row, int to_tile) {
+    if (type == Q4_K) {
+        move(tile + 2 * c, row, 2, to_tile);
+        move(tile + 32 + 2 * c, row + 2, 2, to_tile);
+        for (int i = 0; i < 12; i++) move(tile + 64 + 16 * i + c, row + 4 + i, 1, to_tile);
+        for (int pg = 0; pg < 32; pg++) move(tile + 256 + 64 * pg + 4 * c, row + 16 + 4 * pg, 4, to_tile);
+        return;
     }
-    return count;
+    for (int pg = 0; pg < 32; pg++) move(tile + 288 + 64 * pg + 4 * c, row + 4 * pg, 4, to_tile);
+    for (int ng = 0; ng < 16; ng++) move(tile + 2336 + 64 * ng + 4 * c, row + 128 + 4 * ng, 4, to_tile);
+    for (int i = 0; i < 16; i++) move(tile + 32 + 16 * i + c, row + 192 + i, 1, to_tile);
+    move(tile + 2 * c, row + 208, 2, to_tile);
 }
 
 /* the tile of 16 rows' blocks of a K-quant type (rows[c]: row c's block) */
 void kvb_ktile(int type, const uint8_t *const rows[16], uint8_t *tile) {
-    run runs[80];
-    const int count = runs_of(type, runs);
-    for (int c = 0; c < 16; c++)
-        for (int i = 0; i < count; i++) memcpy(tile + runs[i].tile + c * runs[i].step, rows[c] + runs[i].at, runs[i].len);
+    for (int c = 0; c < 16; c++) k_move(type, c, tile, (uint8_t *)rows[c], 1);
 }
 
 /* row c's block back from a tile */
-void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block) {
-    run runs[80];
-    const int count = runs_of(type, runs);
-    for (int i = 0; i < count; i++) memcpy(block + runs[i].at, tile + runs[i].tile + c * runs[i].step, runs[i].len);
-}
+void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block) { k_move(type, c, (uint8_t *)tile, block, 0); }
 
 #ifdef KVB_KTILES
 #define PREFETCH_BYTES 4096
