@@ -65,7 +65,7 @@ def run_session(engine, folder: Path, paths, questions, layout: str) -> dict:
             db.add_message(cid, "assistant", result.text, sources=layout_.sources or None)
             s = result.stats
             rows.append({"ttft_ms": s.ttft_ms, "prompt_tokens": s.prompt_tokens, "reused": s.reused_fraction,
-                         "correct": needle.is_correct(result.text, q)})
+                         "correct": needle.is_correct(result.text, q), "text": result.text})
         db.close()
         return {"warm_ms": warm_ms, "rows": rows}
     finally:
@@ -120,16 +120,19 @@ def main(argv=None) -> int:
               f"{sum(r['correct'] for r in off['rows'])}/{sum(r['correct'] for r in chunk['rows'])} |")
     if ("approx", "retrieved") in results:
         off, approx = results[("off", "retrieved")], results[("approx", "retrieved")]
-        off_total, approx_total = (sum(r["ttft_ms"] for r in x["rows"]) for x in (off, approx))
+        off_total = sum(r["ttft_ms"] for r in off["rows"])
         n = len(off["rows"])
         print(f"\nlayout: retrieved, reuse=\"approx\"   (pre-warm of the passages: {approx['warm_ms']:.0f} ms)")
-        print("| reuse | TTFT ms, all questions | speed-up vs off | reused (mean) | correct |")
-        print("|---|---|---|---|---|")
-        for name, x, total in (("off", off, off_total), ("approx", approx, approx_total)):
+        print("| reuse | TTFT ms, all questions | speed-up vs off | reused (mean) | correct | same answer as off |")
+        print("|---|---|---|---|---|---|")
+        chunk = results[("chunk", "retrieved")]
+        for name, x in (("off", off), ("chunk", chunk), ("approx", approx)):
+            total = sum(r["ttft_ms"] for r in x["rows"])
             correct = sum(r["correct"] for r in x["rows"])
+            same = sum(a["text"] == b["text"] for a, b in zip(off["rows"], x["rows"]))
             print(f"| {name} | {total:.0f} | {off_total / total:.1f}x | "
                   f"{100 * statistics.mean(r['reused'] for r in x['rows']):.0f}% | {correct}/{n} "
-                  f"({100 * correct / n:.1f}%) |")
+                  f"({100 * correct / n:.1f}%) | {same}/{n} |")
     return 0
 
 
