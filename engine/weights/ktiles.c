@@ -1,7 +1,7 @@
 /* The K-quants' weights as 16-row tiles, for CPUs with AVX-512 VNNI (gguf_blocks.c calls these; kvb_repack
    makes the tiles).
 
-   A 256-value block of one row is multiplied, in gguf_blocks.c's rows, by widening and scaling its codes before
+   A 256-value block of one row is multiplied, in gguf_dots.c's rows, by widening and scaling its codes before
    any product: ~50 instructions a block, for one output. A tile puts the same block of 16 rows side by side, so
    that each vector lane is one row: 64 bytes hold four codes of each of the 16 rows, and one _mm512_dpbusd_epi32
    with four activation codes broadcast gives all 16 rows' four products. The same bytes as the rows' blocks, in
@@ -20,7 +20,7 @@
      [288, 2336)  low nibbles: 64 bytes at 288 + 64 (8P + g), row c's ql bytes 32P + 4g .. + 3 at 4c
      [2336, 3360) high parts: 64 bytes at 2336 + 64 (8n + g), row c's qh bytes 32n + 4g .. + 3 at 4c
 
-   The sums are gguf_blocks.c's (block256_float there): per row and block the exact integer sum of the sub-block
+   The sums are gguf_dots.c's (block256_float there): per row and block the exact integer sum of the sub-block
    dots times their scales, and the exact sum of the activations' sums times the mins (Q4_K) or scales (Q6_K);
    then one rounding each into the row's float sums, blocks in order. So a tile's outputs are the rows' bit for
    bit. */
@@ -33,7 +33,7 @@
 #define KVB_KTILES 1
 #endif
 
-enum { Q4_K = 12, Q6_K = 14, Q4K_BYTES = 144, Q6K_BYTES = 210, Q4K_TILE = 16 * Q4K_BYTES, Q6K_TILE = 16 * Q6K_BYTES };
+enum { Q4K_BYTES = 144, Q6K_BYTES = 210, Q4K_TILE = 16 * Q4K_BYTES, Q6K_TILE = 16 * Q6K_BYTES };
 
 /* Row c's block moved into its tile (to_tile) or back: the layout above, written as copies of runs of fixed
    length (so that reordering a 7B model's 4 GB is ~10^9 small moves the compiler makes single loads and
@@ -46,7 +46,7 @@ static inline void move(uint8_t *tile, uint8_t *row, int n, int to_tile) {
 }
 
 static inline __attribute__((always_inline)) void k_move(int type, int c, uint8_t *tile, uint8_t *row, int to_tile) {
-    if (type == Q4_K) {
+    if (type == KVB_Q4_K) {
         move(tile + 2 * c, row, 2, to_tile);
         move(tile + 32 + 2 * c, row + 2, 2, to_tile);
         for (int i = 0; i < 12; i++) move(tile + 64 + 16 * i + c, row + 4 + i, 1, to_tile);
@@ -112,7 +112,7 @@ static inline void q4k_split(const uint8_t *w, __m512i split[64]) {
 }
 
 /* one activation row's float steps for a block: `sum` its integer sum of sub-block dots times their scales,
-   bs its code sums per 16 (block256_float in gguf_blocks.c, lane by lane) */
+   bs its code sums per 16 (block256_float in gguf_dots.c, lane by lane) */
 static inline void q4k_finish(const q4k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc,
                               __m512 *mins) {
     __m512i terms = _mm512_setzero_si512();
@@ -352,7 +352,7 @@ static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
 int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
                   int64_t k, int64_t rows, float *out, int64_t stride) {
     if (!kvb_amx() || rows % 16 || rows > AMX_ROWS || rows <= 0) return -1;
-    if (type == Q4_K)
+    if (type == KVB_Q4_K)
         q4k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
     else
         q6k_amx(w, nb, q, d, (const int16_t *)sums, k, rows, out, stride);
