@@ -42,6 +42,42 @@ void kvb_silu(const float *x, int64_t n, float *out) {
     for (int64_t i = 0; i < n; i++) out[i] = x[i] / (1.0f + expf(-x[i]));
 }
 
+/* The same two, rows split between the kernels' threads (a prefill's norms and gating were a single thread's
+   work: SiLU over 1024 x 8960 values, 28 times, ~0.8 s of a 1.5B-shaped model's 1024-token prefill). Each value
+   is computed by the same operations as above, whichever thread takes its row. */
+typedef struct {
+    const float *x, *w, *up;
+    int64_t n;
+    float eps, *out;
+} rows_job;
+
+typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
+void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
+
+static void rmsnorm_rows(void *ctx, int64_t first, int64_t end) {
+    const rows_job *j = ctx;
+    kvb_rmsnorm(j->x + first * j->n, j->w, end - first, j->n, j->eps, j->out + first * j->n);
+}
+
+static void rmsnorm_parallel(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out,
+                             int threads) {
+    rows_job job = {x, w, NULL, n, eps, out};
+    kvb_parallel(rows, rows > 1 ? threads : 1, rmsnorm_rows, &job);
+}
+
+/* out = silu(gate) * up, as kvb_silu and then the product (the one-call forward's gating) */
+static void gating_rows(void *ctx, int64_t first, int64_t end) {
+    const rows_job *j = ctx;
+    const int64_t from = first * j->n, to = end * j->n;
+    kvb_silu(j->x + from, to - from, j->out + from);
+    for (int64_t i = from; i < to; i++) j->out[i] = j->out[i] * j->up[i];
+}
+
+static void gating_parallel(const float *gate, const float *up, int64_t rows, int64_t n, float *out, int threads) {
+    rows_job job = {gate, NULL, up, n, 0.0f, out};
+    kvb_parallel(rows, rows > 1 ? threads : 1, gating_rows, &job);
+}
+
 typedef struct {
     int64_t type, n, k, row_bytes;
     const uint8_t *w;
@@ -141,7 +177,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
     int status = 0;
     for (int64_t l = 0; l < n_layers && status == 0; l++) {
         const kvb_layer *L = &layers[l];
-        kvb_rmsnorm(x, L->input_norm, m, hidden, eps, normed);
+        rmsnorm_parallel(x, L->input_norm, m, hidden, eps, normed, threads);
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->q, normed, slots, m, q, threads)) || (status = linear(&L->k, normed, slots, m, k, threads)) ||
             (status = linear(&L->v, normed, slots, m, v, threads)))
@@ -169,13 +205,12 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->o, attended, slots, m, normed, threads))) break;
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
-        kvb_rmsnorm(x, L->post_norm, m, hidden, eps, normed);
+        rmsnorm_parallel(x, L->post_norm, m, hidden, eps, normed, threads);
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->gate, normed, slots, m, gate, threads)) ||
             (status = linear(&L->up, normed, slots, m, up, threads)))
             break;
-        kvb_silu(gate, m * intermediate, mixed);
-        for (int64_t i = 0; i < m * intermediate; i++) mixed[i] = mixed[i] * up[i];
+        gating_parallel(gate, up, m, intermediate, mixed, threads);
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->down, mixed, slots, m, normed, threads))) break;
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
