@@ -10,7 +10,7 @@
 #define _GNU_SOURCE /* syscall() */
 #include "gguf_blocks.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__)
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__) /* arch_prctl */
 #include <stdatomic.h>
 #include <sys/syscall.h>
 #include <unistd.h>

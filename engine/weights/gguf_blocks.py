@@ -56,9 +56,11 @@ PREBUILT_NEEDS = ("avx2", "fma", "f16c")
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144),
                "Q6_K": (14, 256, 210)}
 ACTIVATION_BLOCK = 32  # every row's length is a multiple of this
-# -z now: every symbol bound at load, so no lazy-binding trampoline (which saves the vector state with XSAVE into a
-# buffer sized before AMX was granted) runs while a thread's tiles hold data (engine/weights/amx.c)
-FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-fPIC", "-shared", "-std=c11", "-Wl,-z,now")
+# -z now (GNU ld, so Linux only; AMX is used only there): every symbol bound at load, so no lazy-binding trampoline
+# (which saves the vector state with XSAVE into a buffer sized before AMX was granted) runs while a thread's tiles
+# hold data (engine/weights/amx.c)
+FLAGS = ("-O3", "-ffp-contract=off", "-pthread", "-fPIC", "-shared", "-std=c11",
+         *(("-Wl,-z,now",) if platform.system() == "Linux" else ()))
 MARCH_ENV_VAR = "KVBOOST_BLOCKS_MARCH"  # the CPU to build for (gcc's -march): "native" unless set
 VECTOR_PATHS = {2: "avx2+vnni", 1: "avx2", 0: "portable C"}
 KERNEL = BLOCK_KERNEL  # the name loaders and reports use for this kernel

@@ -274,7 +274,7 @@ KTILE_FNS(8)
    activations, unsigned codes), whose 256 integer dots are exact: the same integers the vector paths above sum,
    then the same integer scaling and the same float steps per row. So a row's output does not depend on whether
    AMX computed it (test: any number of rows against the weight's rows, bit for bit). */
-#if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's M_BLOCK) */
 
 /* Q4_K: out[r * stride + c] for `rows` (a multiple of 16, at most AMX_ROWS) activation rows against one tile */
