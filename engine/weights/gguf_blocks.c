@@ -180,12 +180,6 @@ int kvb_linear(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     return status;
 }
 
-/* 16 when this build multiplies tiles (AVX2 or AVX-512), else 0 (portable C) */
-int kvb_tile_rows(void) {
-    tile_fn tiles[4];
-    return kvb_tiles_for(KVB_Q4_1, tiles) ? 16 : 0;
-}
-
 /* 1 when this build multiplies weights of `type` held as tiles */
 int kvb_tiles(int type) {
     tile_fn tiles[4];

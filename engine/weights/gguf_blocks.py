@@ -178,7 +178,6 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_decoder_packed.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
-    lib.kvb_tile_rows.restype = i32
     lib.kvb_amx.restype = i32
     lib.kvb_tiles.argtypes = [i32]
     lib.kvb_tiles.restype = i32
@@ -234,7 +233,7 @@ def vector_path() -> str:
 
 def numerics() -> str:
     """Which float sums this build's outputs come from. "blocks-3": every path (portable C, AVX2 rows, AVX2 and
-    AVX-512 tiles) takes the same float steps, one rounding per block (gguf_blocks.c, block32_float and
+    AVX-512 tiles, AMX) takes the same float steps, one rounding per block (gguf_dots.c, block32_float and
     block256_float), so every build gives the same bits. Before: "avx2-2" / "portable-2" (the K-quants' float sums
     were per vector lane on the AVX2 path, in block order in portable C). Part of a model's fingerprint, so that
     a shared store never hands KV computed with other float steps."""
@@ -248,14 +247,9 @@ ATTENTION_NUMERICS = 2
 TILED = 256  # added to a type's id in a call: its weight is held as 16-row tiles (gguf_blocks.c, kvb_repack)
 
 
-def tile_rows() -> int:
-    """16 where this build multiplies weights held as 16-row tiles (AVX2 or AVX-512), else 0 (portable C)."""
-    return _library().kvb_tile_rows()
-
-
 def tiles(type_name: str) -> bool:
     """Whether this build multiplies `type_name` held as 16-row tiles: the 32-value types with AVX2 or AVX-512,
-    Q4_K with AVX-512 VNNI (engine/weights/ktiles.c)."""
+    Q4_K and Q6_K with AVX-512 VNNI (engine/weights/ktiles.c)."""
     return bool(_library().kvb_tiles(BLOCK_TYPES[type_name][0]))
 
 

@@ -277,6 +277,14 @@ KTILE_FNS(8)
 #if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's M_BLOCK) */
 
+/* activation row r's integer sum of `count` products' dots (dots[i]: 16 rows x 16 weight rows) times their scales */
+static inline __m512i scaled_sum(const int32_t (*dots)[256], const __m512i *scale, int count, int r) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < count; i++)
+        sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_load_si512(dots[i] + 16 * r), scale[i]));
+    return sum;
+}
+
 /* Q4_K: out[r * stride + c] for `rows` (a multiple of 16, at most AMX_ROWS) activation rows against one tile */
 static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int16_t *bsums, int64_t k,
                     int64_t rows, float *out, int64_t stride) {
@@ -301,11 +309,9 @@ static void q4k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
                 kvb_amx_four(a, k, codes, 128, &dots[4 * half]);
             }
             for (int r = 0; r < 16; r++) {
-                __m512i sum = _mm512_setzero_si512();
-                for (int j = 0; j < 8; j++)
-                    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_load_si512(dots[j] + 16 * r), blk.scale[j]));
                 const int64_t at = (m0 + r) * nb + b;
-                q4k_finish(&blk, sum, bsums + at * 16, d[at], &acc[m0 + r], &mins[m0 + r]);
+                q4k_finish(&blk, scaled_sum(dots, blk.scale, 8, r), bsums + at * 16, d[at], &acc[m0 + r],
+                           &mins[m0 + r]);
             }
         }
     }
@@ -336,11 +342,8 @@ static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
                 kvb_amx_four(a, k, from, 256, &dots[4 * pass]);
             }
             for (int r = 0; r < 16; r++) {
-                __m512i sum = _mm512_setzero_si512();
-                for (int s = 0; s < 16; s++)
-                    sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(_mm512_load_si512(dots[s] + 16 * r), blk.scale[s]));
                 const int64_t at = (m0 + r) * nb + b;
-                q6k_finish(&blk, sum, bsums + at * 16, d[at], &acc[m0 + r]);
+                q6k_finish(&blk, scaled_sum(dots, blk.scale, 16, r), bsums + at * 16, d[at], &acc[m0 + r]);
             }
         }
     }
