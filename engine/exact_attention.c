@@ -3,7 +3,11 @@
    or the thread count (engine/exact_attention.py). float32 throughout; each dot product and each weighted sum runs
    in a fixed order of its dimension, the softmax sums over keys in position order; its exponentials are this
    file's own (exp_one, exp8: the same bits in a vector lane as alone; libm's expf, one call per key, was a fifth
-   of a 1k-token prefill). Changing any of this changes KV: gguf_blocks.ATTENTION_NUMERICS is in the fingerprint. */
+   of a 1k-token prefill). Changing any of this changes KV: gguf_blocks.ATTENTION_NUMERICS is in the fingerprint.
+   How the work is laid out changes no bit: a forward of many rows first lays each kv head's keys out in blocks of
+   16 (value d of 16 keys together) and computes the scores of up to 16 rows of a head together, a block of keys
+   read once for all of them, and the weighted sums of 2-4 rows in one pass over the values (a prefill's keys and
+   values come from L2, and one row's products cannot hide that); a decode step reads the key rows as they are. */
 
 #include <math.h>
 #include <stdatomic.h>
@@ -84,6 +88,48 @@ static inline __attribute__((always_inline)) void dot8_f32(const float *q, const
 }
 #endif
 
+/* Keys in blocks of 16, a block [D][16] (value d of its 16 keys together), for many query rows: out[t] =
+   dot_f32(q, key t, D) * scale for the block's 16 keys t, the same bits (D a multiple of 16). dot_f32 sums value d
+   into chain d mod 16 (its s0 lanes 0-7, s1 lanes 0-7), each chain in order of d, then adds chain l and l + 8 (S_l),
+   then S_l and S_l+4, then lanes 0 + 2 and 1 + 3, then those two: here chain c is a vector over the 16 keys, so
+   the same multiply-adds and adds run with one key per lane and no shuffles. */
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void dot16_blocked(const float *q, const float *kt, const int D,
+                                                                float scale, float *out) {
+    __m512 c[16];
+    for (int l = 0; l < 16; l++) c[l] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16)
+#pragma GCC unroll 16
+        for (int l = 0; l < 16; l++)
+            c[l] = _mm512_fmadd_ps(_mm512_set1_ps(q[d + l]), _mm512_loadu_ps(kt + 16 * (d + l)), c[l]);
+    for (int l = 0; l < 8; l++) c[l] = _mm512_add_ps(c[l], c[l + 8]);
+    for (int l = 0; l < 4; l++) c[l] = _mm512_add_ps(c[l], c[l + 4]);
+    const __m512 total = _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
+    _mm512_storeu_ps(out, _mm512_mul_ps(total, _mm512_set1_ps(scale)));
+}
+#elif defined(KVA_AVX2)
+static inline __attribute__((always_inline)) void dot16_blocked(const float *q, const float *kt, const int D,
+                                                                float scale, float *out) {
+    for (int half = 0; half < 2; half++) { /* keys 0-7, then 8-15, eight per vector; chains 0-7, then 8-15 */
+        __m256 lo[8], hi[8];
+        for (int l = 0; l < 8; l++) lo[l] = hi[l] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 16)
+#pragma GCC unroll 8
+            for (int l = 0; l < 8; l++)
+                lo[l] = _mm256_fmadd_ps(_mm256_set1_ps(q[d + l]), _mm256_loadu_ps(kt + 16 * (d + l) + 8 * half), lo[l]);
+        for (int d = 0; d < D; d += 16)
+#pragma GCC unroll 8
+            for (int l = 0; l < 8; l++)
+                hi[l] = _mm256_fmadd_ps(_mm256_set1_ps(q[d + 8 + l]), _mm256_loadu_ps(kt + 16 * (d + 8 + l) + 8 * half),
+                                        hi[l]);
+        for (int l = 0; l < 8; l++) lo[l] = _mm256_add_ps(lo[l], hi[l]);
+        for (int l = 0; l < 4; l++) lo[l] = _mm256_add_ps(lo[l], lo[l + 4]);
+        const __m256 total = _mm256_add_ps(_mm256_add_ps(lo[0], lo[2]), _mm256_add_ps(lo[1], lo[3]));
+        _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+    }
+}
+#endif
+
 static inline void add_scaled(float *acc, float p, const float *x, int64_t n) { /* acc += p * x */
     int64_t d = 0;
 #ifdef KVA_AVX2
@@ -133,9 +179,28 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+static inline __m512 exp16(__m512 x) { /* exp8's operations, 16 lanes */
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_FLOOR), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-EXP_LN2_LO), r);
+    __m512 e = _mm512_set1_ps(exp_poly[6]);
+    for (int i = 5; i >= 0; i--) e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(exp_poly[i]));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, e, _mm512_castsi512_ps(bits));
+}
+#endif
+
 /* p[j] = exp(p[j] - top) for j < n, in place; the same bits for a j whichever way it is reached */
 static inline void exp_shifted(float *p, int64_t n, float top) {
     int64_t j = 0;
+#ifdef __AVX512F__
+    const __m512 t16 = _mm512_set1_ps(top);
+    for (; j + 16 <= n; j += 16) _mm512_storeu_ps(p + j, exp16(_mm512_sub_ps(_mm512_loadu_ps(p + j), t16)));
+#endif
 #ifdef KVA_AVX2
     const __m256 t = _mm256_set1_ps(top);
     for (; j + 8 <= n; j += 8) _mm256_storeu_ps(p + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), t)));
@@ -268,47 +333,84 @@ typedef struct {
     int64_t H, nq, nk, D, group;
     float scale;
     _Atomic int status;
+    float *kt; /* the keys in blocks of 16 (dot16_blocked), [B, KVH, blocks, D, 16], or NULL: key rows as given */
+    int64_t KVH, blocks;
 } attention_job;
 
-/* Row r's weights: scores[j] = exp(score_j - the row's largest) for the keys j < *span (masked ones 0), row r's
-   query, key and value bases and its last attended key in *qi, *kb, *vb, *mi, *last; 0 when the row attends no key */
-static int row_weights(const attention_job *job, int64_t r, float *scores, const float **kb, const float **vb,
-                       const uint8_t **mi_out, int64_t *last_out, int64_t *span_out) {
+/* What row r reads and writes: its query, its kv head's keys (as rows, and as blocks where job->kt holds them) and
+   values, its mask row (NULL: none), its last attended key, the keys that may be attended (span: every key under a
+   mask, else those up to the last; the rest are never read) and its output */
+typedef struct {
+    const float *q, *k, *v, *kt;
+    const uint8_t *mask;
+    int64_t last, span;
+    float *out;
+} row_view;
+
+static row_view row_of(const attention_job *job, int64_t r) {
     const int64_t H = job->H, nq = job->nq, nk = job->nk, D = job->D;
     const int64_t b = r / (H * nq), h = (r / nq) % H, i = r % nq, kv = h / job->group;
     const int64_t at = b * job->kv_batch_stride + kv * job->kv_head_stride;
-    const float *qi = job->q + r * D;
-    *kb = job->k + at, *vb = job->v + at;
-    const uint8_t *mi = job->mask ? job->mask + ((b * job->mask_heads + (job->mask_heads > 1 ? h : 0)) * nq + i) * nk
-                                  : 0;
-    const int64_t last = job->causal ? nk - nq + i : nk - 1;
-    /* the keys that may be attended: every key under a mask, else those up to the last (the rest are never read) */
-    const int64_t span = mi ? nk : (last + 1 < nk ? last + 1 : nk);
-    *mi_out = mi, *last_out = last, *span_out = span;
+    row_view w;
+    w.q = job->q + r * D, w.k = job->k + at, w.v = job->v + at;
+    w.kt = job->kt ? job->kt + (b * job->KVH + kv) * job->blocks * 16 * D : NULL;
+    w.mask = job->mask ? job->mask + ((b * job->mask_heads + (job->mask_heads > 1 ? h : 0)) * nq + i) * nk : NULL;
+    w.last = job->causal ? nk - nq + i : nk - 1;
+    w.span = w.mask ? nk : (w.last + 1 < nk ? w.last + 1 : nk);
+    w.out = job->out + ((b * nq + i) * H + h) * D;
+    return w;
+}
+
+#ifdef KVA_AVX2
+static inline void scores_of_block(const float *q, const float *block, int64_t D, float scale, float *out) {
+    if (D == 64) dot16_blocked(q, block, 64, scale, out);
+    else if (D == 128) dot16_blocked(q, block, 128, scale, out);
+    else dot16_blocked(q, block, (int)D, scale, out);
+}
+#endif
+
+/* scores[j] = scale * q . k_j for the keys j < span that may be attended (from blocks: whole blocks) */
+static void row_scores(const attention_job *job, const row_view *w, float *scores) {
+    const int64_t D = job->D, span = w->span;
+    int64_t j = 0;
+#ifdef KVA_AVX2
+    if (w->kt)
+        for (; j < span; j += 16) scores_of_block(w->q, w->kt + j * D, D, job->scale, scores + j);
+    else if (D % 16 == 0)
+        for (; j + 8 <= span; j += 8) dot8_f32(w->q, w->k + j * D, D, job->scale, scores + j);
+#endif
+    for (; j < span; j++) /* the rest one at a time */
+        if (!(w->mask ? !w->mask[j] : j > w->last)) scores[j] = dot_f32(w->q, w->k + j * D, D) * job->scale;
+}
+
+/* The scores of a row made its weights in place: exp(score_j - the row's largest) for j < span (masked keys 0);
+   0 when the row attends no key */
+static int row_softmax(const row_view *w, float *scores) {
+    const int64_t span = w->span;
     float top = -INFINITY;
     int any = 0;
     int64_t j = 0;
-#ifdef KVA_AVX2
-    if (D % 16 == 0)
-        for (; j + 8 <= span; j += 8) dot8_f32(qi, *kb + j * D, D, job->scale, scores + j);
-#endif
-    for (; j < span; j++) /* the rest one at a time; then masks and the largest, in order */
-        if (!(mi ? !mi[j] : j > last)) scores[j] = dot_f32(qi, *kb + j * D, D) * job->scale;
-    if (mi) {
+    if (w->mask) {
         for (j = 0; j < span; j++) {
-            if (!mi[j]) {
+            if (!w->mask[j]) {
                 scores[j] = -INFINITY; /* weight 0 */
                 continue;
             }
             if (!any || scores[j] > top) top = scores[j];
             any = 1;
         }
-    } else if (span > 0) { /* every key up to span attended: the largest score, 8 lanes at a time */
+    } else if (span > 0) { /* every key up to span attended: the largest score, in four chains of 8 lanes */
         any = 1;
         top = scores[0];
-        j = 0;
 #ifdef KVA_AVX2
-        __m256 lanes = _mm256_set1_ps(top);
+        __m256 lanes = _mm256_set1_ps(top), more = lanes, third = lanes, fourth = lanes;
+        for (; j + 32 <= span; j += 32) {
+            lanes = _mm256_max_ps(_mm256_loadu_ps(scores + j), lanes);
+            more = _mm256_max_ps(_mm256_loadu_ps(scores + j + 8), more);
+            third = _mm256_max_ps(_mm256_loadu_ps(scores + j + 16), third);
+            fourth = _mm256_max_ps(_mm256_loadu_ps(scores + j + 24), fourth);
+        }
+        lanes = _mm256_max_ps(_mm256_max_ps(lanes, more), _mm256_max_ps(third, fourth));
         for (; j + 8 <= span; j += 8) lanes = _mm256_max_ps(_mm256_loadu_ps(scores + j), lanes);
         float lane[8];
         _mm256_storeu_ps(lane, lanes);
@@ -316,64 +418,169 @@ static int row_weights(const attention_job *job, int64_t r, float *scores, const
 #endif
         for (; j < span; j++) top = scores[j] > top ? scores[j] : top;
     }
-    /* the weights: exp over every score up to the last attended key (then summed, the attended ones, in position
-       order, with the weighted sum) */
+    /* exp over every score up to span (then summed, the attended ones, in position order, with the weighted sum) */
     if (any) exp_shifted(scores, span, top);
     return any;
 }
 
-static void attention_rows(void *ctx, int64_t first, int64_t end) {
-    attention_job *job = ctx;
-    const int64_t H = job->H, nq = job->nq, nk = job->nk, D = job->D;
-    float *scores = malloc((size_t)(nk > 0 ? 2 * nk : 2) * sizeof(float)), *more = scores + (nk > 0 ? nk : 1);
-    float *acc = malloc((size_t)(2 * D) * sizeof(float));
-    if (!scores || !acc) {
-        atomic_store(&job->status, -2);
-        free(scores);
-        free(acc);
-        return;
-    }
+static int row_weights(const attention_job *job, const row_view *w, float *scores) {
+    row_scores(job, w, scores);
+    return row_softmax(w, scores);
+}
+
+static void write_row(const row_view *w, const float *acc, float total, int64_t D) {
+    for (int64_t d = 0; d < D; d++) w->out[d] = acc[d] / total;
+}
+
+/* Rows one or two at a time (keys as rows: decode, a few rows) */
+static void rows_alone(const attention_job *job, int64_t first, int64_t end, float *scores, float *more,
+                       float *acc) {
+    const int64_t D = job->D;
     for (int64_t r = first; r < end; r++) {
-        const int64_t b = r / (H * nq), h = (r / nq) % H, i = r % nq;
-        float *o = job->out + ((b * nq + i) * H + h) * D;
-        const float *kb, *vb;
-        const uint8_t *mi;
-        int64_t last, span;
-        const int any = row_weights(job, r, scores, &kb, &vb, &mi, &last, &span);
+        const row_view w = row_of(job, r);
+        const int any = row_weights(job, &w, scores);
 #ifdef KVA_AVX2
         /* the next row of the same head, causal and unmasked: both weighted sums in one pass over v */
-        if (!mi && (D == 64 || D == 128) && r + 1 < end && i + 1 < nq && any && last >= 0) {
-            const float *kb2, *vb2;
-            const uint8_t *mi2;
-            int64_t last2, span2;
-            if (row_weights(job, r + 1, more, &kb2, &vb2, &mi2, &last2, &span2)) {
-                float *o2 = job->out + ((b * nq + i + 1) * H + h) * D;
+        if (!w.mask && (D == 64 || D == 128) && r + 1 < end && (r + 1) % job->nq && any && w.last >= 0) {
+            const row_view w2 = row_of(job, r + 1);
+            if (row_weights(job, &w2, more)) {
                 float totals[2];
-                if (D == 64) weighted_sum_pair(acc, acc + D, scores, more, vb, last + 1, last2 + 1, 64, totals);
-                else weighted_sum_pair(acc, acc + D, scores, more, vb, last + 1, last2 + 1, 128, totals);
-                for (int64_t d = 0; d < D; d++) o[d] = acc[d] / totals[0];
-                for (int64_t d = 0; d < D; d++) o2[d] = acc[D + d] / totals[1];
+                if (D == 64) weighted_sum_pair(acc, acc + D, scores, more, w.v, w.last + 1, w2.last + 1, 64, totals);
+                else weighted_sum_pair(acc, acc + D, scores, more, w.v, w.last + 1, w2.last + 1, 128, totals);
+                write_row(&w, acc, totals[0], D);
+                write_row(&w2, acc + D, totals[1], D);
                 r++;
                 continue;
             }
         }
 #endif
         if (!any) {
-            memset(o, 0, (size_t)D * sizeof(float));
+            memset(w.out, 0, (size_t)D * sizeof(float));
             continue;
         }
-        const float total = weighted_sum(acc, scores, vb, mi, nk, last, D);
-        for (int64_t d = 0; d < D; d++) o[d] = acc[d] / total;
+        write_row(&w, acc, weighted_sum(acc, scores, w.v, w.mask, job->nk, w.last, D), D);
     }
+}
+
+#ifdef KVA_AVX2
+#define TILE 16 /* query rows of one head whose scores are computed together, a block of keys read once for all */
+
+#ifdef __AVX512F__
+/* weighted_sum_fixed for R rows of one head without a mask, row g attending keys 0 .. n[g] - 1 with the weights
+   p + g * stride: each row's sums the very same multiply-adds and adds, in the same order, as alone; the rows share
+   each value row's reads */
+static inline __attribute__((always_inline)) void weighted_sum_rows(float *acc, const float *p, int64_t stride,
+                                                                    const float *vb, const int64_t *n, const int R,
+                                                                    const int D, float *totals) {
+    __m512 a[16];
+    int64_t most = 0;
+    for (int g = 0; g < R; g++) totals[g] = 0.0f, most = n[g] > most ? n[g] : most;
+    for (int x = 0; x < R * (D / 16); x++) a[x] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < most; j++)
+#pragma GCC unroll 4
+        for (int g = 0; g < R; g++) {
+            if (j >= n[g]) continue;
+            totals[g] += p[g * stride + j];
+            const __m512 pv = _mm512_set1_ps(p[g * stride + j]);
+#pragma GCC unroll 8
+            for (int c = 0; c < D / 16; c++)
+                a[g * (D / 16) + c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vb + j * D + 16 * c), a[g * (D / 16) + c]);
+        }
+    for (int x = 0; x < R * (D / 16); x++) _mm512_storeu_ps(acc + 16 * x, a[x]);
+}
+#endif
+
+/* Rows in tiles of up to TILE rows of one head, the keys from job->kt: each block of keys read once for the
+   tile's scores, the values once for a group of rows (4 rows of 64 values, 2 of 128) */
+static void rows_tiled(const attention_job *job, int64_t first, int64_t end, float *scores, int64_t width,
+                       float *acc) {
+    const int64_t D = job->D;
+    row_view w[TILE];
+    int any[TILE];
+    for (int64_t r = first; r < end;) {
+        const int64_t left_in_head = job->nq - r % job->nq;
+        int R = (int)(end - r < TILE ? end - r : TILE);
+        R = left_in_head < R ? (int)left_in_head : R;
+        int64_t most = 0;
+        for (int g = 0; g < R; g++) w[g] = row_of(job, r + g), most = w[g].span > most ? w[g].span : most;
+        for (int64_t j = 0; j < most; j += 16) /* block outer, rows inner: the block stays in L1 */
+            for (int g = 0; g < R; g++)
+                if (j < w[g].span) scores_of_block(w[g].q, w[g].kt + j * D, D, job->scale, scores + g * width + j);
+        for (int g = 0; g < R; g++) any[g] = row_softmax(&w[g], scores + g * width);
+        for (int g = 0; g < R;) {
+#ifdef __AVX512F__
+            const int G = D == 64 ? 4 : D == 128 ? 2 : 0;
+            int together = G && g + G <= R;
+            for (int x = g; together && x < g + G; x++) together = !w[x].mask && any[x];
+            if (together) {
+                int64_t n[4];
+                float totals[4];
+                for (int x = 0; x < G; x++) n[x] = w[g + x].span;
+                if (D == 64) weighted_sum_rows(acc, scores + g * width, width, w[g].v, n, 4, 64, totals);
+                else weighted_sum_rows(acc, scores + g * width, width, w[g].v, n, 2, 128, totals);
+                for (int x = 0; x < G; x++) write_row(&w[g + x], acc + x * D, totals[x], D);
+                g += G;
+                continue;
+            }
+#endif
+            if (!any[g]) memset(w[g].out, 0, (size_t)D * sizeof(float));
+            else write_row(&w[g], acc, weighted_sum(acc, scores + g * width, w[g].v, w[g].mask, job->nk, w[g].last, D),
+                           D);
+            g++;
+        }
+        r += R;
+    }
+}
+#endif
+
+static void attention_rows(void *ctx, int64_t first, int64_t end) {
+    attention_job *job = ctx;
+    const int64_t width = 16 * (job->nk / 16 + 1); /* a row's scores, whole blocks of 16 */
+    const int64_t rows = job->kt ? 16 : 2;
+    float *scores = malloc((size_t)(rows * width) * sizeof(float));
+    float *acc = malloc((size_t)(4 * job->D) * sizeof(float));
+    if (!scores || !acc) atomic_store(&job->status, -2);
+#ifdef KVA_AVX2
+    else if (job->kt) rows_tiled(job, first, end, scores, width, acc);
+#endif
+    else rows_alone(job, first, end, scores, scores + width, acc);
     free(scores);
     free(acc);
 }
+
+/* job->kt's blocks [first, end) of all (batch, kv head)s: block i of a kv head holds its keys 16i .. 16i + 15
+   (past the last key: 0) */
+static void block_keys(void *ctx, int64_t first, int64_t end) {
+    attention_job *job = ctx;
+    const int64_t D = job->D;
+    for (int64_t i = first; i < end; i++) {
+        const int64_t at = i / job->blocks, block = i % job->blocks, b = at / job->KVH, kv = at % job->KVH;
+        const float *keys = job->k + b * job->kv_batch_stride + kv * job->kv_head_stride;
+        float *kt = job->kt + i * 16 * D;
+        for (int64_t t = 0; t < 16; t++) {
+            const int64_t j = 16 * block + t;
+            for (int64_t d = 0; d < D; d++) kt[16 * d + t] = j < job->nk ? keys[j * D + d] : 0.0f;
+        }
+    }
+}
+
+/* Queries per kv head from which the keys are laid out in blocks first: the copy costs about what one query's
+   scores do */
+#define BLOCKED_FROM 8
 
 int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,
                   const uint8_t *mask, int64_t mask_heads, int causal, float *out, int64_t B, int64_t H, int64_t KVH,
                   int64_t nq, int64_t nk, int64_t D, float scale, int threads) {
     attention_job job = {q, k, v, kv_batch_stride, kv_head_stride, mask, mask_heads, causal, out, H, nq, nk, D,
-                         H / KVH, scale, 0};
+                         H / KVH, scale, 0, NULL, KVH, (nk + 15) / 16};
+#ifdef KVA_AVX2
+    if (D % 16 == 0 && nq * (H / KVH) >= BLOCKED_FROM && nk > 0) {
+        job.kt = malloc((size_t)(B * KVH * job.blocks * 16 * D) * sizeof(float));
+        if (!job.kt) return -2;
+        kvb_parallel(B * KVH * job.blocks, threads, block_keys, &job);
+    }
+#endif
     kvb_parallel(B * H * nq, threads, attention_rows, &job);
+    free(job.kt);
     return atomic_load(&job.status);
 }
