@@ -1,0 +1,130 @@
+"""`python -m bench step`: where one decode step's time goes, and whether torch.compile of what runs in torch pays.
+
+A decode step of a model under the one-call forward (engine.block_forward) is: the embedding and rotary table in
+torch, every layer in one C call, the final norm and the head (C kernels called from torch modules), the greedy
+pick, and the Python between them. This loads the model as the engine does (weights="auto", ROWS attention, the
+one-call forward), prefills a prompt, and times decode steps, each part timed inside the step: the layers (the C
+call with its preparation: embedding, rotary table, cache reservation), the head (final norm and head), and the
+rest (the module call, the checks before it, the greedy pick).
+
+With `--compile` a second copy of the model runs alongside, the step's one pure-torch part (the rotary table)
+under torch.compile; the two take turns step by step, so the machine's noise hits them alike, and the table says
+whether their greedy tokens stayed equal. The rest cannot be compiled into a graph: the layers, the norm, the
+head and the GGUF embedding are C calls through ctypes (graph breaks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import torch
+
+from engine.block_forward import use_block_forward, uses_block_forward
+from engine.exact_attention import use_exact_attention
+from engine.live_cache import GrowingCache
+from engine.weights.loader import load_model, pick_device, resolve_source
+
+from .decode import prompt_ids
+
+PARTS = ("layers", "head")
+
+
+def _timed(owner, name: str, spent: dict[str, list[float]], part: str) -> None:
+    """Wraps owner.name (an instance attribute from now on) so each call's seconds go to spent[part]."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[part].append(time.perf_counter() - start)
+
+    setattr(owner, name, wrapper)
+
+
+def load(source, device, compiled: bool):
+    model, tokenizer = load_model(source, device, torch.float32, weights="auto")
+    use_exact_attention(model)
+    if not use_block_forward(model):
+        raise SystemExit("bench step: this model does not run under the one-call forward (its weights are not "
+                         "all GGUF blocks, or the block kernel is unavailable)")
+    if compiled:
+        model.model.rotary_emb.forward = torch.compile(model.model.rotary_emb.forward, dynamic=True)
+    return model, tokenizer
+
+
+@torch.inference_mode()
+def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, compile_too: bool = False) -> dict:
+    """{row: {"step": median ms, "layers": ..., "head": ..., "rest": ..., "same": bool}}."""
+    dev = pick_device(device)
+    src = resolve_source(source)
+    rows = {"eager": load(src, dev, False)}
+    if compile_too:
+        rows["torch.compile (rotary table)"] = load(src, dev, True)
+    ids = prompt_ids(rows["eager"][1], prompt_tokens)
+    spent = {name: {part: [] for part in PARTS} for name in rows}
+    state = {}
+    for name, (model, _) in rows.items():
+        assert uses_block_forward(model)
+        _timed(model.forward, "_layers_over", spent[name], "layers")
+        _timed(model.model.norm, "forward", spent[name], "head")
+        _timed(model.lm_head, "forward", spent[name], "head")
+        cache = GrowingCache()
+        out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
+                    logits_to_keep=1)
+        state[name] = [cache, out.logits[:, -1:].argmax(-1)]
+    totals = {name: [] for name in rows}
+    tokens = {name: [] for name in rows}
+    warm = min(20, steps // 4)
+    for step in range(warm + steps):
+        for name, (model, _) in rows.items():
+            if step == warm:
+                for part in PARTS:
+                    spent[name][part].clear()
+            cache, token = state[name]
+            start = time.perf_counter()
+            out = model(input_ids=token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+            if step >= warm:
+                totals[name].append(time.perf_counter() - start)
+            state[name][1] = token
+            tokens[name].append(int(token))
+    result = {}
+    for name in rows:
+        per_step = {part: 1e3 * sum(spent[name][part]) / len(totals[name]) for part in PARTS}
+        step_ms = 1e3 * statistics.median(totals[name])
+        result[name] = {"step": step_ms, **per_step, "rest": step_ms - sum(per_step.values()),
+                        "same": tokens[name] == tokens["eager"]}
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| row | step ms (median) | layers ms | head ms | rest ms | tokens as eager |", "|---|---|---|---|---|---|"]
+    for name, r in result.items():
+        lines.append(f"| {name} | {r['step']:.2f} | {r['layers']:.2f} | {r['head']:.2f} | {r['rest']:.2f} | "
+                     f"{'yes' if r['same'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a GGUF file or hub name (default: the embedded model)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="also the step with its torch parts compiled")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = run(args.model, prompt_tokens=args.prompt_tokens, steps=args.steps, compile_too=args.compile)
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
