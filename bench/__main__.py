@@ -13,7 +13,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reuse": ("bench.reuse", "TTFT of the reuse modes side by side: multiturn, sysprompt, rag, needle (the default)"),
     "decode": ("bench.decode", "weight formats side by side: prefill, decode, the bandwidth roofline, llama.cpp"),
     "shapes": ("bench.shapes", "a real model's shape (1.5b, 7b; random weights) against llama.cpp on the same file"),
-    "step": ("bench.step", "where a decode step's time goes (the C call, the head, the rest); --compile: torch.compile"),
+    "step": ("bench.step", "where a decode step's time goes (the C call, the head, the rest); --compile too"),
     "exactness": ("bench.exactness", "greedy answers with EXACT/PREFIX hits against uncached ones, per weight format"),
     "streaming": ("bench.streaming", "int4 layer streaming against the resident model"),
     "speculative": ("bench.speculative", "prompt-lookup speculative decoding against one token per forward"),

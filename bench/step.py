@@ -104,7 +104,8 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
 
 
 def table(result: dict) -> str:
-    lines = ["| row | step ms (median) | layers ms | head ms | rest ms | tokens as eager |", "|---|---|---|---|---|---|"]
+    lines = ["| row | step ms (median) | layers ms | head ms | rest ms | tokens as eager |",
+             "|---|---|---|---|---|---|"]
     for name, r in result.items():
         lines.append(f"| {name} | {r['step']:.2f} | {r['layers']:.2f} | {r['head']:.2f} | {r['rest']:.2f} | "
                      f"{'yes' if r['same'] else 'NO'} |")

@@ -26,9 +26,13 @@
 
 /* ---- activations ---- */
 
+/* fmaxf for a running largest (never NaN) and a value: the value where larger, so a NaN value is passed over as
+   fmaxf passes it over; unlike fmaxf, inlined and vectorised (gcc calls libm's fmaxf for each value) */
+static inline float largest(float sofar, float value) { return value > sofar ? value : sofar; }
+
 static void quantize_block(const float *x, int n, int8_t *q, float *d) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) amax = largest(amax, fabsf(x[i]));
     const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < n; i++) q[i] = (int8_t)(int)nearbyintf(x[i] * inverse);
     *d = scale;
@@ -36,7 +40,7 @@ static void quantize_block(const float *x, int n, int8_t *q, float *d) {
 
 static void quantize_block16(const float *x, int n, int16_t *q, float *d) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) amax = largest(amax, fabsf(x[i]));
     const float scale = amax / 32767.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < n; i++) q[i] = (int16_t)(int)nearbyintf(x[i] * inverse);
     *d = scale;

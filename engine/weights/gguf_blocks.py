@@ -47,7 +47,8 @@ ENGINE_DIR = SOURCE.parent.parent  # exact_attention.c and block_forward.c live 
 SOURCES = (SOURCE, SOURCE.with_name("gguf_dots.c"), SOURCE.with_name("gguf_layout.c"), SOURCE.with_name("ktiles.c"),
            SOURCE.with_name("amx.c"), ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
            SOURCE.with_name("thread_pool.c"))
-HEADERS = (SOURCE.with_name("gguf_blocks.h"),)  # included by the sources: part of a build's key, shipped beside them
+HEADERS = (SOURCE.with_name("gguf_blocks.h"), ENGINE_DIR / "own_exp.h")  # included by the sources: part of a
+# build's key, shipped beside them
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
@@ -232,12 +233,14 @@ def vector_path() -> str:
 
 
 def numerics() -> str:
-    """Which float sums this build's outputs come from. "blocks-3": every path (portable C, AVX2 rows, AVX2 and
+    """Which float sums this build's outputs come from. "blocks-4": every path (portable C, AVX2 rows, AVX2 and
     AVX-512 tiles, AMX) takes the same float steps, one rounding per block (gguf_dots.c, block32_float and
-    block256_float), so every build gives the same bits. Before: "avx2-2" / "portable-2" (the K-quants' float sums
-    were per vector lane on the AVX2 path, in block order in portable C). Part of a model's fingerprint, so that
-    a shared store never hands KV computed with other float steps."""
-    return "blocks-3"
+    block256_float), so every build gives the same bits, and SiLU's exponential is the library's own
+    (engine/own_exp.h; libm's expf before, which other C libraries compute otherwise). Before: "blocks-3" (libm's
+    expf), "avx2-2" / "portable-2" (the K-quants' float sums were per vector lane on the AVX2 path, in block order
+    in portable C). Part of a model's fingerprint, so that a shared store never hands KV computed with other float
+    steps."""
+    return "blocks-4"
 
 
 # The arithmetic of engine/exact_attention.c (built into this library), in a model's fingerprint where it attends

@@ -167,6 +167,27 @@ def test_its_norm_and_silu_are_an_rms_norm_and_silu_and_change_the_fingerprint(f
     assert fingerprint(model) != before  # KV computed with transformers' norms is never served to these
 
 
+def test_silu_gives_each_value_the_same_bits_in_a_vector_as_alone_and_stays_near_silu():
+    """kvb_silu takes 16 (or 8) values at a time and the rest one by one: a value's result must not depend on
+    where in the tensor it sits, since a prompt's cut decides that (the exponential is the library's own)."""
+    silu = RowSiLU()
+    values = torch.cat([torch.linspace(-100, 100, 4001), torch.randn(2000) * 6,
+                        torch.tensor([0.0, -0.0, 87.9, 88.0, 88.1, -87.9, -88.0, -88.1, 1e-30, -1e-30,
+                                      float("inf"), float("-inf"), float("nan"), 3.4e38, -3.4e38])])
+    with torch.inference_mode():
+        together = silu(values)
+        alone = torch.cat([silu(values[i:i + 1]) for i in range(values.numel())])
+        shifted = silu(values[3:])  # every value in another lane
+    assert torch.equal(together.view(torch.int32), alone.view(torch.int32))
+    assert torch.equal(together[3:].view(torch.int32), shifted.view(torch.int32))
+    finite = values.isfinite()
+    exact = torch.nn.functional.silu(values[finite].double())
+    # past exp's ceiling (x < -88) the result is -0 where silu is at most 6e-37 from it
+    assert ((together[finite].double() - exact).abs() <= 4e-7 * exact.abs() + 6e-37).all()
+    assert together[values == float("inf")].item() == float("inf")
+    assert together[values.isnan()].isnan().all()
+
+
 def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_thread):
     from engine import EngineConfig, KVBoost
 
