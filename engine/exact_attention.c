@@ -511,9 +511,10 @@ static void block_keys(void *ctx, int64_t first, int64_t end) {
     }
 }
 
-/* Queries per kv head from which the keys are laid out in blocks first: the copy costs about what one query's
-   scores do */
-#define BLOCKED_FROM 8
+/* Query rows per kv head from which the keys are laid out in blocks first. Measured on the 135M model at 1k
+   context: a 5-token check (15 rows) costs 1.71x a one-token step with the blocks, 1.63x without; 11 and 22
+   tokens cost the same either way; a 1k prefill's attention is 1.4x faster with them. */
+#define BLOCKED_FROM 64
 
 int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,
                   const uint8_t *mask, int64_t mask_heads, int causal, float *out, int64_t B, int64_t H, int64_t KVH,

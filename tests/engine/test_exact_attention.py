@@ -116,9 +116,10 @@ print(json.dumps({"path": gguf_blocks.vector_path(),
 
 def cases():
     """Shapes every path of the kernel takes: head sizes 64 and 128 (sums in registers, rows in pairs), 48 (keys
-    eight at a time, sums in memory), 36 (one key at a time); causal with more keys than queries; a mask."""
+    eight at a time, sums in memory), 36 (one key at a time); enough rows for the keys in blocks of 16 (64 rows per
+    kv head and more: 64 and 48); causal with more keys than queries; a mask."""
     out = []
-    for dim, nq, nk in ((64, 21, 37), (128, 9, 9), (48, 5, 19), (36, 4, 11)):
+    for dim, nq, nk in ((64, 21, 37), (128, 9, 9), (48, 5, 19), (36, 4, 11), (64, 40, 53), (48, 33, 33)):
         q, k, v = qkv(batch=1, heads=4, kv_heads=2, n=nk, dim=dim, seed=dim)
         out.append((q[:, :, nk - nq:], k, v, None, True, dim ** -0.5))
     q, k, v = qkv(batch=1, heads=2, kv_heads=1, n=23, dim=64, seed=3)
