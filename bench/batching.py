@@ -9,6 +9,11 @@ while 7 others are decoding, against its TTFT alone on the same server.
 
     python -m bench batching                   # float weights, 48 new tokens per stream
     python -m bench batching --weights int4 --tokens 32
+    python -m bench batching --weights int4 --engine-only   # the same streams without HTTP and clients
+
+`--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
+against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
+engine alone, against what reaches a client.
 """
 
 from __future__ import annotations
@@ -148,13 +153,63 @@ def run(weights: str, max_tokens: int, counts: list[int]) -> int:
     return 0
 
 
+def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 3) -> int:
+    """The streams of `run` through two engine workers, one at a time (max_batch 1) against batched (8): the
+    median over `rounds` of the wall time until all finished."""
+    from cli.kvboost import quiet_transformers
+    from engine import KVBoost
+    from engine.generate import Result
+    from engine.worker import EngineWorker
+
+    quiet_transformers()
+    base = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
+    workers = {"fifo": (EngineWorker(name="bench-fifo", max_batch=1), base.with_options()),
+               "batched": (EngineWorker(name="bench-batched", max_batch=8), base.with_options())}
+
+    def all_done(name: str, prompts: list[list[int]]) -> tuple[float, list[str]]:
+        worker, engine = workers[name]
+        start = time.perf_counter()
+        jobs = [worker.submit(lambda cancel, ids=ids: engine.stream(ids, cancel=cancel, max_new_tokens=max_tokens,
+                                                                    temperature=0.0)) for ids in prompts]
+        texts = [next(event.text for event in job if isinstance(event, Result)) for job in jobs]
+        return time.perf_counter() - start, texts
+
+    print(f"# Batching in the engine alone ({weights} weights, up to {max_tokens} new tokens per stream)\n")
+    print("| streams | all done, one at a time | all done, batched | sooner | same text |")
+    print("|---|---|---|---|---|")
+    for n in counts:
+        questions = [QUESTIONS[i % len(QUESTIONS)].format(n=3 + i // len(QUESTIONS)) for i in range(n)]
+        prompts = [list(base.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=True)["input_ids"])
+                   for q in questions]
+        for name in workers:
+            all_done(name, prompts[:1])  # one-time start-up costs
+        seconds = {name: [] for name in workers}
+        texts = {}
+        for _ in range(rounds):  # alternating: the machine's noise hits both alike
+            for name in workers:
+                spent, texts[name] = all_done(name, prompts)
+                seconds[name].append(spent)
+        fifo, batched = statistics.median(seconds["fifo"]), statistics.median(seconds["batched"])
+        same = sum(a == b for a, b in zip(texts["fifo"], texts["batched"]))
+        print(f"| {n} | {fifo:.2f} s | {batched:.2f} s | {fifo / batched:.2f}x | {same}/{n} |")
+    for worker, _ in workers.values():
+        worker.stop()
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weights", default="float", choices=["float", "int4"])
     parser.add_argument("--tokens", type=int, default=48, help="max new tokens per stream (default 48)")
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts (default 1,2,4,8)")
+    parser.add_argument("--engine-only", action="store_true",
+                        help="the same streams straight to the engine's worker: no server, HTTP or clients")
     args = parser.parse_args(argv)
-    return run(args.weights, args.tokens, [int(n) for n in args.streams.split(",")])
+    counts = [int(n) for n in args.streams.split(",")]
+    if args.engine_only:
+        return engine_only(args.weights, args.tokens, counts)
+    return run(args.weights, args.tokens, counts)
 
 
 if __name__ == "__main__":
