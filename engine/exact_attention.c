@@ -409,8 +409,9 @@ static void rows_alone(const attention_job *job, int64_t first, int64_t end, flo
     }
 }
 
-#ifdef KVA_AVX2
 #define TILE 16 /* query rows of one head whose scores are computed together, a block of keys read once for all */
+
+#ifdef KVA_AVX2
 
 #ifdef __AVX512F__
 /* weighted_sum_fixed for R rows of one head without a mask, row g attending keys 0 .. n[g] - 1 with the weights
@@ -483,7 +484,7 @@ static void rows_tiled(const attention_job *job, int64_t first, int64_t end, flo
 static void attention_rows(void *ctx, int64_t first, int64_t end) {
     attention_job *job = ctx;
     const int64_t width = 16 * (job->nk / 16 + 1); /* a row's scores, whole blocks of 16 */
-    const int64_t rows = job->kt ? 16 : 2;
+    const int64_t rows = job->kt ? TILE : 2;
     float *scores = malloc((size_t)(rows * width) * sizeof(float));
     float *acc = malloc((size_t)(4 * job->D) * sizeof(float));
     if (!scores || !acc) atomic_store(&job->status, -2);
@@ -523,9 +524,8 @@ int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_bat
                          H / KVH, scale, 0, NULL, KVH, (nk + 15) / 16};
 #ifdef KVA_AVX2
     if (D % 16 == 0 && nq * (H / KVH) >= BLOCKED_FROM && nk > 0) {
-        job.kt = malloc((size_t)(B * KVH * job.blocks * 16 * D) * sizeof(float));
-        if (!job.kt) return -2;
-        kvb_parallel(B * KVH * job.blocks, threads, block_keys, &job);
+        job.kt = malloc((size_t)(B * KVH * job.blocks * 16 * D) * sizeof(float)); /* a copy of the keys */
+        if (job.kt) kvb_parallel(B * KVH * job.blocks, threads, block_keys, &job); /* else: the key rows, slower */
     }
 #endif
     kvb_parallel(B * H * nq, threads, attention_rows, &job);
