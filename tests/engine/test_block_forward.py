@@ -6,6 +6,11 @@ computed from stale pointers; a model it cannot run is left as it was."""
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +191,30 @@ def test_silu_gives_each_value_the_same_bits_in_a_vector_as_alone_and_stays_near
     assert ((together[finite].double() - exact).abs() <= 4e-7 * exact.abs() + 6e-37).all()
     assert together[values == float("inf")].item() == float("inf")
     assert together[values.isnan()].isnan().all()
+
+
+SILU_CHILD = """
+import json, sys, torch
+from engine.block_forward import RowSiLU
+from engine.weights import gguf_blocks
+values = torch.tensor(json.loads(sys.stdin.read()))
+print(json.dumps({"path": gguf_blocks.vector_path(), "bits": RowSiLU()(values).view(torch.int32).tolist()}))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="builds for another x86 CPU")
+def test_an_avx2_build_gives_silu_the_same_bits_as_this_build(tmp_path):
+    """Eight lanes (AVX2) and sixteen (AVX-512) run the same exponential: KV of one is served to the other."""
+    values = torch.cat([torch.linspace(-100, 100, 2001), torch.randn(999) * 6])
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "KVBOOST_CACHE_DIR": str(tmp_path), "KVBOOST_BLOCKS_MARCH": "haswell"}
+    done = subprocess.run([sys.executable, "-c", SILU_CHILD], cwd=root, env=env, input=json.dumps(values.tolist()),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["path"] == "avx2"
+    with torch.inference_mode():
+        assert result["bits"] == RowSiLU()(values).view(torch.int32).tolist()
 
 
 def test_an_engine_over_blocks_answers_through_the_one_call_forward(files, one_thread):
