@@ -379,10 +379,11 @@ static void write_row(const row_view *w, const float *acc, float total, int64_t 
     for (int64_t d = 0; d < D; d++) w->out[d] = acc[d] / total;
 }
 
-/* Rows one or two at a time (keys as rows: decode, a few rows) */
+/* Rows one or two at a time (keys as rows: decode, a few rows); `more`: the second row's scores (AVX2 pairs) */
 static void rows_alone(const attention_job *job, int64_t first, int64_t end, float *scores, float *more,
                        float *acc) {
     const int64_t D = job->D;
+    (void)more; /* unused in a portable build */
     for (int64_t r = first; r < end; r++) {
         const row_view w = row_of(job, r);
         const int any = row_weights(job, &w, scores);
