@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from .gguf_blocks import ATTENTION_NUMERICS, BlockEmbedding, BlockLinear
+from .gguf_blocks import ATTENTION_NUMERICS, BlockEmbedding, BlockLinear, vector_path
 from .gguf_blocks import numerics as block_numerics
 from .head import Int4Embedding, Int8Embedding, Int8Linear
 from .int4 import Int4Linear
@@ -30,8 +30,10 @@ def fingerprint(model) -> str:
     h.update(json.dumps(relevant, sort_keys=True, default=str).encode())
     # The attention implementation (sdpa, eager, ...) rounds differently, and to_dict() leaves it out.
     attention = getattr(model.config, '_attn_implementation', None)
-    if attention == "rows_exact":  # engine.exact_attention's kernel: its arithmetic's version too
-        attention = f"{attention}-{ATTENTION_NUMERICS}"
+    if attention == "rows_exact":  # engine.exact_attention's kernel: its arithmetic's version too, and whether
+        # this build sums in vector chains (AVX2 and AVX-512 alike) or in order (portable C: other last bits)
+        portable = "-portable" if vector_path() == "portable C" else ""
+        attention = f"{attention}-{ATTENTION_NUMERICS}{portable}"
     h.update(f"attn:{attention}".encode())
     for name, param in model.named_parameters():
         flat = param.detach().reshape(-1)

@@ -141,3 +141,35 @@ def test_an_avx2_build_attends_with_the_same_bits_as_this_build(tmp_path):
     assert result["path"] == "avx2"
     for got, (q, k, v, mask, causal, scale) in zip(result["out"], cases(), strict=True):
         assert torch.equal(torch.tensor(got), rows(q, k, v, mask, causal, scale))
+
+
+FINGERPRINT_CHILD = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from engine.exact_attention import ROWS, register
+from engine.weights.fingerprint import fingerprint
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1))
+model.config._attn_implementation = register(ROWS)
+print(fingerprint(model))
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="builds for other x86 CPUs")
+def test_a_portable_build_files_its_kv_apart_from_a_vector_builds(tmp_path):
+    """A portable C build sums a dot product in order, a vector build in 16 chains: their rows differ in the last
+    bits, so a shared store must never hand one's KV to the other. AVX2 and AVX-512 builds give the same bits
+    (above) and share a fingerprint."""
+    root = Path(__file__).resolve().parents[2]
+
+    def fingerprint_with(march: str) -> str:
+        env = {**os.environ, "KVBOOST_CACHE_DIR": str(tmp_path / march), "KVBOOST_BLOCKS_MARCH": march}
+        done = subprocess.run([sys.executable, "-c", FINGERPRINT_CHILD], cwd=root, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip().splitlines()[-1]
+
+    native = fingerprint_with("native")
+    assert fingerprint_with("haswell") == native
+    assert fingerprint_with("x86-64") != native
