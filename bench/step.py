@@ -1,11 +1,12 @@
 """`python -m bench step`: where one decode step's time goes, and whether torch.compile of what runs in torch pays.
 
-A decode step of a model under the one-call forward (engine.block_forward) is: the embedding and rotary table in
-torch, every layer in one C call, the final norm and the head (C kernels called from torch modules), the greedy
-pick, and the Python between them. This loads the model as the engine does (weights="auto", ROWS attention, the
-one-call forward), prefills a prompt, and times decode steps, each part timed inside the step: the layers (the C
-call with its preparation: embedding, rotary table, cache reservation), the head (final norm and head), and the
-rest (the module call, the checks before it, the greedy pick).
+A decode step of a model under the one-call forward (engine.block_forward) is: the embedding (a C kernel over a
+GGUF's table) and the rotary table (torch), every layer in one C call, the final norm and the head (C kernels
+called from torch modules), the greedy pick, and the Python between them. This loads the model as the engine does
+(weights="auto", ROWS attention, the one-call forward), prefills a prompt, and times decode steps, each part timed
+inside the step: the layers (the C call with its preparation: embedding, rotary table, cache reservation), the
+head (final norm and head), and the rest (the module call, the checks before it, the greedy pick). The step is a
+median; the parts are means per step, and the rest is the step less the parts.
 
 With `--compile` a second copy of the model runs alongside, the step's one pure-torch part (the rotary table)
 under torch.compile; the two take turns step by step, so the machine's noise hits them alike, and the table says
@@ -23,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from engine.block_forward import use_block_forward, uses_block_forward
+from engine.block_forward import use_block_forward
 from engine.exact_attention import use_exact_attention
 from engine.live_cache import GrowingCache
 from engine.weights.loader import load_model, pick_device, resolve_source
@@ -60,7 +61,7 @@ def load(source, device, compiled: bool):
 
 @torch.inference_mode()
 def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, compile_too: bool = False) -> dict:
-    """{row: {"step": median ms, "layers": ..., "head": ..., "rest": ..., "same": bool}}."""
+    """{row: {"step": median ms, "layers": mean ms, "head": mean ms, "rest": step less the parts, "same": bool}}."""
     dev = pick_device(device)
     src = resolve_source(source)
     rows = {"eager": load(src, dev, False)}
@@ -70,7 +71,6 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
     spent = {name: {part: [] for part in PARTS} for name in rows}
     state = {}
     for name, (model, _) in rows.items():
-        assert uses_block_forward(model)
         _timed(model.forward, "_layers_over", spent[name], "layers")
         _timed(model.model.norm, "forward", spent[name], "head")
         _timed(model.lm_head, "forward", spent[name], "head")
@@ -104,7 +104,7 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
 
 
 def table(result: dict) -> str:
-    lines = ["| row | step ms (median) | layers ms | head ms | rest ms | tokens as eager |",
+    lines = ["| row | step ms (median) | layers ms (mean) | head ms (mean) | rest ms | tokens as eager |",
              "|---|---|---|---|---|---|"]
     for name, r in result.items():
         lines.append(f"| {name} | {r['step']:.2f} | {r['layers']:.2f} | {r['head']:.2f} | {r['rest']:.2f} | "
