@@ -9,7 +9,8 @@ A graph replays fixed addresses and shapes, so the step is written for that: the
 written into two small device tensors the graph reads; each layer's new key and value are written into the live
 cache's own block buffer (engine.live_cache.GrowingLayer) at that position (`index_copy_`), and attention runs
 over the whole buffer, the positions past the new token masked out. (Masked positions still meet the values
-in the product with the attention weights, 0 x value: GrowingLayer keeps them finite, zeros until written.)
+in the product with the attention weights, 0 x value: the step zeroes the room past the filled part once per
+set of buffers, since the cache leaves it uninitialised.)
 A graph therefore belongs to one set of buffers: it is captured again when the cache grows into new ones (every
 BLOCK_TOKENS tokens) or a new request brings its own. Afterwards the layers' `keys` / `values` views are moved
 one position on, so everything else (the store, crop, a drafted forward through transformers) sees the cache it
@@ -80,6 +81,7 @@ class GraphDecode:
         self.position = torch.zeros(1, 1, dtype=torch.long, device=device)  # ... and the position it is written at
         self._graph = None
         self._graph_buffers: tuple = ()  # the buffers the graph was captured over
+        self._cleared_buffers: tuple = ()  # the buffers whose unfilled room was zeroed (held: never recycled)
         self._logits: torch.Tensor | None = None  # [1, 1, V], the graph's output (overwritten by each replay)
         self.captures = 0  # graphs captured so far (one per set of buffers) ...
         self.capture_s = 0.0  # ... and the host time they took, warm-up runs included
@@ -116,6 +118,14 @@ class GraphDecode:
                 layer.keys = layer._key_buffer[:, :, :length]
                 layer.values = layer._value_buffer[:, :, :length]
         buffers = tuple((layer._key_buffer, layer._value_buffer) for layer in layers)
+        if not self._same_buffers(buffers, self._cleared_buffers):
+            # the room past the filled part is attended, masked (0 x value): zeros there, whatever memory the
+            # cache was given (a CPU cache's is uninitialised: a NaN there would make every logit NaN); once per
+            # set of buffers, before anything in a new block is written
+            for keys, values in buffers:
+                keys[:, :, length:].zero_()
+                values[:, :, length:].zero_()
+            self._cleared_buffers = buffers
         self.token.fill_(token_id)
         self.position.fill_(length)
         if not self.capture:
@@ -131,9 +141,13 @@ class GraphDecode:
         return logits[0, -1].clone()
 
     def _captured_over(self, buffers: tuple) -> bool:
-        return len(buffers) == len(self._graph_buffers) and all(
+        return self._same_buffers(buffers, self._graph_buffers)
+
+    @staticmethod
+    def _same_buffers(buffers: tuple, seen: tuple) -> bool:
+        return len(buffers) == len(seen) and all(
             k.data_ptr() == gk.data_ptr() and v.data_ptr() == gv.data_ptr() and k.shape == gk.shape
-            for (k, v), (gk, gv) in zip(buffers, self._graph_buffers))
+            for (k, v), (gk, gv) in zip(buffers, seen))
 
     def _record(self, buffers: tuple) -> None:
         """Captures the step over `buffers` into a private memory pool (the previous graph and its output

@@ -99,14 +99,12 @@ class GrowingLayer(DynamicLayer):
     def _grow(self, length: int, new_length: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         capacity = -(-(new_length + 1) // BLOCK_TOKENS) * BLOCK_TOKENS  # room for the next token at least
         batch, heads, _, key_dim = key_states.shape
-        # Zeros on CUDA: the room past the filled part is read, masked, by the CUDA-graph decode step
-        # (engine.graph_decode), whose 0-weight x value products must not meet a NaN from recycled memory. Nothing
-        # reads past the filled part elsewhere, and zeroing a new request's buffers (12 MB on the embedded model,
-        # pages faulted in and cleared) was 8% of a batched CPU step.
-        make = torch.zeros if key_states.device.type == "cuda" else torch.empty
-        keys = make(batch, heads, capacity, key_dim, dtype=key_states.dtype, device=key_states.device)
-        values = make(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype,
-                      device=value_states.device)
+        # Uninitialised: nothing reads past the filled part but the CUDA-graph decode step (engine.graph_decode),
+        # which zeroes that room itself; zeroing a new request's buffers here (12 MB on the embedded model, pages
+        # faulted in and cleared) was 8% of a batched CPU step.
+        keys = torch.empty(batch, heads, capacity, key_dim, dtype=key_states.dtype, device=key_states.device)
+        values = torch.empty(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype,
+                             device=value_states.device)
         if length:
             keys[:, :, :length].copy_(self.keys)
             values[:, :, :length].copy_(self.values)

@@ -45,6 +45,25 @@ def test_the_graph_step_computes_what_the_forward_computes(arch):
         torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
 
 
+def test_the_room_past_the_filled_part_may_hold_anything():
+    """The step attends over the whole buffer, the unfilled room masked; a CPU cache leaves that room
+    uninitialised (recycled memory may hold NaN, and 0 x NaN is NaN): the step must not depend on what is there."""
+    model = build_model("llama")
+    step = GraphDecode(model, capture=False)
+    prompt = random_ids(40, seed=6)
+    reference, logits = _prefilled(model, prompt)
+    poisoned, _ = _prefilled(model, prompt)
+    with torch.inference_mode():
+        for layer in poisoned.layers:
+            layer._key_buffer[:, :, len(prompt):] = float("nan")
+            layer._value_buffer[:, :, len(prompt):] = float("inf")
+    for _ in range(3):
+        token = int(logits.argmax())
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([[token]]), past_key_values=reference, use_cache=True).logits[0, -1]
+        torch.testing.assert_close(step(token, poisoned), logits, atol=1e-4, rtol=1e-4)
+
+
 def test_the_graph_step_takes_over_a_cache_transformers_keeps_writing():
     # a drafted forward through transformers between two graph steps: each sees what the other wrote
     model = build_model("llama")
