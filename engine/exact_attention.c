@@ -4,10 +4,11 @@
    in a fixed order of its dimension, the softmax sums over keys in position order; its exponentials are this
    library's own (own_exp.h: the same bits in a vector lane as alone; libm's expf, one call per key, was a fifth
    of a 1k-token prefill). Changing any of this changes KV: gguf_blocks.ATTENTION_NUMERICS is in the fingerprint.
-   How the work is laid out changes no bit: a forward of many rows first lays each kv head's keys out in blocks of
-   16 (value d of 16 keys together) and computes the scores of up to 16 rows of a head together, a block of keys
-   read once for all of them, and the weighted sums of 2-4 rows in one pass over the values (a prefill's keys and
-   values come from L2, and one row's products cannot hide that); a decode step reads the key rows as they are. */
+   How the work is laid out changes no bit: the rows that read one kv head (its query heads' rows: 3 in a decode
+   step of a model with 3 query heads per kv head, 15 in a check of 5 tokens) are computed as a tile, each block of
+   keys read once for all of them while it is in L1, and the weighted sums of up to 4 rows in one pass over the
+   values. A forward of many rows first lays each kv head's keys out in blocks of 16 (value d of 16 keys together);
+   a decode step or a check reads the key rows as they are (a copy would cost more than it saves). */
 
 #include <math.h>
 #include <stdatomic.h>
@@ -410,7 +411,7 @@ static void rows_alone(const attention_job *job, int64_t first, int64_t end, flo
     }
 }
 
-#define TILE 16 /* query rows of one head whose scores are computed together, a block of keys read once for all */
+#define TILE 16 /* query rows of one kv head whose scores are computed together, a block of keys read once for all */
 
 #ifdef KVA_AVX2
 
@@ -439,36 +440,79 @@ static inline __attribute__((always_inline)) void weighted_sum_rows(float *acc, 
 }
 #endif
 
-/* Rows in tiles of up to TILE rows of one head, the keys from job->kt: each block of keys read once for the
-   tile's scores, the values once for a group of rows (4 rows of 64 values, 2 of 128) */
+/* How many rows from r form a tile: up to TILE rows of [r, end) that read one kv head (of one or more of its query
+   heads: rows r are ordered by batch, query head, query, so a kv head's rows are consecutive) */
+static int tile_rows(const attention_job *job, int64_t r, int64_t end) {
+    const int64_t per_kv = job->group * job->nq, left = per_kv - r % per_kv;
+    const int64_t R = end - r < TILE ? end - r : TILE;
+    return (int)(left < R ? left : R);
+}
+
+/* row_scores for the R rows of a tile, a block of keys read once for all of them (block outer, rows inner: the
+   block stays in L1): blocks of 16 from job->kt, else 8 key rows at a time by dot8_f32, the rest of each row's keys
+   one at a time. Each score is the same function of its query and key as in row_scores. */
+static void tile_scores(const attention_job *job, const row_view *w, int R, int64_t most, float *scores,
+                        int64_t width) {
+    const int64_t D = job->D;
+    if (w[0].kt) {
+        for (int64_t j = 0; j < most; j += 16)
+            for (int g = 0; g < R; g++)
+                if (j < w[g].span) scores_of_block(w[g].q, w[g].kt + j * D, D, job->scale, scores + g * width + j);
+        return;
+    }
+    if (D % 16 == 0)
+        for (int64_t j = 0; j + 8 <= most; j += 8)
+            for (int g = 0; g < R; g++)
+                if (j + 8 <= w[g].span) dot8_f32(w[g].q, w[g].k + j * D, D, job->scale, scores + g * width + j);
+    for (int g = 0; g < R; g++) {
+        float *row = scores + g * width;
+        for (int64_t j = D % 16 == 0 ? w[g].span / 8 * 8 : 0; j < w[g].span; j++)
+            if (!(w[g].mask ? !w[g].mask[j] : j > w[g].last)) row[j] = dot_f32(w[g].q, w[g].k + j * D, D) * job->scale;
+    }
+}
+
+#ifdef __AVX512F__
+/* weighted_sum_rows for the `count` (1-4) rows from g, with the number of rows a constant of each call */
+static void weighted_sums_of(float *acc, const float *p, int64_t stride, const float *vb, const int64_t *n,
+                             int count, int64_t D, float *totals) {
+    if (D == 64) {
+        switch (count) {
+        case 1: weighted_sum_rows(acc, p, stride, vb, n, 1, 64, totals); return;
+        case 2: weighted_sum_rows(acc, p, stride, vb, n, 2, 64, totals); return;
+        case 3: weighted_sum_rows(acc, p, stride, vb, n, 3, 64, totals); return;
+        default: weighted_sum_rows(acc, p, stride, vb, n, 4, 64, totals); return;
+        }
+    }
+    if (count == 1) weighted_sum_rows(acc, p, stride, vb, n, 1, 128, totals);
+    else weighted_sum_rows(acc, p, stride, vb, n, 2, 128, totals);
+}
+#endif
+
+/* Rows in tiles of up to TILE rows of one kv head (tile_rows): each block of keys read once for the tile's scores
+   (tile_scores), the values once for a group of rows (up to 4 rows of 64 values, 2 of 128) */
 static void rows_tiled(const attention_job *job, int64_t first, int64_t end, float *scores, int64_t width,
                        float *acc) {
     const int64_t D = job->D;
     row_view w[TILE];
     int any[TILE];
     for (int64_t r = first; r < end;) {
-        const int64_t left_in_head = job->nq - r % job->nq;
-        int R = (int)(end - r < TILE ? end - r : TILE);
-        R = left_in_head < R ? (int)left_in_head : R;
+        const int R = tile_rows(job, r, end);
         int64_t most = 0;
         for (int g = 0; g < R; g++) w[g] = row_of(job, r + g), most = w[g].span > most ? w[g].span : most;
-        for (int64_t j = 0; j < most; j += 16) /* block outer, rows inner: the block stays in L1 */
-            for (int g = 0; g < R; g++)
-                if (j < w[g].span) scores_of_block(w[g].q, w[g].kt + j * D, D, job->scale, scores + g * width + j);
+        tile_scores(job, w, R, most, scores, width);
         for (int g = 0; g < R; g++) any[g] = row_softmax(&w[g], scores + g * width);
         for (int g = 0; g < R;) {
 #ifdef __AVX512F__
             const int G = D == 64 ? 4 : D == 128 ? 2 : 0;
-            int together = G && g + G <= R;
-            for (int x = g; together && x < g + G; x++) together = !w[x].mask && any[x];
-            if (together) {
+            int count = 0; /* the rows from g, up to G, that attend some key and have no mask */
+            while (count < G && g + count < R && !w[g + count].mask && any[g + count]) count++;
+            if (count) {
                 int64_t n[4];
                 float totals[4];
-                for (int x = 0; x < G; x++) n[x] = w[g + x].span;
-                if (D == 64) weighted_sum_rows(acc, scores + g * width, width, w[g].v, n, 4, 64, totals);
-                else weighted_sum_rows(acc, scores + g * width, width, w[g].v, n, 2, 128, totals);
-                for (int x = 0; x < G; x++) write_row(&w[g + x], acc + x * D, totals[x], D);
-                g += G;
+                for (int x = 0; x < count; x++) n[x] = w[g + x].span;
+                weighted_sums_of(acc, scores + g * width, width, w[g].v, n, count, D, totals);
+                for (int x = 0; x < count; x++) write_row(&w[g + x], acc + x * D, totals[x], D);
+                g += count;
                 continue;
             }
 #endif
@@ -482,15 +526,25 @@ static void rows_tiled(const attention_job *job, int64_t first, int64_t end, flo
 }
 #endif
 
+/* Tiles (rows_tiled) where the keys are in blocks, and wherever this build has AVX-512 (its weighted sums of up to
+   4 rows); else rows one or two at a time (rows_alone: AVX2's pairs, the portable build) */
+#if defined(KVA_AVX2) && defined(__AVX512F__)
+#define TILED(job) 1
+#elif defined(KVA_AVX2)
+#define TILED(job) ((job)->kt != NULL)
+#else
+#define TILED(job) 0
+#endif
+
 static void attention_rows(void *ctx, int64_t first, int64_t end) {
     attention_job *job = ctx;
     const int64_t width = 16 * (job->nk / 16 + 1); /* a row's scores, whole blocks of 16 */
-    const int64_t rows = job->kt ? TILE : 2;
+    const int64_t rows = TILED(job) ? (end - first < TILE ? end - first : TILE) : 2;
     float *scores = malloc((size_t)(rows * width) * sizeof(float));
     float *acc = malloc((size_t)(4 * job->D) * sizeof(float));
     if (!scores || !acc) atomic_store(&job->status, -2);
 #ifdef KVA_AVX2
-    else if (job->kt) rows_tiled(job, first, end, scores, width, acc);
+    else if (TILED(job)) rows_tiled(job, first, end, scores, width, acc);
 #endif
     else rows_alone(job, first, end, scores, scores + width, acc);
     free(scores);
@@ -514,8 +568,10 @@ static void block_keys(void *ctx, int64_t first, int64_t end) {
 }
 
 /* Query rows per kv head from which the keys are laid out in blocks first. Measured on the 135M model at 1k
-   context: a 5-token check (15 rows) costs 1.71x a one-token step with the blocks, 1.63x without; 11 and 22
-   tokens cost the same either way; a 1k prefill's attention is 1.4x faster with them. */
+   context on a Xeon (AVX-512, two FMA units), before tiles spanned a kv head's query heads: a 5-token check (15
+   rows) cost 1.71x a one-token step with the blocks, 1.63x without; a 1k prefill's attention was 1.4x faster with
+   them. On an EPYC (Zen 4), tiles over the key rows are 4-12% faster than the blocks at 64 and 1k rows: the copy
+   and the tiles' shuffle-free sums come out about even there. */
 #define BLOCKED_FROM 64
 
 int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,

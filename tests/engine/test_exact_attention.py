@@ -115,12 +115,15 @@ print(json.dumps({"path": gguf_blocks.vector_path(),
 
 
 def cases():
-    """Shapes every path of the kernel takes: head sizes 64 and 128 (sums in registers, rows in pairs), 48 (keys
-    eight at a time, sums in memory), 36 (one key at a time); enough rows for the keys in blocks of 16 (64 rows per
-    kv head and more: 64 and 48); causal with more keys than queries; a mask."""
+    """Shapes every path of the kernel takes: head sizes 64 and 128 (sums in registers, rows in pairs or in groups
+    of up to 4 and 2), 48 (keys eight at a time, sums in memory), 36 (one key at a time); enough rows for the keys
+    in blocks of 16 (64 rows per kv head and more: 64 and 48); three query heads per kv head, so that a tile of
+    rows spans heads and its last group of weighted sums is short (a check of 5 tokens and one of 3); causal with
+    more keys than queries; a mask."""
     out = []
-    for dim, nq, nk in ((64, 21, 37), (128, 9, 9), (48, 5, 19), (36, 4, 11), (64, 40, 53), (48, 33, 33)):
-        q, k, v = qkv(batch=1, heads=4, kv_heads=2, n=nk, dim=dim, seed=dim)
+    for dim, heads, nq, nk in ((64, 4, 21, 37), (128, 4, 9, 9), (48, 4, 5, 19), (36, 4, 4, 11), (64, 4, 40, 53),
+                               (48, 4, 33, 33), (64, 6, 5, 203), (128, 6, 3, 70), (64, 6, 1, 90)):
+        q, k, v = qkv(batch=1, heads=heads, kv_heads=2, n=nk, dim=dim, seed=dim + heads)
         out.append((q[:, :, nk - nq:], k, v, None, True, dim ** -0.5))
     q, k, v = qkv(batch=1, heads=2, kv_heads=1, n=23, dim=64, seed=3)
     mask = torch.rand(1, 1, 23, 23, generator=torch.Generator().manual_seed(1)) > 0.3
