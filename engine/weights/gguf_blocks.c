@@ -103,7 +103,7 @@ int kvb_activation_block(int type) { return activation_block(type % KVB_TILED); 
 
 typedef struct {
     dot_fn dots[4];
-    tile_fn tiles[4]; /* or NULL */
+    tile_fn tiles[MAX_ROWS]; /* by rows taken at once, or all NULL */
     const uint8_t *w, *acts, *sum_bytes;
     const float *d;
     int64_t n, k, nb, row_bytes, row, per_block, m;
@@ -127,19 +127,19 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
                               j->y + i * n + first, n) == 0)
                 i += whole;
         }
-        for (int size = 3; size >= 0; size--) /* activation rows 8, then 4, 2 and 1 at a time */
-            for (; i + (1 << size) <= upto; i += 1 << size) {
-                const int8_t *acts = (const int8_t *)(j->acts + i * row);
-                const float *d = j->d + i * nb;
-                const uint8_t *sums = j->sum_bytes + i * nb * per_block;
-                if (j->tiles[0]) { /* tiled: the task is one tile */
-                    j->tiles[size](j->w + first * j->row_bytes, nb, acts, d, (const int32_t *)sums, j->k,
-                                   j->y + i * n + first, n);
-                    continue;
-                }
-                for (int64_t r = first; r < last; r++)
-                    j->dots[size](j->w + r * j->row_bytes, nb, acts, d, sums, j->k, j->y + i * n + r, n);
+        if (j->tiles[0]) /* tiled: the task is one tile; as many rows at once as it has a kernel for, up to 8 */
+            while (i < upto) {
+                int rows = upto - i < MAX_ROWS ? (int)(upto - i) : MAX_ROWS;
+                while (!j->tiles[rows - 1]) rows--;
+                j->tiles[rows - 1](j->w + first * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
+                                   (const int32_t *)(j->sum_bytes + i * nb * per_block), j->k, j->y + i * n + first, n);
+                i += rows;
             }
+        for (int size = 3; size >= 0; size--) /* weight rows one at a time: activation rows 8, then 4, 2, 1 */
+            for (; i + (1 << size) <= upto; i += 1 << size)
+                for (int64_t r = first; r < last; r++)
+                    j->dots[size](j->w + r * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
+                                  j->sum_bytes + i * nb * per_block, j->k, j->y + i * n + r, n);
       }
     }
 }
@@ -147,8 +147,9 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
 /* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums); type
    + KVB_TILED: W held as tiles (kvb_repack). Returns 0, or -1 for a type or layout this build does not multiply.
    Output rows are split between threads in tasks of ROWS_PER_TASK weight rows; a task takes the activation rows
-   eight at a time, then four, two and one (a weight block is decoded once for the rows taken together; each row's
-   sums are the same however they are taken). */
+   up to eight at a time (a tile: any number from 1 to 8 where the type has a kernel for it; weight rows one at a
+   time: 8, then 4, 2 and 1); a weight block is decoded once for the rows taken together, and each row's sums are
+   the same however they are taken. */
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads) {
     matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y, 0};
@@ -186,7 +187,7 @@ int kvb_linear(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
 
 /* 1 when this build multiplies weights of `type` held as tiles */
 int kvb_tiles(int type) {
-    tile_fn tiles[4];
+    tile_fn tiles[MAX_ROWS];
     return kvb_tiles_for(type, tiles);
 }
 

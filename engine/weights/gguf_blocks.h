@@ -75,12 +75,14 @@ void kvb_amx_release(void);
 int kvb_ktile_amx(int type, const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,
                   int64_t k, int64_t rows, float *out, int64_t stride);
 
-/* a weight row's dot with R activation rows (R = 1, 2, 4, 8: dots[0..3]), and a 16-row tile's (gguf_dots.c) */
+/* a weight row's dot with R activation rows (R = 1, 2, 4, 8: dots[0..3]), and a 16-row tile's (R = 1 .. 8 where
+   the build has them: tiles[R - 1]) (gguf_dots.c) */
 typedef void (*dot_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const void *, int64_t, float *,
                        int64_t);
 typedef void (*tile_fn)(const uint8_t *, int64_t, const int8_t *, const float *, const int32_t *, int64_t, float *,
                         int64_t);
 int kvb_dots_for(int type, dot_fn dots[4]);
-int kvb_tiles_for(int type, tile_fn tiles[4]); /* 0 where this build has no tiles for the type */
+#define MAX_ROWS 8 /* activation rows multiplied at once */
+int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]); /* 0 where this build has no tiles for the type */
 
 #endif

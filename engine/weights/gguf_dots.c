@@ -66,7 +66,6 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
    tok/s on a 2-core Xeon, 102-105 with it; 2048-8192 bytes measured alike, 256 barely helped). */
 #define PREFETCH_BYTES 4096
 
-#define MAX_ROWS 8 /* activation rows multiplied at once */
 
 /* Q4_0, Q4_1, Q8_0 against A32 (int16 activations), one weight row at a time (weights whose row count is not a
    multiple of 16, and the portable build's twin below): a block's exact integer dot (the codes widened to int16,
@@ -393,7 +392,9 @@ DOTS(dot_q6_k, dots256, KVB_Q6_K, int16_t)
                            int64_t k, float *out, int64_t stride) {                                               \
         tile32(TYPE, R, w, nb, q, d, s, k, out, stride);                                                          \
     }
-#define ALL_TILES(NAME, TYPE) TILES(NAME, TYPE, 1) TILES(NAME, TYPE, 2) TILES(NAME, TYPE, 4) TILES(NAME, TYPE, 8)
+#define ALL_TILES(NAME, TYPE)                                                                                     \
+    TILES(NAME, TYPE, 1) TILES(NAME, TYPE, 2) TILES(NAME, TYPE, 3) TILES(NAME, TYPE, 4) TILES(NAME, TYPE, 5)     \
+    TILES(NAME, TYPE, 6) TILES(NAME, TYPE, 7) TILES(NAME, TYPE, 8)
 ALL_TILES(tile_q4_0, KVB_Q4_0)
 ALL_TILES(tile_q4_1, KVB_Q4_1)
 ALL_TILES(tile_q8_0, KVB_Q8_0)
@@ -409,15 +410,22 @@ KVB_KTILE_DECLS(kvb_q4k_tile)
 KVB_KTILE_DECLS(kvb_q6k_tile)
 #endif
 
-/* the 16-row tiles for 1, 2, 4 and 8 activation rows (tiles[0..3]), or 0 where this build has none for the type */
-int kvb_tiles_for(int type, tile_fn tiles[4]) {
-#define KVB_TILE_SET(NAME) tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_4, tiles[3] = NAME##_8
+/* the 16-row tiles for R activation rows at once (tiles[R - 1], R = 1 .. MAX_ROWS; NULL for an R taken in smaller
+   parts: the K-quants have 1, 2, 4 and 8), or 0 where this build has none for the type. The 32-value types take 3,
+   5, 6 or 7 rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded
+   the tile's weights again for each. */
+int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]) {
+    for (int r = 0; r < MAX_ROWS; r++) tiles[r] = 0;
+#define KVB_KTILE_SET(NAME) tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[3] = NAME##_4, tiles[7] = NAME##_8
+#define KVB_TILE_SET(NAME)                                                                                         \
+    tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_3, tiles[3] = NAME##_4, tiles[4] = NAME##_5,      \
+    tiles[5] = NAME##_6, tiles[6] = NAME##_7, tiles[7] = NAME##_8
 #ifdef KVB_KTILES
     if (type == KVB_Q4_K || type == KVB_Q6_K) {
         if (type == KVB_Q4_K)
-            KVB_TILE_SET(kvb_q4k_tile);
+            KVB_KTILE_SET(kvb_q4k_tile);
         else
-            KVB_TILE_SET(kvb_q6k_tile);
+            KVB_KTILE_SET(kvb_q6k_tile);
         return 1;
     }
 #endif
@@ -428,9 +436,10 @@ int kvb_tiles_for(int type, tile_fn tiles[4]) {
     case KVB_Q8_0: KVB_TILE_SET(tile_q8_0); return 1;
     default: break;
     }
-#undef KVB_TILE_SET
 #endif
-    (void)type, (void)tiles;
+#undef KVB_KTILE_SET
+#undef KVB_TILE_SET
+    (void)type;
     return 0;
 }
 
