@@ -14,6 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("bench.decode", "weight formats side by side: prefill, decode, the bandwidth roofline, llama.cpp"),
     "shapes": ("bench.shapes", "a real model's shape (1.5b, 7b; random weights) against llama.cpp on the same file"),
     "step": ("bench.step", "where a decode step's time goes (the C call, the head, the rest); --compile too"),
+    "kernels": ("bench.kernels", "the C kernels by rows at once: a check's or a batch's cost against one token"),
     "exactness": ("bench.exactness", "greedy answers with EXACT/PREFIX hits against uncached ones, per weight format"),
     "streaming": ("bench.streaming", "int4 layer streaming against the resident model"),
     "speculative": ("bench.speculative", "prompt-lookup speculative decoding against one token per forward"),

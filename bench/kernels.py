@@ -1,0 +1,117 @@
+"""`python -m bench kernels`: the C kernels alone, by the number of rows computed at once: what a check of drafted
+tokens or a batch of streams costs against one token, before any Python.
+
+- The block kernel's product for 1-8 activation rows (a speculative check's positions, a batch's streams): one
+  Q4_1 weight of the embedded model's MLP shape (1536 x 576) held as tiles, as the engine holds it, multiplied by
+  R rows; the weight rotates between enough copies to miss the caches, as a decode step's weights do. Per R: the
+  median microseconds, GMAC/s, and the cost against one row.
+- Row attention for a decode step (1 position) and checks (4, 5, 9 positions) at a given context, the embedded
+  model's heads (9 query heads, 3 kv heads of 64): the median microseconds of one layer's call over a cache's
+  buffer, and the cost against one position.
+
+Medians of alternating calls (the machine's noise hits every row alike); the threads are the engine's
+(`--threads`). The numbers compare row counts within one run: a row that costs 2x one row makes a check of that
+many positions cost about that much more in the layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.weights import gguf_blocks
+
+OUT, COLUMNS = 1536, 576  # the embedded model's gate / up projection
+BLOCK_BYTES = 20  # Q4_1: fp16 scale, fp16 offset, 16 bytes of codes per 32 values
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def q4_1_weight(seed: int) -> torch.Tensor:
+    """The stored bytes of a random Q4_1 weight [OUT, COLUMNS], as tiles: random codes, small positive scales."""
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 256, (OUT, COLUMNS // 32, BLOCK_BYTES), dtype=np.uint8)
+    for offset in (0, 2):
+        scales = rng.uniform(1e-3, 2e-2, data.shape[:2]).astype(np.float16)
+        data[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
+    blocks = torch.from_numpy(data.reshape(OUT, -1))
+    tiles = gguf_blocks.as_tiles(blocks, "Q4_1", COLUMNS)
+    return blocks if tiles is None else tiles
+
+
+def products(rows: Sequence[int], calls: int, copies: int) -> list[dict]:
+    """Per row count: median us of one product, GMAC/s, and the cost against one row."""
+    tiled = gguf_blocks.tiles("Q4_1")
+    weights = [q4_1_weight(seed) for seed in range(copies)]
+    inputs = {r: torch.randn(r, COLUMNS) for r in rows}
+    spent: dict[int, list[float]] = {r: [] for r in rows}
+    for call in range(calls):
+        for r in rows:
+            weight = weights[(call * len(rows) + r) % copies]
+            start = time.perf_counter()
+            gguf_blocks.matmul(weight, "Q4_1", COLUMNS, inputs[r], tiled=tiled)
+            spent[r].append(time.perf_counter() - start)
+    one = statistics.median(spent[rows[0]]) if rows[0] == 1 else None
+    out = []
+    for r in rows:
+        seconds = statistics.median(spent[r])
+        out.append({"rows": r, "us": 1e6 * seconds, "gmacs": r * OUT * COLUMNS / seconds / 1e9,
+                    "cost": seconds / one if one else float("nan")})
+    return out
+
+
+def attention(positions: Sequence[int], context: int, calls: int, threads: int) -> list[dict]:
+    """Per number of positions: median us of one layer's row attention over `context` cached keys (a cache's
+    buffer with room to spare, as the one-call forward hands it), and the cost against one position."""
+    lib = gguf_blocks.library()
+    room = context + max(positions) + 64
+    keys = torch.randn(KV_HEADS, room, HEAD_DIM)
+    values = torch.randn(KV_HEADS, room, HEAD_DIM)
+    queries = {n: torch.randn(HEADS, n, HEAD_DIM) for n in positions}
+    spent: dict[int, list[float]] = {n: [] for n in positions}
+    for _ in range(calls):
+        for n in positions:
+            out = torch.empty(n, HEADS, HEAD_DIM)
+            start = time.perf_counter()
+            status = lib.kvb_attention(queries[n].data_ptr(), keys.data_ptr(), values.data_ptr(), 0, room * HEAD_DIM,
+                                       None, 1, 1, out.data_ptr(), 1, HEADS, KV_HEADS, n, context + n, HEAD_DIM,
+                                       ctypes.c_float(HEAD_DIM ** -0.5), threads)
+            spent[n].append(time.perf_counter() - start)
+            if status != 0:
+                raise MemoryError("no scratch memory for attention")
+    one = statistics.median(spent[positions[0]])
+    return [{"positions": n, "us": 1e6 * statistics.median(spent[n]), "cost": statistics.median(spent[n]) / one}
+            for n in positions]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=400, help="calls per row count (alternating)")
+    parser.add_argument("--copies", type=int, default=200, help="weight copies rotated (200 x 0.55 MB: past L3)")
+    parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
+    args = parser.parse_args(argv)
+    if reason := gguf_blocks.unavailable("cpu"):
+        raise SystemExit(f"bench kernels: no block kernel here: {reason}")
+    torch.set_num_threads(args.threads)
+    print(f"Q4_1 {OUT} x {COLUMNS} {'as tiles' if gguf_blocks.tiles('Q4_1') else 'as rows'}, "
+          f"{args.threads} threads, {args.copies} weight copies, medians of {args.calls} calls")
+    print("| rows | us | GMAC/s | cost / one row |\n|---|---|---|---|")
+    for r in products(list(range(1, 9)), args.calls, args.copies):
+        print(f"| {r['rows']} | {r['us']:.1f} | {r['gmacs']:.1f} | {r['cost']:.2f}x |")
+    for context in (int(c) for c in args.context.split(",")):
+        print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached tokens")
+        print("| positions | us | cost / one position |\n|---|---|---|")
+        for a in attention([1, 4, 5, 9], context, max(args.calls // 4, 20), args.threads):
+            print(f"| {a['positions']} | {a['us']:.1f} | {a['cost']:.2f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
