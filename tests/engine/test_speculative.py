@@ -32,9 +32,17 @@ def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_s
 
 
 def test_the_current_suffix_is_never_its_own_match_and_short_contexts_have_no_draft():
-    assert NgramIndex([1, 2]).draft(4) == []
-    assert NgramIndex([1, 2, 1, 2]).draft(4) == [1, 2]  # (1, 2) at 0..1, followed by 1, 2 (itself excluded)
-    assert NgramIndex([4, 4, 4, 4]).draft(2) == [4]  # (4, 4, 4) at 0..2, followed by one token
+    assert NgramIndex([1, 2, 3]).draft(4) == []
+    assert NgramIndex([1, 2, 3, 1, 2, 3]).draft(4) == [1, 2, 3]  # (1, 2, 3) at 0..2, followed by 1, 2, 3
+    assert NgramIndex([4, 4, 4, 4, 4]).draft(2) == [4]  # (4, 4, 4, 4) at 0..3, followed by one token
+
+
+def test_by_default_a_match_of_two_tokens_drafts_nothing_and_the_longest_match_wins():
+    """Two-token matches ("of the") were mostly rejected in free chat: the default drafts from 3 to 5 tokens."""
+    assert NgramIndex([1, 2, 9, 7, 1, 2]).draft(4) == []  # only (1, 2) matches
+    # (3, 1, 2, 5, 6) occurred at 0..4, followed by 7; (2, 5, 6) alone last occurred at 7..9, followed by 8
+    index = NgramIndex([3, 1, 2, 5, 6, 7, 9, 2, 5, 6, 8, 3, 1, 2, 5, 6])
+    assert index.draft(1) == [7]
 
 
 # -- the accept/reject rule -----------------------------------------------------------------------------------------
