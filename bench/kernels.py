@@ -97,6 +97,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=200, help="weight copies rotated (200 x 0.55 MB: past L3)")
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
     args = parser.parse_args(argv)
+    try:
+        contexts = [int(c) for c in args.context.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--context takes token counts separated by commas, not {args.context!r}")
+    if min(args.threads, args.calls, args.copies) < 1 or not contexts or min(contexts) < 1:
+        parser.error("--threads, --calls, --copies and every --context must be at least 1")
     if reason := gguf_blocks.unavailable("cpu"):
         raise SystemExit(f"bench kernels: no block kernel here: {reason}")
     torch.set_num_threads(args.threads)
@@ -105,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| rows | us | GMAC/s | cost / one row |\n|---|---|---|---|")
     for r in products(list(range(1, 9)), args.calls, args.copies):
         print(f"| {r['rows']} | {r['us']:.1f} | {r['gmacs']:.1f} | {r['cost']:.2f}x |")
-    for context in (int(c) for c in args.context.split(",")):
+    for context in contexts:
         print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached tokens")
         print("| positions | us | cost / one position |\n|---|---|---|")
         for a in attention([1, 4, 5, 9], context, max(args.calls // 4, 20), args.threads):
