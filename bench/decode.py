@@ -43,6 +43,7 @@ from transformers import DynamicCache
 from engine.block_forward import use_block_forward, uses_block_forward
 from engine.exact_attention import use_exact_attention
 from engine.live_cache import GrowingCache
+from engine.rotary_table import use_rotary_table
 from engine.weights import gguf_blocks
 from engine.weights.gguf_int4 import GGUFBlocks
 from engine.weights.head import quantize_head
@@ -233,9 +234,10 @@ def run(source=None, device="cpu", group_sizes: Sequence[int] = GROUP_SIZES, ker
         blocks, _ = load_model(src, dev, torch.float32, weights="int4", kernel=gguf_blocks.KERNEL)
         models[f"ours {weights_report(blocks).format} {gguf_blocks.KERNEL}"] = blocks
     models["ours default (weights=\"auto\")"] = load_model(src, dev, torch.float32, weights="auto")[0]
-    for m in models.values():  # as KVBoost runs a model: ROWS attention where it rounds, blocks in one C call
-        use_exact_attention(m)
+    for m in models.values():  # as KVBoost runs a model: ROWS attention where it rounds, blocks in one C call,
+        use_exact_attention(m)  # the rotary table
         use_block_forward(m)
+        use_rotary_table(m)
     reports = {name: weights_report(m) for name, m in models.items()}
     bandwidth = read_bandwidth(torch.get_num_threads())
     few = {name for name, r in reports.items() if r.kernel == "reference"}

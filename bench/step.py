@@ -27,6 +27,7 @@ import torch
 from engine.block_forward import use_block_forward
 from engine.exact_attention import use_exact_attention
 from engine.live_cache import GrowingCache
+from engine.rotary_table import use_rotary_table
 from engine.weights.loader import load_model, pick_device, resolve_source
 
 from .decode import prompt_ids
@@ -56,6 +57,8 @@ def load(source, device, compiled: bool):
                          "all GGUF blocks, or the block kernel is unavailable)")
     if compiled:
         model.model.rotary_emb.forward = torch.compile(model.model.rotary_emb.forward, dynamic=True)
+    else:
+        use_rotary_table(model)  # as the engine runs it
     return model, tokenizer
 
 

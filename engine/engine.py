@@ -35,6 +35,7 @@ from .prompt import Messages, encode
 from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats, WeightsReport
 from .reuse import KVReuse
 from .rope import rope_params, rotary_module
+from .rotary_table import use_rotary_table
 from .runner import ModelRunner
 from .thread_math import settle_thread_math
 from .weights import loader
@@ -99,6 +100,8 @@ class KVBoost:
         use_exact_attention(model)
         # Every layer in GGUF blocks under ROWS: the layers' forward in one C call (the same numbers, less overhead).
         use_block_forward(model)
+        # cos and sin of the positions looked up in a table, not computed every forward (engine.rotary_table)
+        use_rotary_table(model)
         self.fingerprint = fingerprint or model_fingerprint(model)
         # Chunking settings are part of every key: chunks cut differently never match.
         self._root = root_key(f"{self.fingerprint}|{config.reuse.chunking}")

@@ -22,6 +22,7 @@ from .batching import Forward
 from .config import SamplingConfig
 from .draft_model import DraftModel
 from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
+from .sampling import is_greedy, sample, sampling_probs
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
 
 
@@ -111,56 +112,6 @@ def _greedy_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
 
 def _probs_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
     return lambda i, kept: sampling_probs(checked[i], params, [*ids, *kept])
-
-
-GREEDY_BELOW = 1e-30  # logits are tens at most: divided by 1e-30 they are still finite in float32
-
-
-def sampling_probs(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int]) -> torch.Tensor:
-    """The distribution [V] (float32, CPU) a sampled token is drawn from: repetition penalty over `history`,
-    temperature, top_k, then top_p (which keeps at least the top token). Not for greedy (temperature below
-    GREEDY_BELOW). The caller's logits are left as they are."""
-    logits = logits.detach().float().cpu().clone()
-    _penalize(logits, params, history)
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the first over top_p
-        drop[0] = False  # a top_p below float32's range compares as 0, which would drop them all
-        logits[order[drop]] = float("-inf")
-    return torch.softmax(logits, dim=-1)
-
-
-def _penalize(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int]) -> None:
-    if params.repetition_penalty != 1.0 and len(history):
-        seen = torch.tensor(sorted(set(history)), dtype=torch.long)
-        scores = logits[seen]
-        logits[seen] = torch.where(scores > 0, scores / params.repetition_penalty, scores * params.repetition_penalty)
-
-
-def is_greedy(params: SamplingConfig) -> bool:
-    return params.temperature < GREEDY_BELOW
-
-
-def sample(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int],
-           generator: torch.Generator | None) -> int:
-    """One token from next-token logits [V]. temperature 0 is greedy, and so is any temperature below
-    GREEDY_BELOW (its limit; logits / temperature would overflow float32). Works in float32 on the CPU so that
-    the same seed gives the same token on every device."""
-    if is_greedy(params):
-        logits = logits.detach().float().cpu()
-        if params.repetition_penalty != 1.0 and len(history):
-            logits = logits.clone()
-            _penalize(logits, params, history)
-        # numpy's argmax (the first largest, NaN as largest, as torch's): one thread. torch's splits a vocabulary
-        # between its OpenMP threads, which then spin waiting for more work while the block kernel's own threads
-        # need the cores (a tenth of a decode step's CPU time, measured on the embedded model with 2 threads).
-        return int(logits.contiguous().numpy().argmax())
-    return int(torch.multinomial(sampling_probs(logits, params, history), 1, generator=generator))
 
 
 class Detokenizer:

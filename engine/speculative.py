@@ -20,7 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from .sampling import draw
 
 MODES = ("prompt-lookup", "draft-model")  # the second: engine.draft_model
 DEFAULT_NUM_DRAFT = 4
@@ -80,10 +83,9 @@ def verify(draft: Sequence[int], greedy_at, probs_at, generator: torch.Generator
         p = probs_at(i, draft[:i])
         if float(torch.rand((), generator=generator)) < float(p[token]):
             continue
-        residual = p.clone()
+        residual = p.numpy().copy()
         residual[token] = 0
-        total = float(residual.sum())
-        if total <= 0:  # p was a point mass on the draft: it would have been kept; guard rounding
+        if residual.sum(dtype=np.float64) <= 0:  # p was a point mass on the draft: it would have been kept
             continue
-        return i, int(torch.multinomial(residual / total, 1, generator=generator))
+        return i, draw(residual, generator)
     return len(draft), None

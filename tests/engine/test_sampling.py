@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from engine.config import SamplingConfig
-from engine.generate import sample
+from engine.sampling import draw, sample, sampling_probs
 
 LOGITS = [1.5, -0.3, 0.8, 2.6, -1.2, 0.1]  # no ties: top_k and top_p sets are unambiguous
 DRAWS = 20_000
@@ -121,3 +122,56 @@ def test_same_seed_repeats_and_different_seeds_differ():
     # equal by chance with probability below 0.61 ** 200
     assert draws(1) != draws(2)
     assert len({tuple(draws(s)) for s in range(5)}) == 5
+
+
+def nucleus_reference(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> set[int] | None:
+    """The kept tokens by the definition, over a whole vocabulary: float64, every token sorted; None where a
+    token's predecessors sum to within 1e-6 of top_p (float32 probabilities may decide that one either way)."""
+    scaled = logits.double() / temperature
+    if top_k:
+        scaled[scaled < torch.topk(scaled, top_k).values[-1]] = float("-inf")
+    probs = torch.softmax(scaled, dim=-1)
+    ranked, order = torch.sort(probs, descending=True, stable=True)
+    before = ranked.cumsum(0) - ranked
+    if (before - top_p).abs().min() < 1e-6:
+        return None
+    kept = before < top_p
+    kept[0] = True
+    return set(order[kept & (ranked > 0)].tolist())
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k,scale,spike", [
+    (0.2, 0.9, 0, 4.0, 0.0),    # the app's defaults: a few tokens kept
+    (1.0, 0.95, 0, 1.0, 0.0),   # thousands of tokens kept
+    (5.0, 0.9, 0, 0.5, 0.0),    # nearly flat: tens of thousands kept
+    (1.0, 0.7, 300, 2.0, 0.0),  # top_k first
+    (1.0, 0.9, 0, 0.3, 10.0),   # 8 tokens far ahead with 70% of the mass and a long tail: past the first floor
+])
+def test_the_nucleus_over_a_real_vocabulary_is_the_defined_one(temperature, top_p, top_k, scale, spike):
+    """sample() sorts only the tokens near the top when they already hold top_p: over 49152 tokens its kept set
+    is the one a full float64 sort defines, for peaked and flat distributions."""
+    generator = torch.Generator().manual_seed(11)
+    checked = 0
+    while checked < 5:
+        logits = torch.randn(49152, generator=generator) * scale
+        logits[torch.randperm(49152, generator=generator)[:8]] += spike
+        expected = nucleus_reference(logits, temperature, top_p, top_k)
+        if expected is None:
+            continue
+        checked += 1
+        probs = sampling_probs(logits, SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k), [])
+        assert set(torch.nonzero(probs).flatten().tolist()) == expected
+        assert abs(float(probs.double().sum()) - 1.0) < 1e-5
+
+
+def test_a_draw_takes_only_weighted_indices_and_refuses_what_is_not_a_distribution():
+    generator = torch.Generator().manual_seed(3)
+    weights = np.zeros(1000, dtype=np.float32)
+    weights[[0, 17, 999]] = [1e-30, 2.0, 1.0]
+    got = [draw(weights, generator) for _ in range(3000)]
+    assert set(got) <= {0, 17, 999} and {17, 999} <= set(got)
+    assert abs(got.count(17) / 3000 - 2 / 3) < 5 * math.sqrt(2 / 9 / 3000)
+    for bad in (np.zeros(5, np.float32), np.array([1.0, np.nan], np.float32), np.array([1.0, -0.5], np.float32),
+                np.array([np.inf, 1.0], np.float32)):
+        with pytest.raises(ValueError):
+            draw(bad, generator)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.config import SamplingConfig
-from engine.generate import sample
+from engine.sampling import sample
 
 TEMPERATURES = st.floats(0, 2) | st.sampled_from([5e-324, 1e-300, 1e-46, 1e-40, 1e-8, 2.0])
 TOP_PS = st.floats(5e-324, 1) | st.sampled_from([5e-324, 1e-300, 1e-46, 1e-8, 1.0])
