@@ -41,9 +41,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engine.block_forward import use_block_forward, uses_block_forward
+from engine.config import SamplingConfig
 from engine.exact_attention import use_exact_attention
 from engine.live_cache import GrowingCache
 from engine.rotary_table import use_rotary_table
+from engine.sampling import sample
 from engine.weights import gguf_blocks
 from engine.weights.gguf_int4 import GGUFBlocks
 from engine.weights.head import quantize_head
@@ -65,6 +67,15 @@ def prompt_ids(tokenizer, num_tokens: int, offset: int = 0) -> list[int]:
     return ids[:num_tokens]
 
 
+GREEDY = SamplingConfig(temperature=0.0)
+
+
+def greedy_next(logits: torch.Tensor) -> torch.Tensor:
+    """The next input [1, 1] after logits [1, T, V], picked as the engine picks greedily (engine.sampling: numpy,
+    one thread; torch's argmax over a vocabulary wakes its OpenMP threads, which then spin on the kernels' cores)."""
+    return torch.tensor([[sample(logits[0, -1], GREEDY, (), None)]])
+
+
 @torch.inference_mode()
 def interleaved_speeds(models: dict, ids: list[int], num_new: int, few: set, device) -> dict[str, tuple[float, float]]:
     """{name: (prefill tokens/s, decode tokens/s)}: every model prefills ids (twice, the faster counts), then each
@@ -79,7 +90,7 @@ def interleaved_speeds(models: dict, ids: list[int], num_new: int, few: set, dev
             out = model(input_ids=torch.tensor([ids], device=device), past_key_values=caches[name], use_cache=True,
                         logits_to_keep=1)
             seconds.append(time.perf_counter() - start)
-        tokens[name] = out.logits[:, -1:].argmax(-1)
+        tokens[name] = greedy_next(out.logits)
         prefill[name] = len(ids) / min(seconds)
     for step in range(num_new):
         for name, model in models.items():
@@ -87,7 +98,7 @@ def interleaved_speeds(models: dict, ids: list[int], num_new: int, few: set, dev
                 continue
             start = time.perf_counter()
             out = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
-            tokens[name] = out.logits[:, -1:].argmax(-1)
+            tokens[name] = greedy_next(out.logits)
             steps[name].append(time.perf_counter() - start)
     return {name: (prefill[name], 1 / statistics.median(steps[name])) for name in models}
 

@@ -1,17 +1,19 @@
 """`python -m bench step`: where one decode step's time goes, and whether torch.compile of what runs in torch pays.
 
 A decode step of a model under the one-call forward (engine.block_forward) is: the embedding (a C kernel over a
-GGUF's table) and the rotary table (torch), every layer in one C call, the final norm and the head (C kernels
-called from torch modules), the greedy pick, and the Python between them. This loads the model as the engine does
-(weights="auto", ROWS attention, the one-call forward), prefills a prompt, and times decode steps, each part timed
-inside the step: the layers (the C call with its preparation: embedding, rotary table, cache reservation), the
-head (final norm and head), and the rest (the module call, the checks before it, the greedy pick). The step is a
-median; the parts are means per step, and the rest is the step less the parts.
+GGUF's table) and the rotary rows (looked up in engine.rotary_table), every layer in one C call, the final norm
+and the head (C kernels called from torch modules), the pick of the next token (engine.sampling: greedy, or
+sampled with --temperature and --top-p), and the Python between them. This loads the model as the engine does
+(weights="auto", ROWS attention, the one-call forward, the rotary table), prefills a prompt, and times decode
+steps, each part timed inside the step: the layers (the C call with its preparation: embedding, rotary rows,
+cache reservation), the head (final norm and head), and the rest (the module call, the checks before it, the
+pick). The step is a median; the parts are means per step, and the rest is the step less the parts.
 
-With `--compile` a second copy of the model runs alongside, the step's one pure-torch part (the rotary table)
-under torch.compile; the two take turns step by step, so the machine's noise hits them alike, and the table says
-whether their greedy tokens stayed equal. The rest cannot be compiled into a graph: the layers, the norm, the
-head and the GGUF embedding are C calls through ctypes (graph breaks).
+With `--compile` a second copy of the model runs alongside, computing its rotary cos and sin (the step's one
+pure-torch part) under torch.compile instead of looking them up; the two take turns step by step, so the
+machine's noise hits them alike, and the table says whether their tokens stayed equal. The rest cannot be
+compiled into a graph: the layers, the norm, the head and the GGUF embedding are C calls through ctypes (graph
+breaks).
 """
 
 from __future__ import annotations
@@ -25,14 +27,17 @@ from typing import Sequence
 import torch
 
 from engine.block_forward import use_block_forward
+from engine.config import SamplingConfig
 from engine.exact_attention import use_exact_attention
 from engine.live_cache import GrowingCache
 from engine.rotary_table import use_rotary_table
+from engine.sampling import is_greedy, sample
 from engine.weights.loader import load_model, pick_device, resolve_source
 
 from .decode import prompt_ids
 
 PARTS = ("layers", "head")
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def _timed(owner, name: str, spent: dict[str, list[float]], part: str) -> None:
@@ -63,8 +68,17 @@ def load(source, device, compiled: bool):
 
 
 @torch.inference_mode()
-def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, compile_too: bool = False) -> dict:
-    """{row: {"step": median ms, "layers": mean ms, "head": mean ms, "rest": step less the parts, "same": bool}}."""
+def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, compile_too: bool = False,
+        sampling: SamplingConfig = GREEDY) -> dict:
+    """{row: {"step": median ms, "layers": mean ms, "head": mean ms, "rest": step less the parts, "same": bool}}.
+    Each step's token is picked by the engine's sampler (engine.sampling) with `sampling`, seeded alike for every
+    row; its time is in the rest."""
+    generators = {}
+
+    def pick(name: str, logits: torch.Tensor) -> torch.Tensor:
+        generator = None if is_greedy(sampling) else generators.setdefault(name, torch.Generator().manual_seed(0))
+        return torch.tensor([[sample(logits[0, -1], sampling, (), generator)]])
+
     dev = pick_device(device)
     src = resolve_source(source)
     rows = {"eager": load(src, dev, False)}
@@ -80,7 +94,7 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
         cache = GrowingCache()
         out = model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True,
                     logits_to_keep=1)
-        state[name] = [cache, out.logits[:, -1:].argmax(-1)]
+        state[name] = [cache, pick(name, out.logits)]
     totals = {name: [] for name in rows}
     tokens = {name: [] for name in rows}
     warm = min(20, steps // 4)
@@ -92,7 +106,7 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
             cache, token = state[name]
             start = time.perf_counter()
             out = model(input_ids=token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+            token = pick(name, out.logits)
             if step >= warm:
                 totals[name].append(time.perf_counter() - start)
             state[name][1] = token
@@ -122,10 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compile", action="store_true", help="also the step with its torch parts compiled")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled")
+    parser.add_argument("--top-p", type=float, default=1.0)
     args = parser.parse_args(argv)
+    try:
+        sampling = SamplingConfig.from_kwargs(temperature=args.temperature, top_p=args.top_p)
+    except ValueError as error:
+        parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.model, prompt_tokens=args.prompt_tokens, steps=args.steps, compile_too=args.compile)
+    result = run(args.model, prompt_tokens=args.prompt_tokens, steps=args.steps, compile_too=args.compile,
+                 sampling=sampling)
     print(table(result))
     return 0
 
