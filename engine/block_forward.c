@@ -17,9 +17,9 @@ void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q,
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads);
 int kvb_activation_block(int type);
-int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_batch_stride, int64_t kv_head_stride,
-                  const uint8_t *mask, int64_t mask_heads, int causal, float *out, int64_t B, int64_t H, int64_t KVH,
-                  int64_t nq, int64_t nk, int64_t D, float scale, int threads);
+int kvb_attention_segments(int64_t count, const float *const *q, const float *const *k, const float *const *v,
+                           const int64_t *head_stride, const int64_t *nq, const int64_t *nk, float *const *out,
+                           int64_t H, int64_t KVH, int64_t D, float scale, int threads);
 
 /* out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the mean's sum in a fixed order of the row (eight lanes, then
    the lanes in order, then the tail): a row's result does not depend on the other rows. */
@@ -189,7 +189,17 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
     const int64_t bytes = 4 * m * (hidden + 3 * qn + 2 * kvn + 3 * intermediate) +
                           2 * (2 * m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
     uint8_t *scratch = malloc((size_t)bytes), *at = scratch;
-    if (!scratch) return -2;
+    /* per request: its queries, keys, values and output for the layer's attention call */
+    float **seg_q = malloc((size_t)segments * 4 * sizeof(float *));
+    int64_t *seg_stride = malloc((size_t)segments * 2 * sizeof(int64_t));
+    if (!scratch || !seg_q || !seg_stride) {
+        free(scratch);
+        free(seg_q);
+        free(seg_stride);
+        return -2;
+    }
+    float **seg_k = seg_q + segments, **seg_v = seg_k + segments, **seg_out = seg_v + segments;
+    int64_t *seg_nk = seg_stride + segments;
     float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
     float *attended = take(&at, 4 * m * qn), *k = take(&at, 4 * m * kvn), *v = take(&at, 4 * m * kvn);
     float *gate = take(&at, 4 * m * intermediate), *up = take(&at, 4 * m * intermediate);
@@ -210,13 +220,14 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
             break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
-        for (int64_t s = 0, r0 = 0; s < segments && status == 0; r0 += rows[s], s++) {
+        for (int64_t s = 0, r0 = 0; s < segments; r0 += rows[s], s++) {
             const int64_t ms = rows[s], start = starts[s];
             float *keys = caches[s * n_layers + l].keys, *values = caches[s * n_layers + l].values;
             const int64_t stride = caches[s * n_layers + l].head_stride;
             for (int64_t i = 0; i < ms; i++) /* [ms, heads, D] -> [heads, ms, D] as attention reads queries */
                 for (int64_t h = 0; h < heads; h++)
-                    memcpy(q_heads + (h * ms + i) * head_dim, q + ((r0 + i) * heads + h) * head_dim, 4 * head_dim);
+                    memcpy(q_heads + r0 * qn + (h * ms + i) * head_dim, q + ((r0 + i) * heads + h) * head_dim,
+                           4 * head_dim);
             for (int64_t h = 0; h < kv_heads; h++)
                 for (int64_t i = 0; i < ms; i++) {
                     memcpy(keys + h * stride + (start + i) * head_dim, k + ((r0 + i) * kv_heads + h) * head_dim,
@@ -224,9 +235,13 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                     memcpy(values + h * stride + (start + i) * head_dim, v + ((r0 + i) * kv_heads + h) * head_dim,
                            4 * head_dim);
                 }
-            status = kvb_attention(q_heads, keys, values, 0, stride, NULL, 1, 1, attended + r0 * qn, 1, heads,
-                                   kv_heads, ms, start + ms, head_dim, scale, threads);
+            seg_q[s] = q_heads + r0 * qn, seg_k[s] = keys, seg_v[s] = values, seg_out[s] = attended + r0 * qn;
+            seg_stride[s] = stride, seg_nk[s] = start + ms;
         }
+        /* every request's rows in one parallel call: one call per request was ~250 hand-offs a step of 8 */
+        status = kvb_attention_segments(segments, (const float *const *)seg_q, (const float *const *)seg_k,
+                                        (const float *const *)seg_v, seg_stride, rows, seg_nk, seg_out, heads,
+                                        kv_heads, head_dim, scale, threads);
         if (status) break;
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->o, attended, slots, m, normed, threads))) break;
@@ -242,5 +257,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
     }
     free(scratch);
+    free(seg_q);
+    free(seg_stride);
     return status;
 }
