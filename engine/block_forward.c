@@ -16,6 +16,9 @@
 void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads);
 int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
                const void *sums, int64_t m, float *y, int threads);
+int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const int64_t *n, int64_t k,
+                    const int64_t *row_bytes, const int8_t *q, const float *d, const void *sums, int64_t m,
+                    float *const *y, int threads);
 int kvb_activation_block(int type);
 int kvb_attention_segments(int64_t count, const float *const *q, const float *const *k, const float *const *v,
                            const int64_t *head_stride, const int64_t *nq, const int64_t *nk, float *const *out,
@@ -85,10 +88,19 @@ static void rmsnorm_rows(void *ctx, int64_t first, int64_t end) {
     kvb_rmsnorm(j->x + first * j->n, j->w, end - first, j->n, j->eps, j->out + first * j->n);
 }
 
+/* Values below which a row-wise step runs on the calling thread: a batched step's norms, roundings and gating
+   over 8 rows of 576-1536 values take a few microseconds, about what handing half of them to another thread
+   and waiting for it costs. */
+#define SPLIT_VALUES 16384
+
+static int threads_for(int64_t rows, int64_t n, int threads) {
+    return rows > 1 && rows * n >= SPLIT_VALUES ? threads : 1;
+}
+
 static void rmsnorm_parallel(const float *x, const float *w, int64_t rows, int64_t n, float eps, float *out,
                              int threads) {
     rows_job job = {x, w, NULL, n, eps, out};
-    kvb_parallel(rows, rows > 1 ? threads : 1, rmsnorm_rows, &job);
+    kvb_parallel(rows, threads_for(rows, n, threads), rmsnorm_rows, &job);
 }
 
 /* out = silu(gate) * up, as kvb_silu and then the product (the one-call forward's gating) */
@@ -101,7 +113,7 @@ static void gating_rows(void *ctx, int64_t first, int64_t end) {
 
 static void gating_parallel(const float *gate, const float *up, int64_t rows, int64_t n, float *out, int threads) {
     rows_job job = {gate, NULL, up, n, 0.0f, out};
-    kvb_parallel(rows, rows > 1 ? threads : 1, gating_rows, &job);
+    kvb_parallel(rows, threads_for(rows, n, threads), gating_rows, &job);
 }
 
 typedef struct {
@@ -124,9 +136,15 @@ typedef struct { /* one activation matrix rounded for a weight's activation bloc
 
 static void round_for(rounded *slot, const float *x, int64_t m, int64_t k, int block, int threads) {
     if (slot->block != block) {
-        kvb_quantize(x, m, k, block, slot->q, slot->d, slot->sums, threads);
+        kvb_quantize(x, m, k, block, slot->q, slot->d, slot->sums, threads_for(m, k, threads));
         slot->block = block;
     }
+}
+
+static void add_bias(const kvb_weight *w, int64_t m, float *y) {
+    if (w->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < w->n; i++) y[r * w->n + i] = y[r * w->n + i] + w->bias[i];
 }
 
 /* y = x W^T (+ bias), x rounded once per activation block size in `slots` (two: 32 and 256). */
@@ -136,10 +154,37 @@ static int linear(const kvb_weight *w, const float *x, rounded *slots, int64_t m
     round_for(slot, x, m, w->k, block, threads);
     const int status = kvb_matmul((int)w->type, w->w, w->n, w->k, w->row_bytes, slot->q, slot->d, slot->sums, m, y,
                                   threads);
-    if (status != 0 || !w->bias) return status;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < w->n; i++) y[r * w->n + i] = y[r * w->n + i] + w->bias[i];
-    return 0;
+    if (status == 0) add_bias(w, m, y);
+    return status;
+}
+
+/* linear() for `count` (2 or 3) weights of the same input x: one parallel call where their activations round to
+   the same block (q, k and v; gate and up: one hand-off between the threads instead of three or two), else one
+   call each. The same outputs either way. */
+static int linears(int count, const kvb_weight *const *w, const float *x, rounded *slots, int64_t m,
+                   float *const *y, int threads) {
+    const int block = kvb_activation_block((int)w[0]->type);
+    int types[3];
+    const uint8_t *weights[3];
+    int64_t n[3], row_bytes[3];
+    int same = 1;
+    for (int j = 0; j < count; j++) {
+        same = same && kvb_activation_block((int)w[j]->type) == block && w[j]->k == w[0]->k;
+        types[j] = (int)w[j]->type, weights[j] = w[j]->w, n[j] = w[j]->n, row_bytes[j] = w[j]->row_bytes;
+    }
+    if (!same) {
+        for (int j = 0; j < count; j++) {
+            const int status = linear(w[j], x, slots, m, y[j], threads);
+            if (status) return status;
+        }
+        return 0;
+    }
+    rounded *slot = block == 32 ? &slots[0] : &slots[1];
+    round_for(slot, x, m, w[0]->k, block, threads);
+    const int status = kvb_matmul_many(count, types, weights, n, w[0]->k, row_bytes, slot->q, slot->d, slot->sums, m,
+                                       y, threads);
+    for (int j = 0; j < count && status == 0; j++) add_bias(w[j], m, y[j]);
+    return status;
 }
 
 /* x [m, heads, D] in place: x * cos + rotate_half(x) * sin, cos and sin [m, D] (rotate_half: the second half
@@ -215,9 +260,9 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         const kvb_layer *L = &layers[l];
         rmsnorm_parallel(x, L->input_norm, m, hidden, eps, normed, threads);
         slots[0].block = slots[1].block = 0;
-        if ((status = linear(&L->q, normed, slots, m, q, threads)) || (status = linear(&L->k, normed, slots, m, k, threads)) ||
-            (status = linear(&L->v, normed, slots, m, v, threads)))
-            break;
+        const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
+        float *qkv_out[3] = {q, k, v};
+        if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads))) break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
         for (int64_t s = 0, r0 = 0; s < segments; r0 += rows[s], s++) {
@@ -248,9 +293,9 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
         rmsnorm_parallel(x, L->post_norm, m, hidden, eps, normed, threads);
         slots[0].block = slots[1].block = 0;
-        if ((status = linear(&L->gate, normed, slots, m, gate, threads)) ||
-            (status = linear(&L->up, normed, slots, m, up, threads)))
-            break;
+        const kvb_weight *gate_up[2] = {&L->gate, &L->up};
+        float *gate_up_out[2] = {gate, up};
+        if ((status = linears(2, gate_up, normed, slots, m, gate_up_out, threads))) break;
         gating_parallel(gate, up, m, intermediate, mixed, threads);
         slots[0].block = slots[1].block = 0;
         if ((status = linear(&L->down, mixed, slots, m, normed, threads))) break;

@@ -150,18 +150,70 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
    up to eight at a time (a tile: any number from 1 to 8 where the type has a kernel for it; weight rows one at a
    time: 8, then 4, 2 and 1); a weight block is decoded once for the rows taken together, and each row's sums are
    the same however they are taken. */
-int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
-               const void *sums, int64_t m, float *y, int threads) {
-    matmul_job job = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m, y, 0};
+/* The job of y[m, n] = sum_k W[n, k] x[m, k] (see kvb_matmul); 0, or -1 for a type or layout this build does not
+   multiply. */
+static int matmul_job_for(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q,
+                          const float *d, const void *sums, int64_t m, float *y, matmul_job *job) {
+    const matmul_job empty = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m,
+                              y, 0};
+    *job = empty;
     const int tiled = type >= KVB_TILED;
     type = tiled ? type - KVB_TILED : type;
-    if (!kvb_dots_for(type, job.dots) || (tiled && (!kvb_tiles_for(type, job.tiles) || n % 16))) return -1;
+    if (!kvb_dots_for(type, job->dots) || (tiled && (!kvb_tiles_for(type, job->tiles) || n % 16))) return -1;
     const int block = activation_block(type);
-    job.nb = k / block;
-    job.row = block == 32 ? 2 * k : k;            /* bytes of one activation row */
-    job.per_block = block == 32 ? 4 : 32;         /* bytes of sums per activation block */
-    job.amx_type = tiled && block == 256 && m >= 16 && kvb_amx() ? type : 0;
+    job->nb = k / block;
+    job->row = block == 32 ? 2 * k : k;            /* bytes of one activation row */
+    job->per_block = block == 32 ? 4 : 32;         /* bytes of sums per activation block */
+    job->amx_type = tiled && block == 256 && m >= 16 && kvb_amx() ? type : 0;
+    return 0;
+}
+
+/* y[m, n] = sum_k W[n, k] x[m, k], x as kvb_quantize made it for this type's activation block (q, d, sums); type
+   + KVB_TILED: W held as tiles (kvb_repack). Returns 0, or -1 for a type or layout this build does not multiply.
+   Output rows are split between threads in tasks of ROWS_PER_TASK weight rows; a task takes the activation rows
+   up to eight at a time (a tile: any number from 1 to 8 where the type has a kernel for it; weight rows one at a
+   time: 8, then 4, 2 and 1); a weight block is decoded once for the rows taken together, and each row's sums are
+   the same however they are taken. */
+int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
+               const void *sums, int64_t m, float *y, int threads) {
+    matmul_job job;
+    if (matmul_job_for(type, w, n, k, row_bytes, q, d, sums, m, y, &job)) return -1;
     kvb_parallel((n + ROWS_PER_TASK - 1) / ROWS_PER_TASK, threads, matmul_tasks, &job);
+    return 0;
+}
+
+#define MAX_MANY 4
+typedef struct {
+    matmul_job jobs[MAX_MANY];
+    int64_t first[MAX_MANY + 1]; /* weight j's tasks are first[j] .. first[j + 1] - 1 */
+    int count;
+} many_job;
+
+static void many_tasks(void *ctx, int64_t first, int64_t end) {
+    const many_job *all = ctx;
+    for (int j = 0; j < all->count; j++) {
+        const int64_t from = first > all->first[j] ? first : all->first[j];
+        const int64_t to = end < all->first[j + 1] ? end : all->first[j + 1];
+        if (from < to) matmul_tasks((void *)&all->jobs[j], from - all->first[j], to - all->first[j]);
+    }
+}
+
+/* kvb_matmul for up to MAX_MANY weights of the same input (q, k and v; gate and up) in one parallel call: weight
+   j (type types[j], n[j] x k, row_bytes[j] a row, at w[j]) into y[j] [m, n[j]], every type's activations rounded
+   to the same block (q, d, sums). Each output is the one kvb_matmul gives. Returns 0, or -1 (nothing computed) for
+   a type or layout this build does not multiply, or more than MAX_MANY weights. */
+int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const int64_t *n, int64_t k,
+                    const int64_t *row_bytes, const int8_t *q, const float *d, const void *sums, int64_t m,
+                    float *const *y, int threads) {
+    many_job all;
+    if (count < 1 || count > MAX_MANY) return -1;
+    all.count = count;
+    all.first[0] = 0;
+    for (int j = 0; j < count; j++) {
+        if (matmul_job_for(types[j], w[j], n[j], k, row_bytes[j], q, d, sums, m, y[j], &all.jobs[j])) return -1;
+        all.first[j + 1] = all.first[j] + (n[j] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+    }
+    kvb_parallel(all.first[count], threads, many_tasks, &all);
     return 0;
 }
 

@@ -40,7 +40,9 @@ def files(tmp_path_factory):
 
     def get(kind: str, arch: str = "llama"):
         if (kind, arch) not in made:
-            made[kind, arch] = tiny_gguf(folder / f"{arch}-{kind}.gguf", kind, arch=arch)
+            base, types = MIXED.get(kind, (kind, None))
+            made[kind, arch] = tiny_gguf(folder / f"{arch}-{kind.replace('/', '-')}.gguf", base, arch=arch,
+                                         linear_types=types)
         return made[kind, arch]
 
     return get
@@ -73,8 +75,15 @@ def same_cache(a: GrowingCache, b: GrowingCache) -> bool:
         torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(a.layers, b.layers))
 
 
+# Files whose linears mix types, as Q4_K_M files do: the projections of one input (q, k, v; gate, up) computed
+# in one call where their activations round alike, one call each where they do not.
+MIXED = {"mixed 32": ("Q4_0", {"attn_k.weight": "Q4_1", "attn_v.weight": "Q8_0", "ffn_up.weight": "Q8_0"}),
+         "mixed 32/256": ("Q4_K", {"attn_v.weight": "Q4_1", "ffn_up.weight": "Q8_0", "attn_k.weight": "Q6_K"})}
+
+
 @pytest.mark.parametrize("kind,arch", [("Q4_K", "llama"), ("Q4_1", "llama"), ("Q4_0", "llama"),
-                                       ("Q8_0", "llama"), ("Q6_K", "llama"), ("Q4_K", "qwen2")])
+                                       ("Q8_0", "llama"), ("Q6_K", "llama"), ("Q4_K", "qwen2"),
+                                       ("mixed 32", "llama"), ("mixed 32/256", "qwen2")])
 def test_the_one_call_forward_gives_transformers_logits_and_cache_bit_for_bit(files, kind, arch, one_thread):
     model = blocks_model(files(kind, arch))
     assert unsupported(model) is None and use_block_forward(model)

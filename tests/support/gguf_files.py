@@ -224,9 +224,11 @@ def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, str]], arch: str
 
 
 def tiny_gguf(path: Path, linear_type: str = "Q4_K", arch: str = "llama", table_type: str = "F32",
-              tied: bool = True, seed: int = 0, sizes: dict | None = None, drop: tuple = ()) -> Path:
-    """A tiny `arch` decoder whose decoder linears are all `linear_type`, its table (and untied head)
-    `table_type`, norms and biases F32; tensors named in `drop` left out."""
+              tied: bool = True, seed: int = 0, sizes: dict | None = None, drop: tuple = (),
+              linear_types: dict | None = None) -> Path:
+    """A tiny `arch` decoder whose decoder linears are all `linear_type` (those whose name ends with a key of
+    `linear_types`: its type, as in a mixed file), its table (and untied head) `table_type`, norms and biases
+    F32; tensors named in `drop` left out."""
     values = random_tensors(tensor_shapes(arch, sizes, tied), seed)
     typed = {}
     for name, v in values.items():
@@ -237,7 +239,8 @@ def tiny_gguf(path: Path, linear_type: str = "Q4_K", arch: str = "llama", table_
         elif name in ("token_embd.weight", "output.weight"):
             typed[name] = (v, table_type)
         else:
-            typed[name] = (v, linear_type)
+            mixed = [kind for end, kind in (linear_types or {}).items() if name.endswith(end)]
+            typed[name] = (v, mixed[0] if mixed else linear_type)
     return write_gguf(path, typed, arch=arch, sizes=sizes)
 
 
