@@ -30,17 +30,39 @@
    fmaxf passes it over; unlike fmaxf, inlined and vectorised (gcc calls libm's fmaxf for each value) */
 static inline float largest(float sofar, float value) { return value > sofar ? value : sofar; }
 
-static void quantize_block(const float *x, int n, int8_t *q, float *d) {
+/* the largest |x[i]| (NaN passed over: maxps returns its second operand, the running lanes, when the value is
+   NaN), 16 or 8 lanes at once (one value at a time was a chain of dependent maxima, a third of a batched step's
+   rounding time); a maximum of the same values in any order, so the same bits on every path */
+static inline float largest_abs(const float *x, int n) {
     float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = largest(amax, fabsf(x[i]));
+    int i = 0;
+#if defined(__AVX512F__)
+    __m512 lanes = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) lanes = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + i)), lanes);
+    float held[16];
+    _mm512_storeu_ps(held, lanes);
+    for (int j = 0; j < 16; j++) amax = largest(amax, held[j]);
+#elif defined(__AVX2__)
+    __m256 lanes = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), lanes);
+    float held[8];
+    _mm256_storeu_ps(held, lanes);
+    for (int j = 0; j < 8; j++) amax = largest(amax, held[j]);
+#endif
+    for (; i < n; i++) amax = largest(amax, fabsf(x[i]));
+    return amax;
+}
+
+static void quantize_block(const float *x, int n, int8_t *q, float *d) {
+    const float amax = largest_abs(x, n);
     const float scale = amax / 127.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < n; i++) q[i] = (int8_t)(int)nearbyintf(x[i] * inverse);
     *d = scale;
 }
 
 static void quantize_block16(const float *x, int n, int16_t *q, float *d) {
-    float amax = 0.0f;
-    for (int i = 0; i < n; i++) amax = largest(amax, fabsf(x[i]));
+    const float amax = largest_abs(x, n);
     const float scale = amax / 32767.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
     for (int i = 0; i < n; i++) q[i] = (int16_t)(int)nearbyintf(x[i] * inverse);
     *d = scale;

@@ -62,12 +62,14 @@ def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(blo
     """int16 per 32 for the 32-value types, int8 per 256 (llama.cpp's rounding) for the K-quants."""
     x = torch.randn(5, 1024) * torch.logspace(-3, 2, 1024)  # blocks of very different sizes
     x[2, :block] = 0  # an all-zero block: scale 0, codes 0
+    x[3, block + 4] = 1e4  # the block's largest value, then a NaN 16 values on (one vector lane): passed over
+    x[3, block + 20] = float("nan")
     q, d, sums = gguf_blocks.quantize_activations(x.contiguous(), block)
     blocks = x.reshape(5, -1, block)
-    want_d = blocks.abs().amax(-1) / top
+    want_d = blocks.abs().nan_to_num(0.0).amax(-1) / top
     assert q.dtype == dtype and torch.equal(d, want_d)
     assert int(q.abs().max()) <= top and d[2, 0] == 0 and not q[2, :block].any()
-    error = (blocks.double() - q.double().reshape(5, -1, block) * d.double()[:, :, None]).abs()
+    error = (blocks.double() - q.double().reshape(5, -1, block) * d.double()[:, :, None]).abs().nan_to_num(0.0)
     assert torch.all(error <= d.double()[:, :, None] * (0.5 + top * 2**-23))  # and x / d's float32 rounding
     group = 32 if block == 32 else 16
     assert torch.equal(sums.to(torch.int64), q.to(torch.int64).reshape(5, -1, group).sum(-1))
