@@ -19,6 +19,20 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 BLOCK_TOKENS = 256
+# torch splits a CPU copy of this many values or more between its OpenMP threads, which then spin for
+# milliseconds on the cores the block kernel's own threads need (engine.rotary_table): a grow copies in pieces below it.
+SERIAL_COPY_VALUES = 32768
+
+
+def copy_positions(target: torch.Tensor, source: torch.Tensor) -> None:
+    """target[:, :, :T] = source [B, H, T, D]; on the CPU in pieces of positions that torch copies on the calling
+    thread."""
+    length = source.shape[-2]
+    per_position = source.shape[0] * source.shape[1] * source.shape[3]
+    step = length if source.device.type != "cpu" else max(1, (SERIAL_COPY_VALUES - 1) // max(per_position, 1))
+    for start in range(0, length, step):
+        end = min(start + step, length)
+        target[:, :, start:end].copy_(source[:, :, start:end])
 
 
 class GrowingLayer(DynamicLayer):
@@ -106,8 +120,8 @@ class GrowingLayer(DynamicLayer):
         values = torch.empty(batch, heads, capacity, value_states.shape[-1], dtype=value_states.dtype,
                              device=value_states.device)
         if length:
-            keys[:, :, :length].copy_(self.keys)
-            values[:, :, :length].copy_(self.values)
+            copy_positions(keys, self.keys)
+            copy_positions(values, self.values)
         self._key_buffer, self._value_buffer = keys, values
 
     def reset(self) -> None:

@@ -119,3 +119,15 @@ def test_reserved_positions_extend_the_views_and_keep_what_was_written(monkeypat
     layer.crop(-3)  # 8 positions left, as a view someone assigned
     cache.reserve(1, 2, like)
     assert layer.keys.shape[-2] == 10 and torch.equal(layer.keys[:, :, :5], first)
+
+
+def test_a_grow_copies_every_position_in_pieces_and_nothing_past_them():
+    """A grown buffer gets the old positions in pieces small enough for torch to copy on one thread (a layer of
+    the embedded model at 2000 tokens: 12 pieces); each is copied whole and nothing past the last is written."""
+    source_buffer = torch.randn(1, 3, 2100, 64)
+    source = source_buffer[:, :, :2000]  # a prefix view, as a layer's keys are
+    target = torch.full((1, 3, 2304, 64), 7.0)
+    live_cache.copy_positions(target, source)
+    assert torch.equal(target[:, :, :2000], source)
+    assert bool((target[:, :, 2000:] == 7.0).all())
+    assert (2000 * 3 * 64) // live_cache.SERIAL_COPY_VALUES >= 10  # the case does take many pieces
