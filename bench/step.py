@@ -14,6 +14,11 @@ pure-torch part) under torch.compile instead of looking them up; the two take tu
 machine's noise hits them alike, and the table says whether their tokens stayed equal. The rest cannot be
 compiled into a graph: the layers, the norm, the head and the GGUF embedding are C calls through ctypes (graph
 breaks).
+
+With `--positions 1,2,3,5,9` it times forwards of that many new positions over the prompt's cache instead (each
+cropped back after), taking turns: what a speculative check of k drafts (k + 1 positions) or a batched step costs
+in situ, against one position, with the cache and the weights read from memory as the engine reads them
+(`python -m bench kernels` times the kernels alone, in cache).
 """
 
 from __future__ import annotations
@@ -120,6 +125,47 @@ def run(source=None, device="cpu", prompt_tokens: int = 128, steps: int = 300, c
     return result
 
 
+@torch.inference_mode()
+def positions_cost(source=None, device="cpu", prompt_tokens: int = 128, counts: Sequence[int] = (1, 2, 3, 5, 9),
+                   rounds: int = 60) -> dict[int, dict[str, float]]:
+    """{n: {"ms": median ms, "layers": median ms, "head": median ms}} of one forward of n new positions over the
+    prompt's cache (a check of n - 1 drafted tokens computes this forward), the cache cropped back after each; the
+    counts take turns, so the machine's noise hits them alike. The first 10 rounds warm up."""
+    dev = pick_device(device)
+    model, tokenizer = load(resolve_source(source), dev, False)
+    spent = {part: [] for part in PARTS}
+    _timed(model.forward, "_layers_over", spent, "layers")
+    _timed(model.model.norm, "forward", spent, "head")
+    _timed(model.lm_head, "forward", spent, "head")
+    ids = prompt_ids(tokenizer, prompt_tokens)
+    cache = GrowingCache()
+    model(input_ids=torch.tensor([ids], device=dev), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    times = {n: {"ms": [], **{part: [] for part in PARTS}} for n in counts}
+    for round_ in range(rounds + 10):
+        for n in counts:
+            for part in PARTS:
+                spent[part].clear()
+            new = torch.tensor([ids[-n:]], device=dev)  # any n tokens: the cost does not depend on which
+            start = time.perf_counter()
+            model(input_ids=new, past_key_values=cache, use_cache=True)
+            elapsed = time.perf_counter() - start
+            cache.crop(-n)
+            if round_ >= 10:
+                times[n]["ms"].append(1e3 * elapsed)
+                for part in PARTS:
+                    times[n][part].append(1e3 * sum(spent[part]))
+    return {n: {key: statistics.median(values) for key, values in t.items()} for n, t in times.items()}
+
+
+def positions_table(result: dict[int, dict[str, float]], prompt_tokens: int) -> str:
+    one = result[min(result)]["ms"]
+    lines = [f"forwards of n new positions over {prompt_tokens} cached tokens (medians)", "",
+             "| positions | ms | cost / one position | layers ms | head ms |", "|---|---|---|---|---|"]
+    for n, r in result.items():
+        lines.append(f"| {n} | {r['ms']:.2f} | {r['ms'] / one:.2f}x | {r['layers']:.2f} | {r['head']:.2f} |")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     lines = ["| row | step ms (median) | layers ms (mean) | head ms (mean) | rest ms | tokens as eager |",
              "|---|---|---|---|---|---|"]
@@ -138,13 +184,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also the step with its torch parts compiled")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled")
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--positions", default=None,
+                        help="instead of decode steps: forwards of these numbers of new positions (comma-separated, "
+                             "e.g. 1,2,3,5,9: a check of 4 drafted tokens is 5), as a check or a batch pays them")
     args = parser.parse_args(argv)
+    counts = None
+    if args.positions is not None:
+        try:
+            counts = sorted({int(n) for n in args.positions.split(",")})
+        except ValueError:
+            parser.error(f"--positions: comma-separated counts, got {args.positions!r}")
+        if not counts or counts[0] < 1 or counts[-1] > args.prompt_tokens:
+            parser.error(f"--positions: counts from 1 to --prompt-tokens ({args.prompt_tokens}), got {args.positions}")
     try:
         sampling = SamplingConfig.from_kwargs(temperature=args.temperature, top_p=args.top_p)
     except ValueError as error:
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
+    if counts is not None:
+        print(positions_table(positions_cost(args.model, prompt_tokens=args.prompt_tokens, counts=counts),
+                              args.prompt_tokens))
+        return 0
     result = run(args.model, prompt_tokens=args.prompt_tokens, steps=args.steps, compile_too=args.compile,
                  sampling=sampling)
     print(table(result))
