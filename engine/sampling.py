@@ -63,9 +63,11 @@ def draw(weights: np.ndarray, generator: torch.Generator | None) -> int:
 
 
 def _penalized(logits: torch.Tensor, params: SamplingConfig, history: Sequence[int]) -> np.ndarray:
-    """The logits as a float32 numpy array of their own, the repetition penalty applied over `history`."""
-    scores = logits.detach().to("cpu", torch.float32).numpy().copy()
+    """The logits as a float32 numpy array, the repetition penalty applied over `history` (in a copy: the
+    caller's logits are left as they are). Read it, never write it: without a penalty it is the logits' memory."""
+    scores = logits.detach().to("cpu", torch.float32).numpy()
     if params.repetition_penalty != 1.0 and len(history):
+        scores = scores.copy()
         seen = np.fromiter(set(history), dtype=np.int64)
         old = scores[seen]
         scores[seen] = np.where(old > 0, old / np.float32(params.repetition_penalty),

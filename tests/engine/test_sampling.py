@@ -175,3 +175,17 @@ def test_a_draw_takes_only_weighted_indices_and_refuses_what_is_not_a_distributi
                 np.array([np.inf, 1.0], np.float32)):
         with pytest.raises(ValueError):
             draw(bad, generator)
+
+
+def test_the_callers_logits_are_left_as_they_are():
+    """The sampler reads the logits' own memory where it can; the penalty, top_k and top_p work on copies."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(1000, generator=generator) * 3
+    before = logits.clone()
+    for params in (SamplingConfig(temperature=0.0, repetition_penalty=1.5),
+                   SamplingConfig(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.3),
+                   SamplingConfig(temperature=1.0)):
+        sample(logits, params, [1, 2, 3, 400], generator)
+        if params.temperature > 0:  # sampling_probs is the sampled distribution only
+            sampling_probs(logits, params, [1, 2, 3, 400])
+        assert torch.equal(logits, before), params
