@@ -19,6 +19,7 @@
 /* engine/weights/thread_pool.c */
 typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
 void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
+void kvb_parallel_segments(int64_t count, const int64_t *first, kvb_task fn, void *ctxs, size_t size, int threads);
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVA_AVX2 1
@@ -606,21 +607,6 @@ int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_bat
     return atomic_load(&job.status);
 }
 
-typedef struct {
-    attention_job *jobs;
-    const int64_t *first; /* segment s's rows are items first[s] .. first[s + 1] - 1 */
-    int64_t count;
-} segments_job;
-
-static void segment_rows(void *ctx, int64_t first, int64_t end) {
-    const segments_job *all = ctx;
-    for (int64_t s = 0; s < all->count; s++) {
-        const int64_t from = first > all->first[s] ? first : all->first[s];
-        const int64_t to = end < all->first[s + 1] ? end : all->first[s + 1];
-        if (from < to) attention_rows(&all->jobs[s], from - all->first[s], to - all->first[s]);
-    }
-}
-
 /* Causal attention of `count` requests' new rows in one parallel call (a batched step: one row each, or a
    newcomer's prompt piece), each over its own keys: request s's queries [H, nq[s], D] at q[s], its keys and values
    [KVH, nk[s] (the last nq[s] its new positions), D] at k[s], v[s], kv heads head_stride[s] apart, its output
@@ -646,8 +632,7 @@ int kvb_attention_segments(int64_t count, const float *const *q, const float *co
         first[s + 1] = first[s] + H * nq[s];
         work += H * nq[s] * nk[s];
     }
-    segments_job all = {jobs, first, count};
-    kvb_parallel(first[count], threads_for(work, threads), segment_rows, &all);
+    kvb_parallel_segments(count, first, attention_rows, jobs, sizeof(attention_job), threads_for(work, threads));
     int status = 0;
     for (int64_t s = 0; s < count; s++) {
         if (atomic_load(&jobs[s].status)) status = atomic_load(&jobs[s].status);

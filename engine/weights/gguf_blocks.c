@@ -205,21 +205,6 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
 }
 
 #define MAX_MANY 4
-typedef struct {
-    matmul_job jobs[MAX_MANY];
-    int64_t first[MAX_MANY + 1]; /* weight j's tasks are first[j] .. first[j + 1] - 1 */
-    int count;
-} many_job;
-
-static void many_tasks(void *ctx, int64_t first, int64_t end) {
-    const many_job *all = ctx;
-    for (int j = 0; j < all->count; j++) {
-        const int64_t from = first > all->first[j] ? first : all->first[j];
-        const int64_t to = end < all->first[j + 1] ? end : all->first[j + 1];
-        if (from < to) matmul_tasks((void *)&all->jobs[j], from - all->first[j], to - all->first[j]);
-    }
-}
-
 /* kvb_matmul for up to MAX_MANY weights of the same input (q, k and v; gate and up) in one parallel call: weight
    j (type types[j], n[j] x k, row_bytes[j] a row, at w[j]) into y[j] [m, n[j]], every type's activations rounded
    to the same block (q, d, sums). Each output is the one kvb_matmul gives. Returns 0, or -1 (nothing computed) for
@@ -227,15 +212,14 @@ static void many_tasks(void *ctx, int64_t first, int64_t end) {
 int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const int64_t *n, int64_t k,
                     const int64_t *row_bytes, const int8_t *q, const float *d, const void *sums, int64_t m,
                     float *const *y, int threads) {
-    many_job all;
+    matmul_job jobs[MAX_MANY];
+    int64_t first[MAX_MANY + 1] = {0}; /* weight j's tasks are first[j] .. first[j + 1] - 1 */
     if (count < 1 || count > MAX_MANY) return -1;
-    all.count = count;
-    all.first[0] = 0;
     for (int j = 0; j < count; j++) {
-        if (matmul_job_for(types[j], w[j], n[j], k, row_bytes[j], q, d, sums, m, y[j], &all.jobs[j])) return -1;
-        all.first[j + 1] = all.first[j] + (n[j] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+        if (matmul_job_for(types[j], w[j], n[j], k, row_bytes[j], q, d, sums, m, y[j], &jobs[j])) return -1;
+        first[j + 1] = first[j] + (n[j] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     }
-    kvb_parallel(all.first[count], threads, many_tasks, &all);
+    kvb_parallel_segments(count, first, matmul_tasks, jobs, sizeof(matmul_job), threads);
     return 0;
 }
 

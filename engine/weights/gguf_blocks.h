@@ -22,6 +22,8 @@ enum { KVB_Q4_0 = 2, KVB_Q4_1 = 3, KVB_Q8_0 = 8, KVB_Q4_K = 12, KVB_Q6_K = 14 };
 /* engine/weights/thread_pool.c: fn(ctx, begin, end) over [0, n) in `threads` contiguous parts, on the process's one pool */
 typedef void (*kvb_task)(void *ctx, int64_t begin, int64_t end);
 void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx);
+/* the same over `count` jobs' items one after the other (job s: ctxs + s * size, items first[s] .. first[s + 1] - 1) */
+void kvb_parallel_segments(int64_t count, const int64_t *first, kvb_task fn, void *ctxs, size_t size, int threads);
 
 static inline float half_at(const uint8_t *p) {
     uint16_t h;

@@ -15,6 +15,7 @@
 
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <time.h>
@@ -139,4 +140,29 @@ void kvb_parallel(int64_t n, int threads, kvb_task fn, void *ctx) {
     claim_parts();
     while (atomic_load(&parts_done) < parts) relax();
     pthread_mutex_unlock(&call_lock);
+}
+
+typedef struct {
+    kvb_task fn;
+    char *ctxs;
+    size_t size;
+    const int64_t *first;
+    int64_t count;
+} segments_call;
+
+static void segment_parts(void *ctx, int64_t begin, int64_t end) {
+    const segments_call *call = ctx;
+    for (int64_t s = 0; s < call->count; s++) {
+        const int64_t from = begin > call->first[s] ? begin : call->first[s];
+        const int64_t to = end < call->first[s + 1] ? end : call->first[s + 1];
+        if (from < to) call->fn(call->ctxs + s * call->size, from - call->first[s], to - call->first[s]);
+    }
+}
+
+/* kvb_parallel over the items of `count` jobs laid one after the other, in one call: job s (its context at
+   ctxs + s * size) has items first[s] .. first[s + 1] - 1, and fn gets each part's share of them as its own item
+   numbers (several weights' tasks, several requests' attention rows). */
+void kvb_parallel_segments(int64_t count, const int64_t *first, kvb_task fn, void *ctxs, size_t size, int threads) {
+    segments_call call = {fn, ctxs, size, first, count};
+    kvb_parallel(first[count], threads, segment_parts, &call);
 }
