@@ -20,7 +20,8 @@ from transformers.cache_utils import DynamicLayer
 
 BLOCK_TOKENS = 256
 # torch splits a CPU copy of this many values or more between its OpenMP threads, which then spin for
-# milliseconds on the cores the block kernel's own threads need (engine.rotary_table): a grow copies in pieces below it.
+# milliseconds on the cores the block kernel's own threads need (engine.rotary_table): a grow, and a reused chunk's
+# KV written into the buffers, copy in pieces below it.
 SERIAL_COPY_VALUES = 32768
 
 
@@ -99,8 +100,8 @@ class GrowingLayer(DynamicLayer):
         # key_states, value_states: [B, H_kv, T_new, D]
         rows = key_states.shape[-2]
         start = self._extend(rows, key_states, value_states)
-        self._key_buffer[:, :, start:start + rows].copy_(key_states)
-        self._value_buffer[:, :, start:start + rows].copy_(value_states)
+        copy_positions(self._key_buffer[:, :, start:], key_states)  # a reused chunk's KV: in pieces, as a grow
+        copy_positions(self._value_buffer[:, :, start:], value_states)
         return self.keys, self.values
 
     def reserve(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
