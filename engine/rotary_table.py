@@ -11,7 +11,8 @@ without them.
 below the table's size, computed once by the module's own forward over those positions and grown (doubled) when
 a forward reaches past it. Each value is the module's elementwise product p * f, then cos, sin and the module's
 attention scaling, the same function of p whatever other positions are computed with it: a row of the table is
-bit for bit what a call for that position returns (tests compare them). Only for rotary types whose frequencies
+bit for bit what a call for that position returns (tests compare them). Positions from MAX_ROWS on are computed by
+the module as before. Only for rotary types whose frequencies
 do not depend on the forward ("dynamic" and "longrope" change theirs with the context length) and only on the CPU.
 """
 
@@ -22,14 +23,17 @@ import torch
 # rope_type values whose inv_freq is fixed at load: cos and sin are a function of the position alone.
 FIXED_FREQUENCY_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 FIRST_ROWS = 1024  # the first table's positions; doubled past the highest position a forward asks for
+# Positions from here on are computed by the module, not tabled: a table this long is 64 MiB at a head of 128, and
+# doubling past a far position would allocate for every position below it.
+MAX_ROWS = 1 << 16
 
 
 class RotaryTable:
     """The forward of a rotary module (installed on the instance by use_rotary_table): rows gathered from a
     table of the module's own results. `computed_positions`: how many positions' rows the table holds."""
 
-    def __init__(self, module, original):
-        self.module, self.original = module, original
+    def __init__(self, original):
+        self.original = original  # the module's own forward
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: [positions, head_dim] float32
 
     @property
@@ -41,7 +45,7 @@ class RotaryTable:
                 position_ids.numel() == 0:
             return self.original(x, position_ids)
         low, high = int(position_ids.min()), int(position_ids.max())
-        if low < 0:
+        if low < 0 or high >= MAX_ROWS:
             return self.original(x, position_ids)
         table = self._table
         if table is None or high >= table[0].shape[0]:
@@ -73,5 +77,5 @@ def use_rotary_table(model) -> bool:
     if not isinstance(rope_type, str) or rope_type not in FIXED_FREQUENCY_TYPES or \
             not isinstance(inv_freq, torch.Tensor) or inv_freq.device.type != "cpu":
         return False  # rope_type a dict: one rotary per layer type (Gemma 3), each with its own frequencies
-    module.forward = RotaryTable(module, module.forward)
+    module.forward = RotaryTable(module.forward)
     return True

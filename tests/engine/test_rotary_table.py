@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.rotary_table import FIRST_ROWS, RotaryTable, use_rotary_table
+from engine.rotary_table import FIRST_ROWS, MAX_ROWS, RotaryTable, use_rotary_table
 from tests.engine.test_rope import tiny_model, variant_model
 
 TABLED = ("linear", "yarn", "yarn_mscale", "llama3")
@@ -56,6 +56,9 @@ def test_a_forward_inside_the_table_computes_nothing_and_the_table_grows_by_doub
     rotary_of(model)(x, torch.tensor([[FIRST_ROWS]]))
     assert table.computed_positions == 2 * FIRST_ROWS and table._table is not first
     assert use_rotary_table(model) and rotary_of(model).forward is table  # installed once
+    far = torch.tensor([[MAX_ROWS + 5, 7]])  # past the table's cap: the module computes it, the table stays
+    assert torch.equal(rotary_of(model)(x, far)[0], table.original(x, far)[0])
+    assert table.computed_positions == 2 * FIRST_ROWS
 
 
 @pytest.mark.parametrize("variant", ("dynamic", "gemma3_local_global"))
