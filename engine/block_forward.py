@@ -20,6 +20,8 @@ CacheBlend pass, spilling caches) fall back to transformers' forward and still c
 from __future__ import annotations
 
 import ctypes
+import operator
+import weakref
 
 import torch
 from torch import nn
@@ -191,7 +193,10 @@ class OneCallForward:
         self.model, self.original = model, original
         self._layers = None  # ctypes array of _Layer, built on first use
         self._modules: tuple = ()  # what the array points into: rebuilt when any of them changed
+        self._places: tuple = ()  # where each of those was read: (mapping, key)
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
+        # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
+        self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __deepcopy__(self, memo):  # a copied model gets its own arrays (they point into its own tensors)
         import copy
@@ -220,17 +225,26 @@ class OneCallForward:
             return self.original(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
         return self._one_call(input_ids, past_key_values, kwargs.get("logits_to_keep", 0))
 
-    def _current_modules(self) -> tuple:
-        """Every module and tensor the layer array points into. Read through the modules' own dicts: this runs
-        before every forward, and Module.__getattr__ over ~700 names was ~7% of a one-stream decode step."""
-        found = []
-        for layer in self.model.model._modules["layers"]._modules.values():
-            modules = layer._modules
-            found += [modules["input_layernorm"], modules["post_attention_layernorm"]]
+    def _current_modules(self) -> tuple[tuple, tuple]:
+        """Every module and tensor the layer array points into, and where each was read: (mapping, key) pairs, a
+        parent's before its children's. Read through the modules' own dicts, not Module.__getattr__ (~700 names)."""
+        places = []
+
+        def read(mapping, key):
+            places.append((mapping, key))
+            return mapping.get(key)
+
+        layers = read(read(self.model._modules, "model")._modules, "layers")
+        for index in list(layers._modules):
+            layer = read(layers._modules, index)
+            read(layer._modules, "input_layernorm")
+            read(layer._modules, "post_attention_layernorm")
             for part, name in PROJECTIONS:
-                linear = modules[part]._modules[name]
-                found += [linear, linear._buffers["blocks"], _bias(linear)]
-        return tuple(found)
+                linear = read(read(layer._modules, part)._modules, name)
+                read(linear._buffers, "blocks")
+                read(linear._parameters, "bias")
+                read(linear.__dict__, "bias")
+        return tuple(places), tuple(mapping.get(key) for mapping, key in places)
 
     def _still_converted(self) -> bool:
         """Whether the norms and SiLU are still the ones use_block_forward put in (the C path computes theirs)."""
@@ -258,12 +272,17 @@ class OneCallForward:
 
     def _ready(self) -> bool:
         """The layer array points at the model's current modules (rebuilt when one changed); False when the model no
-        longer has what the one-call forward computes."""
-        modules = self._current_modules()
-        if len(modules) != len(self._modules) or any(a is not b for a, b in zip(modules, self._modules)):
-            if not self._still_converted() or unsupported(self.model) is not None:
-                return False
-            self._build(modules)
+        longer has what the one-call forward computes. Checked before every forward: each place the array's
+        modules were read from still holds the same object (the parents first, so a replaced parent shows)."""
+        places, held = self._places, self._modules
+        if places and all(map(operator.is_, [mapping.get(key) for mapping, key in places], held)) \
+                and len(held[1]._modules) == len(self._layers):  # held[1]: the layers' list (no layer added)
+            return True
+        places, modules = self._current_modules()
+        if not self._still_converted() or unsupported(self.model) is not None:
+            return False
+        self._build(modules)
+        self._places = places
         return True
 
     def _one_call(self, input_ids: torch.Tensor, cache: GrowingCache, logits_to_keep: int):
@@ -330,8 +349,8 @@ class OneCallForward:
         like = torch.empty(1, cfg.num_key_value_heads, 0, head_dim, dtype=torch.float32)
         for s, (cache, rows) in enumerate(segments):
             # the buffers grown by `rows` positions, whose real values the C call writes
-            for i, (keys, values) in enumerate(cache.reserve(n_layers, rows, like)):
-                buffers[s * n_layers + i] = _Cache(keys.data_ptr(), values.data_ptr(), keys.stride(1))
+            ctypes.memmove(ctypes.addressof(buffers) + s * n_layers * ctypes.sizeof(_Cache),
+                           ctypes.addressof(self._grown(cache, n_layers, rows, like)), n_layers * ctypes.sizeof(_Cache))
         rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
         first = (ctypes.c_int64 * len(segments))(*starts)
         inter = inner.layers[0].mlp.gate_proj.out_features
@@ -351,10 +370,17 @@ class OneCallForward:
         return hidden
 
 
-def _bias(linear) -> torch.Tensor | None:
-    """linear.bias without Module.__getattr__: a registered parameter, or a plain attribute (None)."""
-    bias = linear._parameters.get("bias")
-    return bias if bias is not None else linear.__dict__.get("bias")
+    def _grown(self, cache: GrowingCache, n_layers: int, rows: int, like: torch.Tensor) -> ctypes.Array:
+        """`cache`'s first `n_layers` layers grown by `rows` positions: their buffers as the C call takes them. The
+        array is kept for the cache while its layers' generations stay the same (a decode step only counts its
+        positions then: making 30 layers' entries for every request of a batched step was ~5% of its time)."""
+        known = self._buffer_arrays.get(cache)
+        if known is not None and known[0] == cache.generations(n_layers) and cache.advance(n_layers, rows):
+            return known[1]
+        array = (_Cache * n_layers)(*[_Cache(keys.data_ptr(), values.data_ptr(), keys.stride(1))
+                                      for keys, values in cache.reserve(n_layers, rows, like)])
+        self._buffer_arrays[cache] = (cache.generations(n_layers), array)
+        return array
 
 
 def _growing(cache) -> bool:

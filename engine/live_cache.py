@@ -40,12 +40,18 @@ class GrowingLayer(DynamicLayer):
     """`keys` / `values` are views of the buffers' filled part, made when read: growing by a position is an integer
     update (a decode step touches every layer of every request in the batch; slicing two views per layer per step
     was a tenth of a batched step). A tensor assigned to `keys` / `values` from outside (the CacheBlend pass, crop,
-    lazy initialization) is kept as given until the next update, which takes it back into a buffer."""
+    lazy initialization) is kept as given until the next update, which takes it back into a buffer.
+
+    `generation` changes whenever the buffers are replaced or `keys` / `values` are assigned: code that holds the
+    buffers' addresses (the one-call forward) knows them good, and the layer growing only by `advance`, while it
+    stays the same."""
 
     def __init__(self):
         self._key_buffer: torch.Tensor | None = None  # [B, H_kv, capacity, D]
         self._value_buffer: torch.Tensor | None = None
         self._length = 0  # positions filled in the buffers
+        self._capacity = 0  # positions the buffers hold
+        self.generation = 0
         self._keys: torch.Tensor | None = None  # a tensor assigned from outside; None: the buffers' filled part
         self._values: torch.Tensor | None = None
         super().__init__()
@@ -59,6 +65,7 @@ class GrowingLayer(DynamicLayer):
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
         self._keys = tensor
+        self.generation += 1
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -69,6 +76,7 @@ class GrowingLayer(DynamicLayer):
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
         self._values = tensor
+        self.generation += 1
 
     def _is_prefix_view(self) -> bool:
         """Whether keys and values are the buffers' first positions (the buffers can grow in place)."""
@@ -124,10 +132,13 @@ class GrowingLayer(DynamicLayer):
             copy_positions(keys, self.keys)
             copy_positions(values, self.values)
         self._key_buffer, self._value_buffer = keys, values
+        self._capacity = capacity
+        self.generation += 1
 
     def reset(self) -> None:
         self._key_buffer = self._value_buffer = None
-        self._length = 0
+        self._length = self._capacity = 0
+        self.generation += 1
         super().reset()
 
     def capacity_bytes(self) -> int:
@@ -149,3 +160,23 @@ class GrowingCache(DynamicCache):
         while len(self.layers) < num_layers:
             self.layers.append(GrowingLayer())
         return [self.layers[i].reserve(rows, like) for i in range(num_layers)]
+
+    def generations(self, num_layers: int) -> tuple[int, ...]:
+        """The first `num_layers` layers' `generation`s."""
+        return tuple(layer.generation for layer in self.layers[:num_layers])
+
+    def advance(self, num_layers: int, rows: int) -> bool:
+        """What `reserve` does where it needs no new buffer: the first `num_layers` layers' filled parts extended
+        by `rows` positions, in the buffers they have now, whose values the caller writes. Only where every one of
+        them holds its keys and values in its buffers (nothing assigned from outside) with room for `rows` more;
+        otherwise False, and nothing changed (then `reserve`)."""
+        layers = self.layers[:num_layers]
+        if len(layers) < num_layers:
+            return False
+        for layer in layers:
+            if layer._keys is not None or layer._values is not None or layer._key_buffer is None \
+                    or layer._length + rows > layer._capacity:
+                return False
+        for layer in layers:
+            layer._length += rows
+        return True

@@ -18,6 +18,7 @@ from cpu_kernels import needs_cpu_kernel
 from gguf_files import tiny_gguf
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from engine import live_cache
 from engine.block_forward import RowNorm, RowSiLU, unsupported, use_block_forward, uses_block_forward
 from engine.exact_attention import ROWS, use_exact_attention
 from engine.live_cache import GrowingCache
@@ -139,6 +140,56 @@ def test_a_replaced_layer_is_computed_with_its_new_weights(files, one_thread):
     expected, _ = run(model.forward.original, [len(IDS)])
     got, _ = run(model, [len(IDS)])
     assert torch.equal(got, expected) and model.forward.one_call_forwards == before
+
+
+def test_replaced_parents_and_tensors_are_computed_with_their_new_weights(files, one_thread):
+    """Where a forward finds its modules is checked parent first: a whole MLP, a whole layer, or a linear's blocks
+    replaced under an array already built are computed with what replaced them (by the one-call forward)."""
+    model, other = blocks_model(files("Q4_K")), blocks_model(files("Q4_1"))
+    use_block_forward(model)
+    use_block_forward(other)
+    run(model, [5])  # the pointers into the first weights are built
+
+    def replaced(change):
+        change()
+        expected, _ = run(model.forward.original, [len(IDS)])
+        before = model.forward.one_call_forwards
+        got, _ = run(model, [len(IDS)])
+        assert model.forward.one_call_forwards > before and torch.equal(got, expected)
+
+    replaced(lambda: setattr(model.model.layers[1], "mlp", other.model.layers[1].mlp))
+    replaced(lambda: model.model.layers.__setitem__(0, other.model.layers[0]))
+    linear = model.model.layers[1].self_attn.o_proj
+    old = linear.blocks  # kept alive: an array still pointing at it would read these values
+    replaced(lambda: setattr(linear, "blocks", torch.cat([old[16:], old[:16]])))  # rotated by a 16-row tile
+
+
+def test_buffers_grown_by_another_forward_are_not_written_through_old_addresses(files, one_thread, monkeypatch):
+    """The one-call forward keeps each cache's buffer addresses between steps; a cache grown in between by the
+    model's own forward (new buffers, the old ones freed) is read and written in its new buffers."""
+    monkeypatch.setattr(live_cache, "BLOCK_TOKENS", 8)
+    model = blocks_model(files("Q4_1"))
+    use_block_forward(model)
+    original = model.forward.original
+
+    def feed(forward, cache, ids):
+        return forward(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0]
+
+    with torch.inference_mode():
+        expected_cache, mixed = GrowingCache(), GrowingCache()
+        expected = [feed(original, expected_cache, IDS[:3])]
+        got = [feed(model, mixed, IDS[:3])]  # its buffers hold 8 positions
+        for at in (3, 4):
+            expected.append(feed(original, expected_cache, [IDS[at]]))
+            got.append(feed(model, mixed, [IDS[at]]))  # written in place: the addresses kept
+        before = mixed.generations(len(mixed.layers))
+        expected.append(feed(original, expected_cache, IDS[5:12]))
+        got.append(feed(original, mixed, IDS[5:12]))  # 12 positions: new buffers, by transformers' update
+        assert mixed.generations(len(mixed.layers)) != before
+        for at in range(12, 16):
+            expected.append(feed(original, expected_cache, [IDS[at]]))
+            got.append(feed(model, mixed, [IDS[at]]))
+    assert torch.equal(torch.cat(got), torch.cat(expected)) and same_cache(mixed, expected_cache)
 
 
 def test_a_copied_model_computes_from_its_own_weights(files, one_thread):

@@ -131,3 +131,33 @@ def test_a_grow_copies_every_position_in_pieces_and_nothing_past_them():
     assert torch.equal(target[:, :, :2000], source)
     assert bool((target[:, :, 2000:] == 7.0).all())
     assert (2000 * 3 * 64) // live_cache.SERIAL_COPY_VALUES >= 10  # the case does take many pieces
+
+
+@torch.inference_mode()
+def test_advance_extends_in_place_only_where_reserve_would_need_nothing_new(monkeypatch):
+    """advance() (a decode step's growth where the one-call forward holds the buffers' addresses) counts positions
+    in the buffers the layers have, and refuses, changing nothing, where reserve() would have to do more: a layer
+    whose keys were assigned from outside (a crop), a buffer without room, a layer not made yet. The generations
+    change exactly where the buffers or what the keys are change."""
+    monkeypatch.setattr(live_cache, "BLOCK_TOKENS", 8)
+    cache = GrowingCache()
+    like = torch.empty(1, 2, 0, 4)
+    assert not cache.advance(2, 1) and cache.get_seq_length() == 0  # no layers yet
+    buffers = cache.reserve(2, 3, like)  # 3 positions in buffers of 8
+    start = cache.generations(2)
+    assert cache.advance(2, 4) and cache.get_seq_length() == 7 and cache.generations(2) == start
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [7, 7]
+    assert all(layer.keys.data_ptr() == keys.data_ptr() for layer, (keys, _) in zip(cache.layers, buffers))
+    assert not cache.advance(2, 2) and cache.get_seq_length() == 7  # 9 > 8: a new buffer is reserve's to make
+    cache.layers[1].crop(-1)  # layer 1's keys are now a view assigned from outside
+    assert cache.generations(2)[1] != start[1] and cache.generations(2)[0] == start[0]
+    assert not cache.advance(2, 1) and [layer.keys.shape[-2] for layer in cache.layers] == [7, 6]
+    cache.reserve(2, 2, like)  # layer 0: 9 > 8, a grow; layer 1: back in its buffer, 8 (full)
+    grown = cache.generations(2)
+    assert grown[0] != start[0] and [layer.keys.shape[-2] for layer in cache.layers] == [9, 8]
+    assert not cache.advance(2, 1) and cache.generations(2) == grown  # layer 1 has no room left
+    cache.reserve(2, 1, like)
+    after = cache.generations(2)
+    assert after[0] == grown[0] and after[1] != grown[1]  # layer 1 grown, layer 0 written in place
+    assert cache.advance(2, 2) and cache.generations(2) == after
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [12, 11]
