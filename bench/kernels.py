@@ -21,6 +21,7 @@ import ctypes
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -90,12 +91,93 @@ def attention(positions: Sequence[int], context: int, calls: int, threads: int) 
             for n in positions]
 
 
+# The instruction the 32-value types' tiles multiply with on AVX-512 VNNI (gguf_dots.c, tile32): vpdpwssd, int16
+# pairs multiplied and added into 16 int32 lanes. Timed here alone, in independent chains on every thread, and with
+# the tiles' float steps interleaved (4 float multiply-adds per 16 products: a block's scaling for one row), to show
+# what the product of many rows can reach on this CPU. (Only there: on AVX2, a compiler folds the probe's loop-
+# invariant vpmaddwd away, and such a loop would time something else.)
+CEILING_SOURCE = r"""
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#if !(defined(__AVX512F__) && defined(__AVX512VNNI__))
+#error "no AVX-512 VNNI"
+#endif
+typedef __m512i vi; typedef __m512 vf;
+#define LANES 16
+#define MADD(a, x, y) a = _mm512_dpwssd_epi32(a, x, y)
+#define FMA(f, x) f = _mm512_fmadd_ps(f, x, x)
+#define SETI(v) _mm512_set1_epi32(v)
+#define SETF(v) _mm512_set1_ps(v)
+#define KEEP(r) __asm__ volatile("" : "+v"(r))
+static long rounds;
+static int with_float;
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static void *work(void *unused) {
+    (void)unused;
+    vi a0 = SETI(0), a1 = SETI(1), a2 = SETI(2), a3 = SETI(3), a4 = SETI(4), a5 = SETI(5), a6 = SETI(6), a7 = SETI(7);
+    vi x = SETI(3), y = SETI(5);
+    vf f0 = SETF(0.f), f1 = SETF(1.f), f2 = SETF(2.f), f3 = SETF(3.f), s = SETF(1.0001f);
+    for (long i = 0; i < rounds; i++) {
+        MADD(a0, x, y); MADD(a1, x, y); MADD(a2, x, y); MADD(a3, x, y);
+        MADD(a4, x, y); MADD(a5, x, y); MADD(a6, x, y); MADD(a7, x, y);
+        MADD(a0, x, y); MADD(a1, x, y); MADD(a2, x, y); MADD(a3, x, y);
+        MADD(a4, x, y); MADD(a5, x, y); MADD(a6, x, y); MADD(a7, x, y);
+        if (with_float) { FMA(f0, s); FMA(f1, s); FMA(f2, s); FMA(f3, s); KEEP(f0); KEEP(f1); KEEP(f2); KEEP(f3); }
+        KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7);
+    }
+    return NULL;
+}
+int main(int argc, char **argv) {
+    int threads = atoi(argv[1]);
+    rounds = atol(argv[2]);
+    for (with_float = 0; with_float < 2; with_float++) {
+        pthread_t t[64];
+        double start = now();
+        for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, work, NULL);
+        for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+        double seconds = now() - start;
+        printf("%d %.3f\n", LANES, 16.0 * rounds * threads * LANES * 2 / seconds / 1e9);
+    }
+    return 0;
+}
+"""
+
+
+def ceiling(threads: int, rounds: int = 50_000_000) -> tuple[int, float, float] | None:
+    """This CPU's vpdpwssd rate on `threads` threads, in GMAC/s: (lanes, alone, with the float steps interleaved);
+    None where the probe cannot be built here (no C compiler, no AVX-512 VNNI)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    with tempfile.TemporaryDirectory() as folder:
+        source, program = Path(folder) / "ceiling.c", Path(folder) / "ceiling"
+        source.write_text(CEILING_SOURCE)
+        built = subprocess.run([compiler, "-O2", "-march=native", "-pthread", str(source), "-o", str(program)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            return None
+        lines = subprocess.run([str(program), str(threads), str(rounds)], capture_output=True, text=True,
+                               check=True).stdout.split("\n")
+    (lanes, alone), (_, mixed) = [line.split() for line in lines[:2]]
+    return int(lanes), float(alone), float(mixed)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=400, help="calls per row count (alternating)")
     parser.add_argument("--copies", type=int, default=200, help="weight copies rotated (200 x 0.55 MB: past L3)")
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also time this CPU's vpdpwssd, the tiles' instruction (needs cc and AVX-512 VNNI)")
     args = parser.parse_args(argv)
     try:
         contexts = [int(c) for c in args.context.split(",") if c.strip()]
@@ -111,6 +193,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| rows | us | GMAC/s | cost / one row |\n|---|---|---|---|")
     for r in products(list(range(1, 9)), args.calls, args.copies):
         print(f"| {r['rows']} | {r['us']:.1f} | {r['gmacs']:.1f} | {r['cost']:.2f}x |")
+    if args.ceiling:
+        found = ceiling(args.threads)
+        if found is None:
+            print("\nno probe of the multiply-add here (it needs a C compiler and AVX-512 VNNI)")
+        else:
+            lanes, alone, mixed = found
+            print(f"\nthis CPU's int16 multiply-add (vpdpwssd, {lanes} lanes), {args.threads} threads: "
+                  f"{alone:.1f} GMAC/s alone, {mixed:.1f} with 4 float multiply-adds per 16 (a block's float "
+                  "steps): the most the products of many rows can reach here")
     for context in contexts:
         print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached tokens")
         print("| positions | us | cost / one position |\n|---|---|---|")

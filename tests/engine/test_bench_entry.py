@@ -63,3 +63,23 @@ def test_kvboost_bench_runs_the_bench_entry_in_a_child_process():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout == usage() + "\n"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the probe is built with the system's cc and pthreads")
+def test_the_kernels_bench_times_this_cpus_multiply_add_where_a_compiler_builds_its_probe():
+    """`bench kernels --ceiling`: where the CPU has AVX-512 VNNI, the probe builds and reports a rate for each of
+    its two loops; elsewhere it says it cannot."""
+    import shutil
+
+    from bench.kernels import ceiling
+    from engine.weights import gguf_blocks
+
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler")
+    found = ceiling(1, rounds=200_000)
+    if "avx512_vnni" not in gguf_blocks.cpu_flags().split():
+        assert found is None
+        return
+    assert found is not None, "the probe did not build"
+    lanes, alone, mixed = found
+    assert lanes == 16 and alone > 0 and mixed > 0
