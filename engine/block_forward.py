@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import threading
 import weakref
 
 import torch
@@ -163,6 +164,32 @@ def unsupported(model) -> str | None:
     return None
 
 
+# Every module, parameter and buffer assigned to a module anywhere in the process (Module.__setattr__ and the
+# register_* calls, through torch's global registration hooks) counts here: while the count stands, no module the
+# one-call forward reads from was replaced that way, and a forward checks only what such assignments do not show
+# (tensors written into a module's dicts directly, as Module._apply does, and a bias held as a plain attribute).
+# Checking all ~1000 places before every forward was ~5% of a one-stream decode step (py-spy): read right after
+# the layers' call has streamed the weights through the caches, each one is a miss.
+_registrations = [0]
+_hooks_lock = threading.Lock()
+_hooks: list = []
+
+
+def _count_registration(module, name, value) -> None:
+    _registrations[0] += 1
+
+
+def _watch_registrations() -> None:
+    with _hooks_lock:
+        if not _hooks:
+            from torch.nn.modules import module as torch_module
+
+            _hooks.extend(register(_count_registration) for register in (
+                torch_module.register_module_module_registration_hook,
+                torch_module.register_module_parameter_registration_hook,
+                torch_module.register_module_buffer_registration_hook))
+
+
 def use_block_forward(model) -> bool:
     """Makes `model`'s norms RowNorm and its SiLU RowSiLU, and routes its forwards over input ids into the
     one-call forward where it can take them (see the module's docstring); False (the model unchanged) where
@@ -177,6 +204,7 @@ def use_block_forward(model) -> bool:
             setattr(layer, name, RowNorm(*_norm(getattr(layer, name))))
         layer.mlp.act_fn = RowSiLU()
     inner.norm = RowNorm(*_norm(inner.norm))
+    _watch_registrations()
     model.forward = OneCallForward(model, model.forward)
     return True
 
@@ -194,6 +222,8 @@ class OneCallForward:
         self._layers = None  # ctypes array of _Layer, built on first use
         self._modules: tuple = ()  # what the array points into: rebuilt when any of them changed
         self._places: tuple = ()  # where each of those was read: (mapping, key)
+        self._unhooked: tuple = ()  # (place, object) of those a registration hook does not see replaced
+        self._registrations = -1  # _registrations when the places were last found to hold what the array read
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
         # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
         self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -272,17 +302,26 @@ class OneCallForward:
 
     def _ready(self) -> bool:
         """The layer array points at the model's current modules (rebuilt when one changed); False when the model no
-        longer has what the one-call forward computes. Checked before every forward: each place the array's
-        modules were read from still holds the same object (the parents first, so a replaced parent shows)."""
-        places, held = self._places, self._modules
-        if places and all(map(operator.is_, [mapping.get(key) for mapping, key in places], held)) \
-                and len(held[1]._modules) == len(self._layers):  # held[1]: the layers' list (no layer added)
+        longer has what the one-call forward computes. Before every forward: where nothing was assigned to any
+        module since the last check (_registrations), only the tensors an assignment would not show; otherwise
+        every place the array's modules were read from (the parents first, so a replaced parent shows)."""
+        registrations = _registrations[0]
+        if registrations == self._registrations and \
+                all(mapping.get(key) is held for (mapping, key), held in self._unhooked):
             return True
-        places, modules = self._current_modules()
-        if not self._still_converted() or unsupported(self.model) is not None:
+        if not self._still_converted():
             return False
-        self._build(modules)
-        self._places = places
+        places, held = self._places, self._modules
+        if not (places and all(map(operator.is_, [mapping.get(key) for mapping, key in places], held))
+                and len(held[1]._modules) == len(self._layers)):  # held[1]: the layers' list (no layer added)
+            places, modules = self._current_modules()
+            if unsupported(self.model) is not None:
+                return False
+            self._build(modules)
+            self._places = places
+            self._unhooked = tuple((place, found) for place, found in zip(places, modules)
+                                   if place[1] in ("blocks", "bias"))
+        self._registrations = registrations
         return True
 
     def _one_call(self, input_ids: torch.Tensor, cache: GrowingCache, logits_to_keep: int):

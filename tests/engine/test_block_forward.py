@@ -162,6 +162,27 @@ def test_replaced_parents_and_tensors_are_computed_with_their_new_weights(files,
     linear = model.model.layers[1].self_attn.o_proj
     old = linear.blocks  # kept alive: an array still pointing at it would read these values
     replaced(lambda: setattr(linear, "blocks", torch.cat([old[16:], old[:16]])))  # rotated by a 16-row tile
+    # Written into the module's dict, as Module._apply does: no registration hook sees it. Right after a one-call
+    # forward (nothing registered since), so the next forward's check is the one for such writes.
+    gate = model.model.layers[0].mlp.gate_proj
+    old_gate = gate.blocks
+    run(model, [len(IDS)])
+    gate._buffers["blocks"] = torch.cat([old_gate[16:], old_gate[:16]])
+    before = model.forward.one_call_forwards
+    got, _ = run(model, [len(IDS)])
+    expected, _ = run(model.forward.original, [len(IDS)])
+    assert model.forward.one_call_forwards > before and torch.equal(got, expected)
+
+
+def test_a_silu_replaced_after_the_first_forward_sends_forwards_to_the_models_own(files, one_thread):
+    model = blocks_model(files("Q4_1"))
+    use_block_forward(model)
+    run(model, [5])
+    model.model.layers[1].mlp.act_fn = torch.nn.SiLU()  # not the C path's SiLU any more
+    before = model.forward.one_call_forwards
+    got, _ = run(model, [len(IDS)])
+    expected, _ = run(model.forward.original, [len(IDS)])
+    assert model.forward.one_call_forwards == before and torch.equal(got, expected)
 
 
 def test_buffers_grown_by_another_forward_are_not_written_through_old_addresses(files, one_thread, monkeypatch):
