@@ -255,12 +255,16 @@ class OneCallForward:
             return self.original(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
         return self._one_call(input_ids, past_key_values, kwargs.get("logits_to_keep", 0))
 
-    def _current_modules(self) -> tuple[tuple, tuple]:
-        """Every module and tensor the layer array points into, and where each was read: (mapping, key) pairs, a
-        parent's before its children's. Read through the modules' own dicts, not Module.__getattr__ (~700 names)."""
-        places = []
+    def _current_modules(self) -> tuple[tuple, tuple, tuple]:
+        """Every module and tensor the layer array points into, where each was read ((mapping, key) pairs, a
+        parent's before its children's), and which of those places a registration hook does not see written (a
+        buffer replaced by Module._apply, a bias that is a plain attribute). Read through the modules' own dicts,
+        not Module.__getattr__ (~700 names)."""
+        places, unhooked = [], []
 
-        def read(mapping, key):
+        def read(mapping, key, hooked=True):
+            if not hooked:
+                unhooked.append(len(places))
             places.append((mapping, key))
             return mapping.get(key)
 
@@ -271,10 +275,10 @@ class OneCallForward:
             read(layer._modules, "post_attention_layernorm")
             for part, name in PROJECTIONS:
                 linear = read(read(layer._modules, part)._modules, name)
-                read(linear._buffers, "blocks")
+                read(linear._buffers, "blocks", hooked=False)
                 read(linear._parameters, "bias")
-                read(linear.__dict__, "bias")
-        return tuple(places), tuple(mapping.get(key) for mapping, key in places)
+                read(linear.__dict__, "bias", hooked=False)
+        return tuple(places), tuple(mapping.get(key) for mapping, key in places), tuple(unhooked)
 
     def _still_converted(self) -> bool:
         """Whether the norms and SiLU are still the ones use_block_forward put in (the C path computes theirs)."""
@@ -314,13 +318,12 @@ class OneCallForward:
         places, held = self._places, self._modules
         if not (places and all(map(operator.is_, [mapping.get(key) for mapping, key in places], held))
                 and len(held[1]._modules) == len(self._layers)):  # held[1]: the layers' list (no layer added)
-            places, modules = self._current_modules()
+            places, modules, unhooked = self._current_modules()
             if unsupported(self.model) is not None:
                 return False
             self._build(modules)
             self._places = places
-            self._unhooked = tuple((place, found) for place, found in zip(places, modules)
-                                   if place[1] in ("blocks", "bias"))
+            self._unhooked = tuple((places[i], modules[i]) for i in unhooked)
         self._registrations = registrations
         return True
 
