@@ -23,7 +23,7 @@ from .config import SamplingConfig
 from .draft_model import DraftModel
 from .paged import SpillingCache, rowwise_attention, spill_stats, spill_unsupported, spilling
 from .sampling import is_greedy, sample, sampling_probs
-from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, verify
+from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, draft_limit, verify
 
 
 @dataclass
@@ -245,6 +245,7 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
 
     first_logits = logits.float().cpu().clone() if return_logits else None
     chosen = None  # a token already chosen by a speculative check (its logits were in the checked forward)
+    copying = False  # the last check kept every token it drafted from the context (speculative.draft_limit)
     while finish is None:
         token = chosen if chosen is not None else sample(logits, params, ids, generator)
         chosen = None
@@ -260,17 +261,20 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
         room = min(params.max_new_tokens - (len(ids) - prompt_len), max_context - 1 - len(ids))
         if batched and _drafts_do_not_pay(stats):
             room = 0
-        draft = drafts.draft(min(num_draft, room)) if drafts is not None and room > 0 else []
+        limit = draft_limit(num_draft, copying and not batched)
+        draft = drafts.draft(min(limit, room)) if drafts is not None and room > 0 else []
         stats.decode_forwards += 1
         step = Forward([token, *draft], cache, rowwise=rowwise and bool(draft))
         checked = yield step  # [k + 1, V]: whoever runs this coroutine runs the forward (alone or batched)
         batched = step.shared > 1
         stats.batched_forwards += batched
+        copying = False
         if not draft:
             logits = checked[-1]
             continue
         kept, chosen = verify(draft, _greedy_at(checked, params, ids), _probs_at(checked, params, ids),
                               generator, is_greedy(params))
+        copying = kept == len(draft) and speculative == "prompt-lookup"
         stats.drafted_tokens += len(draft)
         stats.accepted_tokens += kept
         if kept < len(draft):

@@ -171,6 +171,50 @@ def test_sampled_continuations_follow_the_models_distribution_with_speculation(m
     assert tv + missing / 2 < 0.08
 
 
+def greedy_checks(model, prompt: list[int], speculative: str | None, max_new_tokens: int = 40):
+    """Greedy decoding of `prompt` by `model` (num_draft 4): the answer, and each forward's drafted tokens."""
+    cache = GrowingCache()
+    logits = model(torch.tensor([prompt]), past_key_values=cache).logits[0, -1]
+    drafts, cpu = [], torch.device("cpu")
+
+    def run(forward):
+        drafts.append(list(forward.tokens[1:]))
+        return run_forward(model, forward, cpu)
+
+    decoder = Decoder(model, build_tokenizer(), cpu, frozenset({EOS}), 1000, speculative=speculative, num_draft=4)
+    events = decode_tokens(decoder, cache, logits, list(prompt), SamplingConfig(max_new_tokens=max_new_tokens),
+                           Stats(), t_enter=0.0)
+    result = [e for e in drive_alone(events, run) if isinstance(e, Result)][0]
+    return result.token_ids, drafts
+
+
+@torch.inference_mode()
+def test_while_checks_keep_every_draft_the_next_drafts_half_as_many_again():
+    """A copy under way (the last check kept all it drafted) drafts up to 6 where num_draft is 4; after a check
+    that missed, 4 again. A bigram model whose greedy path is a cycle of 9 words, over a context that shows the
+    cycle and, last, one wrong turn (c4 -> c1), which the drafts follow once and the model does not."""
+    cycle = [FIRST_WORD + i for i in range(9)]
+    table = torch.full((VOCAB, VOCAB), float("-inf"))
+    for i, word in enumerate(cycle):
+        table[word, cycle] = -3.0
+        table[word, cycle[(i + 1) % len(cycle)]] = -0.1
+    model = BigramLM(table)
+    prompt = cycle * 3 + [cycle[2], cycle[3], cycle[4], cycle[1], cycle[2]]
+    plain, none = greedy_checks(model, prompt, None)
+    answer, drafts = greedy_checks(model, prompt, "prompt-lookup")
+    assert answer == plain and not any(none)  # the same greedy answer; without speculation nothing drafted
+    at, copying, sizes = 1, False, []  # the answer's first token came from the prompt's logits
+    for draft in drafts:
+        kept = 0
+        while kept < len(draft) and at + kept < len(answer) and draft[kept] == answer[at + kept]:
+            kept += 1
+        assert len(draft) <= (6 if copying else 4), (sizes, len(draft))
+        sizes.append((len(draft), kept))
+        copying, at = bool(draft) and kept == len(draft), at + kept + 1
+    assert (6, 6) in sizes  # the copy drafted 6 and kept them
+    assert any(d > 0 and k < d for d, k in sizes[:-1])  # a miss, after which the limit fell back to 4
+
+
 def test_the_kv_left_by_a_speculative_answer_is_reused_exactly(one_thread):
     """The answer's KV is stored (reuse on): a follow-up that contains it must equal a run without reuse."""
     model, tokenizer = build_model("llama"), build_tokenizer()
