@@ -126,8 +126,7 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
         if (type == KVB_Q8_0) {
             for (int p = 0; p < 16; p++) {
                 const __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + start + 32 * p)));
-                for (int r = 0; r < R; r++)
-                    dot[r] = _mm512_dpwssd_epi32(dot[r], v, _mm512_set1_epi32(x0[r * k / 2 + p]));
+                for (int r = 0; r < R; r++) dot[r] = dpwssd_from(dot[r], v, x0 + r * k / 2 + p);
             }
         } else {
             for (int g = 0; g < 4; g++) {
@@ -138,8 +137,7 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                                       _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)),
                                       _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
                 for (int e = 0; e < 4; e++)
-                    for (int r = 0; r < R; r++)
-                        dot[r] = _mm512_dpwssd_epi32(dot[r], v[e], _mm512_set1_epi32(x0[r * k / 2 + 4 * g + e]));
+                    for (int r = 0; r < R; r++) dot[r] = dpwssd_from(dot[r], v[e], x0 + r * k / 2 + 4 * g + e);
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));

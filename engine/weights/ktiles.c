@@ -156,11 +156,8 @@ static inline __attribute__((always_inline)) void q4k_tile(int R, const uint8_t 
                         const __m512i raw = _mm512_loadu_si512((const void *)(codes + 64 * (8 * p + g)));
                         lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                     }
-                    int32_t four_even, four_odd;
-                    memcpy(&four_even, x + 64 * p + 4 * g, 4);
-                    memcpy(&four_odd, x + 64 * p + 32 + 4 * g, 4);
-                    even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(four_even));
-                    odd = _mm512_dpbusd_epi32(odd, hi, _mm512_set1_epi32(four_odd));
+                    even = dpbusd_from(even, lo, x + 64 * p + 4 * g);
+                    odd = dpbusd_from(odd, hi, x + 64 * p + 32 + 4 * g);
                 }
                 sum = _mm512_add_epi32(sum, _mm512_add_epi32(_mm512_mullo_epi32(even, blk.scale[2 * p]),
                                                              _mm512_mullo_epi32(odd, blk.scale[2 * p + 1])));
@@ -238,11 +235,7 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
                         __m512i made[4];
                         const __m512i *c4 = codes + 4 * (8 * n + g);
                         if (R == 1) q6k_codes(w, n, g, made), c4 = made;
-                        for (int c = 0; c < 4; c++) {
-                            int32_t four;
-                            memcpy(&four, x + 128 * n + 32 * c + 4 * g, 4);
-                            dot[c] = _mm512_dpbusd_epi32(dot[c], c4[c], _mm512_set1_epi32(four));
-                        }
+                        for (int c = 0; c < 4; c++) dot[c] = dpbusd_from(dot[c], c4[c], x + 128 * n + 32 * c + 4 * g);
                     }
                     for (int c = 0; c < 4; c++)
                         sum = _mm512_add_epi32(sum, _mm512_mullo_epi32(dot[c], blk.scale[2 * (4 * n + c) + half]));
