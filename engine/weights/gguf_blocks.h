@@ -64,9 +64,8 @@ static inline int tile_codes_start(int type) { return type == KVB_Q4_1 ? 64 : 32
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* The tiles' multiply-adds with four activation bytes from memory broadcast to every lane, as one instruction: the
    broadcast folded into it ({1to16}). Written as _mm512_dpwssd_epi32(acc, v, _mm512_set1_epi32(x)), gcc loads
-   each broadcast by a vpbroadcastd of its own, and the Q4_1 tiles of 6-8 rows ran 5-7% slower (one process
-   alternating the two builds, 1536 x 576, weights in cache and past L3: 110 against 117 GMAC/s at 8 rows). The
-   same instruction either way, so the same sums. */
+   each broadcast by a vpbroadcastd of its own: the tiles took 2-6% longer at 1-8 rows (Q4_1 1536 x 576, one
+   process alternating the two builds; Q6_K at 8 rows ~10%). The same instruction either way, so the same sums. */
 typedef struct { int8_t bytes[4]; } kvb_four; /* four activation bytes (two int16, or four int8) */
 
 static inline __attribute__((always_inline)) __m512i dpwssd_from(__m512i acc, __m512i codes, const void *four) {
