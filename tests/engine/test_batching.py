@@ -364,3 +364,31 @@ def test_the_attention_registry_is_written_once_not_at_every_packed_forward(smol
     out, _ = ALL_ATTENTION_FUNCTIONS[impl](Module(), q, k, v, None, scaling=0.125, dropout=0.0)
     want, _ = row_attention(Module(), q, k, v, None, scaling=0.125, dropout=0.0)
     assert torch.equal(out, want)
+
+
+def test_a_batched_request_drafts_no_more_than_num_draft_even_while_copying(smollm_int4_engine, monkeypatch,
+                                                                           one_thread):
+    """Alone, a check after one that kept every draft may draft half as many again (speculative.draft_limit); in
+    a batch each drafted token is another row for the whole step, so a batched request drafts at most num_draft.
+    Two answers that quote their documents (most of their checks keep every draft), decoded together."""
+    import pydoc_data.topics
+
+    import engine.batching as batching
+
+    engine = smollm_int4_engine.with_options(reuse="off", speculative="prompt-lookup", num_draft=4)
+    prompts = [engine.encode([{"role": "system", "content": pydoc_data.topics.topics[name][:1200]},
+                              {"role": "user", "content": "Repeat the first paragraph of the text above word for "
+                                                          "word."}]) for name in ("assignment", "for")]
+    alone = [engine.generate(p, max_new_tokens=40) for p in prompts]
+    sizes, original = [], batching.packed_forward
+
+    def counted(model, forwards, device):
+        sizes.append([len(f.tokens) for f in forwards if not f.prompt])  # decode steps: a token and its drafts
+        return original(model, forwards, device)
+
+    monkeypatch.setattr(batching, "packed_forward", counted)
+    together = run_together(lambda i: engine, prompts, max_new_tokens=40)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert any(n > 1 for step in sizes for n in step), "no drafts checked in a packed forward"
+    assert all(n <= 1 + 4 for step in sizes for n in step), sizes
+    assert max(a.stats.accepted_tokens for a in alone) > 10  # alone, the answers do copy
