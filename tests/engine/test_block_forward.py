@@ -350,3 +350,28 @@ def test_reused_turns_of_the_embedded_model_give_the_uncached_logits_bit_for_bit
             reused += got.stats.reused_tokens
             messages.append({"role": "assistant", "content": got.text})
     assert compared == 12 and reused > 0
+
+
+def test_a_request_run_alone_takes_the_packed_entry_with_the_same_bits(files, one_thread):
+    """generate.run_forward (a request's decode step or check, run by itself) goes straight to the one-call
+    forward's packed entry: the logits and the KV of transformers' own forward over the same modules, bit for bit,
+    for one token and for a token with three drafts (rows one position at a time)."""
+    from engine.batching import Forward
+    from engine.generate import run_forward
+
+    model = blocks_model(files("Q4_1"))
+    use_block_forward(model)
+    _, cache = run(model, [len(IDS)], new=0)
+    reference = copy.deepcopy(cache)
+    entered, packed = [], model.forward.packed
+    model.forward.packed = lambda tokens, caches, keeps=None: entered.append(tokens) or packed(tokens, caches, keeps)
+    for tokens in ([300], [12, 400, 9, 33]):
+        before = model.forward.one_call_forwards
+        got = run_forward(model, Forward(list(tokens), cache, rowwise=len(tokens) > 1), CPU)
+        assert model.forward.one_call_forwards == before + 1 and entered[-1] == [list(tokens)]
+        with torch.inference_mode():
+            want = torch.cat([model.forward.original(input_ids=torch.tensor([[t]]), past_key_values=reference,
+                                                     use_cache=True).logits[0] for t in tokens])
+        assert torch.equal(got, want)
+        assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+                   for a, b in zip(cache.layers, reference.layers))
