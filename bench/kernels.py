@@ -5,6 +5,9 @@ tokens or a batch of streams costs against one token, before any Python.
   Q4_1 weight of the embedded model's MLP shape (1536 x 576) held as tiles, as the engine holds it, multiplied by
   R rows; the weight rotates between enough copies to miss the caches, as a decode step's weights do. Per R: the
   median microseconds, GMAC/s, and the cost against one row.
+- With `--against LIBRARY`, the same products side by side with another build of the kernel (another checkout's
+  library), calls alternating in one process, their outputs checked equal: a kernel change timed against the
+  build before it.
 - Row attention for a decode step (1 position) and checks (4, 5, 9 positions) at a given context, the embedded
   model's heads (9 query heads, 3 kv heads of 64): the median microseconds of one layer's call over a cache's
   buffer, and the cost against one position.
@@ -65,6 +68,35 @@ def products(rows: Sequence[int], calls: int, copies: int) -> list[dict]:
         out.append({"rows": r, "us": 1e6 * seconds, "gmacs": r * OUT * COLUMNS / seconds / 1e9,
                     "cost": seconds / one if one else float("nan")})
     return out
+
+
+def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str) -> list[dict]:
+    """Per row count: median us of one product with this checkout's build and with `other` (another build's
+    library), calls alternating in one process (the machine's noise hits both alike). SystemExit where the two
+    builds' outputs differ: a change that should keep every bit did not."""
+    theirs, ours = gguf_blocks.other_build(other), gguf_blocks.library()
+    tiled = gguf_blocks.tiles("Q4_1")
+    weights = [q4_1_weight(seed) for seed in range(copies)]
+    inputs = {r: torch.randn(r, COLUMNS) for r in rows}
+    spent: dict[tuple[str, int], list[float]] = {(name, r): [] for name in ("this", "other") for r in rows}
+    for call in range(calls):
+        order = [("this", ours), ("other", theirs)]
+        for name, lib in order if call % 2 == 0 else order[::-1]:
+            with gguf_blocks.build_in_use(lib):
+                for r in rows:
+                    weight = weights[(call * len(rows) + r) % copies]
+                    start = time.perf_counter()
+                    gguf_blocks.matmul(weight, "Q4_1", COLUMNS, inputs[r], tiled=tiled)
+                    spent[(name, r)].append(time.perf_counter() - start)
+    for r in rows:
+        outputs = []
+        for lib in (ours, theirs):
+            with gguf_blocks.build_in_use(lib):
+                outputs.append(gguf_blocks.matmul(weights[0], "Q4_1", COLUMNS, inputs[r], tiled=tiled))
+        if not torch.equal(*outputs):
+            raise SystemExit(f"bench kernels: the two builds' products of {r} rows differ")
+    return [{"rows": r, "this": 1e6 * statistics.median(spent[("this", r)]),
+             "other": 1e6 * statistics.median(spent[("other", r)])} for r in rows]
 
 
 def attention(positions: Sequence[int], context: int, calls: int, threads: int) -> list[dict]:
@@ -178,6 +210,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
     parser.add_argument("--ceiling", action="store_true",
                         help="also time this CPU's vpdpwssd, the tiles' instruction (needs cc and AVX-512 VNNI)")
+    parser.add_argument("--against", metavar="LIBRARY",
+                        help="also time the products side by side with another build of the kernel (the library "
+                             "another checkout built: gguf_blocks.library()._name there), calls alternating")
     args = parser.parse_args(argv)
     try:
         contexts = [int(c) for c in args.context.split(",") if c.strip()]
@@ -193,6 +228,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("| rows | us | GMAC/s | cost / one row |\n|---|---|---|---|")
     for r in products(list(range(1, 9)), args.calls, args.copies):
         print(f"| {r['rows']} | {r['us']:.1f} | {r['gmacs']:.1f} | {r['cost']:.2f}x |")
+    if args.against:
+        print(f"\nthe same products, this build against {args.against}, alternating, medians of {args.calls} calls "
+              "(outputs equal)")
+        print("| rows | this build us | the other us | this / other |\n|---|---|---|---|")
+        for r in side_by_side(list(range(1, 9)), args.calls, args.copies, args.against):
+            print(f"| {r['rows']} | {r['this']:.1f} | {r['other']:.1f} | {r['this'] / r['other']:.3f} |")
     if args.ceiling:
         found = ceiling(args.threads)
         if found is None:

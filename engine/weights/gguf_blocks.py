@@ -21,6 +21,7 @@ with each other and with gguf_blocks.c."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -293,6 +294,25 @@ def row_bytes(type_name: str, columns: int) -> int:
 def library(engine_cache_dir: Path | str | None = None) -> ctypes.CDLL:
     """The built library (BlockKernelUnavailable where it cannot be had): for engine.exact_attention."""
     return _library(engine_cache_dir)
+
+
+def other_build(path: Path | str) -> ctypes.CDLL:
+    """Another build of this kernel (another checkout's: `library()._name` there), bound as this one is, for a
+    benchmark that times two builds side by side; its functions must take the arguments this checkout passes."""
+    return _bind(Path(path))
+
+
+@contextlib.contextmanager
+def build_in_use(lib: ctypes.CDLL):
+    """Within it, this module's calls go to `lib` (other_build's, or library()'s): a benchmark alternating builds."""
+    _library()
+    with _lock:
+        saved, _state["lib"] = _state["lib"], lib
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["lib"] = saved
 
 
 def _threads() -> int:

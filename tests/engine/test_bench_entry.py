@@ -83,3 +83,16 @@ def test_the_kernels_bench_times_this_cpus_multiply_add_where_a_compiler_builds_
     assert found is not None, "the probe did not build"
     lanes, alone, mixed = found
     assert lanes == 16 and alone > 0 and mixed > 0
+
+
+def test_the_kernels_bench_times_two_builds_side_by_side():
+    """`bench kernels --against LIBRARY`: this build's products and another build's, calls alternating, both
+    computed (here the other build is this one, loaded a second time: the same outputs, times for each)."""
+    from bench.kernels import side_by_side
+    from engine.weights import gguf_blocks
+
+    if gguf_blocks.unavailable("cpu"):
+        pytest.skip(gguf_blocks.unavailable("cpu"))
+    rows = side_by_side([1, 8], calls=2, copies=2, other=gguf_blocks.library()._name)
+    assert [r["rows"] for r in rows] == [1, 8]
+    assert all(r["this"] > 0 and r["other"] > 0 for r in rows)
