@@ -253,7 +253,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
     for (int s = 0; s < 2; s++) {
         slots[s].q = take(&at, 2 * m * widest); /* int16 codes for the 32-value types */
         slots[s].d = take(&at, 4 * m * (widest / 16 + 1));
-        slots[s].sums = take(&at, 4 * m * (widest / 16 + 1));
+        slots[s].sums = take(&at, 4 * m * (widest / 16 + 1)); /* 8 bytes per 32 (kvb_sum32), 2 per 16 */
     }
     int status = 0;
     for (int64_t l = 0; l < n_layers && status == 0; l++) {

@@ -2,7 +2,7 @@
 
    Activations are rounded per block: for the K-quants to int8, as llama.cpp rounds its own (one float scale
    d = max|x| / 127 per 256 and the codes' sum per 16: layout A256); for the 32-value types to int16 (a scale
-   d = max|x| / 32767 and the codes' sum per 32: layout A32). int8 per 32, llama.cpp's rounding for those types,
+   d = max|x| / 32767 per 32, and per 32 the codes' sum s and d * s rounded to float: layout A32, kvb_sum32). int8 per 32, llama.cpp's rounding for those types,
    moved the embedded model's answers (its Q4_1 file answered "What is the capital of France?" with "L'Etoile,
    la Marseillaise", as llama.cpp does; int16 answers "Paris", as float and bfloat16 activations do), and
    _mm256_madd_epi16 multiplies int16 about as fast as int8 goes. A weight block's products with an activation
@@ -92,7 +92,9 @@ static void quantize_rows(void *ctx, int64_t first, int64_t end) {
                 quantize_block16(x + r * k + b * 32, 32, qb, d + r * nb + b);
                 int32_t sum = 0;
                 for (int i = 0; i < 32; i++) sum += qb[i];
-                ((int32_t *)sums)[r * nb + b] = sum;
+                kvb_sum32 *at = (kvb_sum32 *)sums + r * nb + b;
+                at->sum = sum;
+                at->scaled = d[r * nb + b] * (float)sum; /* |sum| <= 32 * 32767 < 2^24: exact as a float */
             } else {
                 int8_t *qb = q + r * k + b * block;
                 quantize_block(x + r * k + b * block, block, qb, d + r * nb + b);
@@ -106,8 +108,8 @@ static void quantize_rows(void *ctx, int64_t first, int64_t end) {
     }
 }
 
-/* x [rows, k] -> codes q [rows, k] (int16 for block = 32, int8 for 256); block = 32: scales d and code sums s
-   (int32) [rows, k / 32]; block = 256:
+/* x [rows, k] -> codes q [rows, k] (int16 for block = 32, int8 for 256); block = 32: scales d [rows, k / 32] and
+   sums (kvb_sum32) [rows, k / 32]; block = 256:
    scales d [rows, k / 256] and code sums per 16 (int16) [rows, k / 16]. */
 void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads) {
     quantize_job job = {x, k, block, q, d, sums};
@@ -185,7 +187,7 @@ static int matmul_job_for(int type, const uint8_t *w, int64_t n, int64_t k, int6
     const int block = activation_block(type);
     job->nb = k / block;
     job->row = block == 32 ? 2 * k : k;            /* bytes of one activation row */
-    job->per_block = block == 32 ? 4 : 32;         /* bytes of sums per activation block */
+    job->per_block = block == 32 ? (int64_t)sizeof(kvb_sum32) : 32; /* bytes of sums per activation block */
     job->amx_type = tiled && block == 256 && m >= 16 && kvb_amx() ? type : 0;
     return 0;
 }
@@ -230,7 +232,7 @@ int kvb_linear(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
                float *y, int threads) {
     if (!kvb_supports(type % KVB_TILED)) return -1;
     const int block = activation_block(type % KVB_TILED);
-    const int64_t nb = k / block, sum_bytes = block == 32 ? m * nb * 4 : m * (k / 16) * 2;
+    const int64_t nb = k / block, sum_bytes = block == 32 ? m * nb * (int64_t)sizeof(kvb_sum32) : m * (k / 16) * 2;
     const int64_t act_bytes = block == 32 ? 2 * m * k : m * k;
     uint8_t *scratch = malloc((size_t)(act_bytes + m * nb * 4 + sum_bytes + 64));
     if (!scratch) return -2;

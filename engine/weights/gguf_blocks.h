@@ -52,6 +52,13 @@ static inline void q4k_scale_min(const uint8_t *s, int j, uint8_t *sc, uint8_t *
     }
 }
 
+/* Layout A32's sums, one per activation row and block of 32: the codes' sum (Q4_0 subtracts 8 times it) and the
+   block's scale times it, rounded to float (Q4_1's offsets: the weight's m times this, one fma per block) */
+typedef struct {
+    int32_t sum;
+    float scaled;
+} kvb_sum32;
+
 static inline int block_bytes(int type) {
     return type == KVB_Q4_0 ? 18 : type == KVB_Q4_1 ? 20 : type == KVB_Q8_0 ? 34 : type == KVB_Q4_K ? 144 : 210;
 }

@@ -234,14 +234,15 @@ def vector_path() -> str:
 
 
 def numerics() -> str:
-    """Which float sums this build's outputs come from. "blocks-4": every path (portable C, AVX2 rows, AVX2 and
+    """Which float sums this build's outputs come from. "blocks-5": every path (portable C, AVX2 rows, AVX2 and
     AVX-512 tiles, AMX) takes the same float steps, one rounding per block (gguf_dots.c, block32_float and
     block256_float), so every build gives the same bits, and SiLU's exponential is the library's own
-    (engine/own_exp.h; libm's expf before, which other C libraries compute otherwise). Before: "blocks-3" (libm's
-    expf), "avx2-2" / "portable-2" (the K-quants' float sums were per vector lane on the AVX2 path, in block order
-    in portable C). Part of a model's fingerprint, so that a shared store never hands KV computed with other float
-    steps."""
-    return "blocks-4"
+    (engine/own_exp.h; libm's expf before, which other C libraries compute otherwise). Before: "blocks-4" (Q4_1's
+    offsets per block rounded three times, m times the activations' scale, times their code sum, added; now one
+    fma of m and the activations' scale times their sum), "blocks-3" (libm's expf), "avx2-2" / "portable-2" (the
+    K-quants' float sums were per vector lane on the AVX2 path, in block order in portable C). Part of a model's
+    fingerprint, so that a shared store never hands KV computed with other float steps."""
+    return "blocks-5"
 
 
 # The arithmetic of engine/exact_attention.c (built into this library), in a model's fingerprint where it attends
@@ -330,17 +331,17 @@ def activation_block(type_name: str) -> int:
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """float32 [rows, k] (k a multiple of `block`) -> the activations as the kernel multiplies them: block 32 (the
-    32-value types): (int16 codes [rows, k], float32 scales max|x| / 32767 [rows, k / 32], int32 code sums
-    [rows, k / 32]); block 256 (the K-quants): (int8 codes [rows, k], scales max|x| / 127 [rows, k / 256], int16
-    code sums per 16 [rows, k / 16])."""
+    32-value types): (int16 codes [rows, k], float32 scales max|x| / 32767 [rows, k / 32], sums int32
+    [rows, k / 32, 2]: the codes' sum, then the float32 bits of the scale times it); block 256 (the K-quants):
+    (int8 codes [rows, k], scales max|x| / 127 [rows, k / 256], int16 code sums per 16 [rows, k / 16])."""
     if block not in (32, 256) or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or \
             x.shape[1] % block:
         raise ValueError(f"activations {x.dtype} {list(x.shape)} are not contiguous float32 rows of {block}s")
     rows, k = x.shape
     q = torch.empty(rows, k, dtype=torch.int16 if block == 32 else torch.int8)
     d = torch.empty(rows, k // block, dtype=torch.float32)
-    sums = torch.empty(rows, k // 32, dtype=torch.int32) if block == 32 else torch.empty(rows, k // 16,
-                                                                                         dtype=torch.int16)
+    sums = torch.empty(rows, k // 32, 2, dtype=torch.int32) if block == 32 else torch.empty(rows, k // 16,
+                                                                                            dtype=torch.int16)
     _library().kvb_quantize(_ptr(x), rows, k, block, _ptr(q), _ptr(d), _ptr(sums), _threads())
     return q, d, sums
 

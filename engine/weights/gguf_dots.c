@@ -8,13 +8,15 @@
 /* The float steps of a 32-value block, the same on every path (the vector ones lane by lane): the block's exact
    integer dot `sum` of weight codes and activation codes (Q4_0: minus 8 times the activations' code sum), times
    the weight's scale and the activations', added to the output in one rounding (fmaf), blocks in order; Q4_1's
-   offsets (the weight's m times the activations' sum) in their own sum. Output = acc + offsets. Each output is
-   thus the same whatever number of rows and columns are computed together, on whichever path of this build. */
+   offsets (the weight's m times the activations' scale times their code sum, the latter product rounded once
+   when the activations were: kvb_sum32) in their own sum, one rounding (fmaf) per block. Output = acc + offsets.
+   Each output is thus the same whatever number of rows and columns are computed together, on whichever path of
+   this build. */
 static inline __attribute__((always_inline)) void block32_float(int type, int32_t sum, float dw, float mw, float dr,
-                                                                  int32_t sr, float *acc, float *offsets) {
-    if (type == KVB_Q4_0) sum -= 8 * sr;
+                                                                  const kvb_sum32 *a, float *acc, float *offsets) {
+    if (type == KVB_Q4_0) sum -= 8 * a->sum;
     *acc = fmaf((float)sum, dw * dr, *acc);
-    if (type == KVB_Q4_1) *offsets = *offsets + (mw * dr) * (float)sr;
+    if (type == KVB_Q4_1) *offsets = fmaf(mw, a->scaled, *offsets);
 }
 
 /* The float steps of a 256-value block (Q4_K, Q6_K), the same on every path: `sum`, the exact integer sum of the
@@ -71,7 +73,7 @@ static inline __m256i load32(const void *p) { return _mm256_loadu_si256((const _
    multiple of 16, and the portable build's twin below): a block's exact integer dot (the codes widened to int16,
    _mm256_madd_epi16, the eight lanes summed in integers), then the float steps of block32_float. */
 static inline __attribute__((always_inline)) void dots32(int type, int R, const uint8_t *w, int64_t nb,
-                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           const int8_t *q, const float *d, const kvb_sum32 *s,
                                                            int64_t k, float *out, int64_t stride) {
     const int16_t *xs = (const int16_t *)q;
     const int bytes = block_bytes(type);
@@ -94,7 +96,7 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
             const int64_t at = r * nb + b;
             const int16_t *x = xs + r * k + b * 32;
             const __m256i p = madd_add(_mm256_madd_epi16(first, load32(x)), second, load32(x + 16));
-            block32_float(type, hsum_i32(p), dw, mw, d[at], s[at], &acc[r], &offsets[r]);
+            block32_float(type, hsum_i32(p), dw, mw, d[at], &s[at], &acc[r], &offsets[r]);
         }
     }
     for (int r = 0; r < R; r++) out[r * stride] = acc[r] + offsets[r];
@@ -106,12 +108,19 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
 /* Q4_0, Q4_1, Q8_0 against A32 for one 16-row tile (w: its first block) and R activation rows: per block each pair
    of the 16 rows widens to one vector (lane c: row c), multiplied with the activations' pair p
    (_mm512_dpwssd_epi32): 16 exact integer dots at once; then block32_float's steps for the 16 outputs, lane by
-   lane. A tile's block is widened once for the R rows. out[r * stride + c]. */
+   lane. A tile's block is widened once for the R rows. out[r * stride + c].
+   Q4_1's offsets take a pass over the tile's m of their own from OFFSETS_APART rows (the same fmas in the same
+   order, so the same bits): R sums of offsets beside R sums and R integer dots in registers spilled, and a tile of
+   8 rows in cache took 0.82-0.92x the time of the two sums in one pass at 6-8 rows (Q4_1 1536 x 576, one thread,
+   EPYC Zen 4), ~1.05x at 1 row with its weights out of cache (its m read again). */
+#define OFFSETS_APART 5
 static inline __attribute__((always_inline)) void tile32(int type, int R, const uint8_t *w, int64_t nb,
-                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           const int8_t *q, const float *d, const kvb_sum32 *s,
                                                            int64_t k, float *out, int64_t stride) {
     const int16_t *xs = (const int16_t *)q;
     const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
+    const int apart = type == KVB_Q4_1 && R >= OFFSETS_APART;
+    const uint8_t *const first = w;
     const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 acc[MAX_ROWS], offsets[MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = offsets[r] = _mm512_setzero_ps();
@@ -141,29 +150,34 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
             }
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
-        const __m512 mw = type == KVB_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32)))
-                                           : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
             const int64_t at = r * nb + b;
             __m512i sum = dot[r];
-            if (type == KVB_Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * s[at]));
-            const __m512 dr = _mm512_set1_ps(d[at]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dr), acc[r]);
-            if (type == KVB_Q4_1)
-                offsets[r] = _mm512_add_ps(offsets[r], _mm512_mul_ps(_mm512_mul_ps(mw, dr),
-                                                                     _mm512_set1_ps((float)s[at])));
+            if (type == KVB_Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * s[at].sum));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(d[at])), acc[r]);
+            if (type == KVB_Q4_1 && !apart)
+                offsets[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + 32))),
+                                             _mm512_set1_ps(s[at].scaled), offsets[r]);
         }
     }
+    if (apart) /* Q4_1's offsets, blocks in order as above */
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(first + b * bytes + 32)));
+            for (int r = 0; r < R; r++) offsets[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s[r * nb + b].scaled), offsets[r]);
+        }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, _mm512_add_ps(acc[r], offsets[r]));
 }
 #else
 /* The same tiles on AVX2: each half of a tile (rows 0-7, 8-15) one 8-lane vector; _mm256_madd_epi16 (or VNNI)
    products summed in integers per lane, then block32_float's steps lane by lane: the same bits as AVX-512's. */
+#define OFFSETS_APART 3 /* as on AVX-512, with half the registers */
 static inline __attribute__((always_inline)) void tile32(int type, int R, const uint8_t *w, int64_t nb,
-                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           const int8_t *q, const float *d, const kvb_sum32 *s,
                                                            int64_t k, float *out, int64_t stride) {
     const int16_t *xs = (const int16_t *)q;
     const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
+    const int apart = type == KVB_Q4_1 && R >= OFFSETS_APART;
+    const uint8_t *const first = w;
     const __m128i low = _mm_set1_epi8(0x0f);
     __m256 acc[MAX_ROWS][2], offsets[MAX_ROWS][2];
     for (int r = 0; r < R; r++)
@@ -194,20 +208,25 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                     }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * h)));
-            const __m256 mw = type == KVB_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * h)))
-                                               : _mm256_setzero_ps();
             for (int r = 0; r < R; r++) {
                 const int64_t at = r * nb + b;
                 __m256i sum = dot[r];
-                if (type == KVB_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * s[at]));
-                const __m256 dr = _mm256_set1_ps(d[at]);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, dr), acc[r][h]);
-                if (type == KVB_Q4_1)
-                    offsets[r][h] = _mm256_add_ps(offsets[r][h], _mm256_mul_ps(_mm256_mul_ps(mw, dr),
-                                                                               _mm256_set1_ps((float)s[at])));
+                if (type == KVB_Q4_0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(8 * s[at].sum));
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, _mm256_set1_ps(d[at])),
+                                            acc[r][h]);
+                if (type == KVB_Q4_1 && !apart)
+                    offsets[r][h] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 32 + 16 * h))),
+                                                    _mm256_set1_ps(s[at].scaled), offsets[r][h]);
             }
         }
     }
+    if (apart) /* Q4_1's offsets, blocks in order as above */
+        for (int64_t b = 0; b < nb; b++)
+            for (int h = 0; h < 2; h++) {
+                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(first + b * bytes + 32 + 16 * h)));
+                for (int r = 0; r < R; r++)
+                    offsets[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(s[r * nb + b].scaled), offsets[r][h]);
+            }
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + r * stride + 8 * h, _mm256_add_ps(acc[r][h], offsets[r][h]));
 }
@@ -287,7 +306,7 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
 #else /* portable C: the same integer sums, the float sums in block order */
 
 static inline __attribute__((always_inline)) void dots32(int type, int R, const uint8_t *w, int64_t nb,
-                                                           const int8_t *q, const float *d, const int32_t *s,
+                                                           const int8_t *q, const float *d, const kvb_sum32 *s,
                                                            int64_t k, float *out, int64_t stride) {
     const int bytes = block_bytes(type);
     for (int r = 0; r < R; r++) {
@@ -303,7 +322,7 @@ static inline __attribute__((always_inline)) void dots32(int type, int R, const 
                 const uint8_t *nib = blk + (type == KVB_Q4_0 ? 2 : 4);
                 for (int i = 0; i < 16; i++) sum += (nib[i] & 0x0f) * x[i] + (nib[i] >> 4) * x[16 + i];
             }
-            block32_float(type, sum, half_at(blk), type == KVB_Q4_1 ? half_at(blk + 2) : 0.0f, d[at], s[at], &acc,
+            block32_float(type, sum, half_at(blk), type == KVB_Q4_1 ? half_at(blk + 2) : 0.0f, d[at], &s[at], &acc,
                           &offsets);
         }
         out[r * stride] = acc + offsets;
@@ -377,9 +396,9 @@ static inline __attribute__((always_inline)) void dots256(int type, int R, const
                          float *out, int64_t stride) {                                                            \
         KIND(TYPE, 8, w, nb, q, d, (const SUMS *)s, k, out, stride);                                              \
     }
-DOTS(dot_q4_0, dots32, KVB_Q4_0, int32_t)
-DOTS(dot_q4_1, dots32, KVB_Q4_1, int32_t)
-DOTS(dot_q8_0, dots32, KVB_Q8_0, int32_t)
+DOTS(dot_q4_0, dots32, KVB_Q4_0, kvb_sum32)
+DOTS(dot_q4_1, dots32, KVB_Q4_1, kvb_sum32)
+DOTS(dot_q8_0, dots32, KVB_Q8_0, kvb_sum32)
 DOTS(dot_q4_k, dots256, KVB_Q4_K, int16_t)
 DOTS(dot_q6_k, dots256, KVB_Q6_K, int16_t)
 
@@ -388,7 +407,7 @@ DOTS(dot_q6_k, dots256, KVB_Q6_K, int16_t)
 #define TILES(NAME, TYPE, R)                                                                                        \
     static void NAME##_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *s,         \
                            int64_t k, float *out, int64_t stride) {                                               \
-        tile32(TYPE, R, w, nb, q, d, s, k, out, stride);                                                          \
+        tile32(TYPE, R, w, nb, q, d, (const kvb_sum32 *)s, k, out, stride);                                       \
     }
 #define ALL_TILES(NAME, TYPE)                                                                                     \
     TILES(NAME, TYPE, 1) TILES(NAME, TYPE, 2) TILES(NAME, TYPE, 3) TILES(NAME, TYPE, 4) TILES(NAME, TYPE, 5)     \

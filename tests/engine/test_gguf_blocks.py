@@ -72,7 +72,10 @@ def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(blo
     error = (blocks.double() - q.double().reshape(5, -1, block) * d.double()[:, :, None]).abs().nan_to_num(0.0)
     assert torch.all(error <= d.double()[:, :, None] * (0.5 + top * 2**-23))  # and x / d's float32 rounding
     group = 32 if block == 32 else 16
-    assert torch.equal(sums.to(torch.int64), q.to(torch.int64).reshape(5, -1, group).sum(-1))
+    code_sums = sums[..., 0] if block == 32 else sums
+    assert torch.equal(code_sums.to(torch.int64), q.to(torch.int64).reshape(5, -1, group).sum(-1))
+    if block == 32:  # beside each sum, the block's scale times it, rounded to float32 once (Q4_1's offsets)
+        assert torch.equal(sums[..., 1].contiguous().view(torch.float32), d * code_sums.to(torch.float32))
 
 
 @pytest.mark.parametrize("type_name", TYPES)
