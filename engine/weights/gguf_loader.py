@@ -58,6 +58,7 @@ from .head import (
     pick_int8_kernel,
     quantize_rows_int8,
 )
+from .huge_pages import HugePageArena
 from .int4 import Int4Linear, decoder_linears, pick_kernel, quantize_rtn, replace_module, shape_problem
 
 log = logging.getLogger(__name__)
@@ -252,6 +253,7 @@ class _Loader:
         # would dequantize the whole weight at every step, so they stay float.
         self.int8 = pick_int8_kernel(device)[0] == "cpu_int8pack"
         self.mix: dict[str, dict[str, int]] = defaultdict(lambda: {"tensors": 0, "file_bytes": 0, "bytes": 0})
+        self.arena = HugePageArena()  # the blocks' bytes: read whole at every decode step (huge_pages.py)
 
     def count(self, record: TensorRecord, form: str, tensors) -> None:
         entry = self.mix[f"{record.type_name}->{form}"]
@@ -298,7 +300,8 @@ class _Loader:
     def block_rows(self, record: TensorRecord, order) -> torch.Tensor:
         """The file's bytes of `record`, uint8 [rows, row bytes], rows in `order` (None: as stored), read straight
         into the tensor that keeps them (not through a memory map, whose pages would count in the process's
-        memory next to the copy: the load holds the kept bytes and nothing of the file beside them)."""
+        memory next to the copy: the load holds the kept bytes and nothing of the file beside them), which lies
+        in memory advised for huge pages (huge_pages.py: a decode step reads it whole)."""
         try:
             row_bytes = gguf_blocks.row_bytes(record.type_name, record.shape[-1])
         except ValueError as exc:
@@ -306,7 +309,8 @@ class _Loader:
         rows = record.nbytes // row_bytes
         if rows * row_bytes != record.nbytes:
             raise GGUFFormatError(f"tensor {record.name!r}: {record.nbytes} bytes are not rows of {row_bytes}")
-        held = torch.empty(rows, row_bytes, dtype=torch.uint8)
+        kept = self.arena.empty(rows, row_bytes)
+        held = kept if order is None else torch.empty(rows, row_bytes, dtype=torch.uint8)
         target = memoryview(held.numpy()).cast("B")
         with open(self.file.path, "rb") as handle:
             handle.seek(record.offset)
@@ -317,7 +321,7 @@ class _Loader:
                     raise GGUFFormatError(f"tensor {record.name!r}: the file ends {record.nbytes - filled} bytes "
                                           "before its data does")
                 filled += got
-        return held if order is None else held[torch.from_numpy(order)]
+        return held if order is None else torch.index_select(held, 0, torch.from_numpy(order), out=kept)
 
     def block_linear(self, record: TensorRecord, bias) -> BlockLinear | None:
         """`record` as a BlockLinear when the load keeps its type as blocks and its transform is a row order."""
