@@ -576,10 +576,13 @@ static void block_keys(void *ctx, int64_t first, int64_t end) {
 #define BLOCKED_FROM 64
 
 /* Query rows times keys below which one thread computes a call's rows: the pool's hand-off costs more than the
-   split saves. Measured on the 135M model's heads (9 query heads, 3 kv heads of 64) on a 2-core EPYC: one
-   position's attention at 60 cached tokens took 5.1 us on one thread, 6.4 on two; at 120, 6.8 against 8.1; at
-   250, 11.0 against 7.9. */
-#define SPLIT_FROM 2048
+   split saves. In a decode step the keys and values come from memory (the step's weights have pushed them out of
+   the caches), and a second thread halves the wait: one request decoding alone on the embedded model (9 query
+   heads, 3 kv heads of 64; 2-vCPU EPYC, the eight-question batching benchmark's answers, ~30-110 cached tokens,
+   one process alternating the settings) spent 124 ms of a 1.46 s round in attention with calls below 2048 on one
+   thread, 93 ms below 512, 77 ms below 128 (the round 1.35 s). A microbenchmark that calls attention over the same
+   keys again and again (kept in cache) shows the opposite: 60 cached tokens 5.1 us on one thread, 6.4 on two. */
+#define SPLIT_FROM 128
 
 static int threads_for(int64_t rows_times_keys, int threads) { return rows_times_keys < SPLIT_FROM ? 1 : threads; }
 
