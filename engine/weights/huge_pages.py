@@ -21,7 +21,7 @@ import mmap
 import torch
 
 HUGE = 2 << 20  # a huge page
-CHUNK = 64 << 20  # a mapping's least size: a 7B model's ~4 GB in ~60 mappings
+CHUNK = 256 << 20  # a mapping's least size: a 7B model's ~4 GB in ~16 (each may leave part of a 2 MB page unused)
 ALIGN = 64
 
 
