@@ -3,9 +3,11 @@
 Workloads: `quote` (a document in the prompt, the question asks for a passage of it: answers that quote),
 `needle` (bench.needle's document questions: five documents, a short answer) and `chat` (free questions, no
 document: little to draft from). Every prompt is answered by the plain engine and by the speculative one in turn,
-greedy, reuse off (the decode loop is what is measured); decode tokens/s per answer, then per workload the
-median of the per-prompt ratios, the share of drafted tokens kept, tokens per decode forward and whether every
-answer is the same text. Numbers are noisy on a shared machine; compare the columns of one run.
+`--repeats` times (the order swapped each time), greedy, reuse off (the decode loop is what is measured); per
+prompt the median decode tokens/s of each, then per workload the median of the per-prompt ratios, the share of
+drafted tokens kept, tokens per decode forward and whether every answer is the same text. Numbers are noisy on a
+shared machine (a short answer's decode takes ~0.1 s: one answer each way moved a prompt's ratio by +-0.3x from
+run to run); compare the columns of one run.
 """
 
 from __future__ import annotations
@@ -39,19 +41,25 @@ def workloads(num_prompts: int) -> dict[str, list[list[dict]]]:
     return {"quote": quote, "needle": needles, "chat": chat}
 
 
-def run(engine, num_draft: int, num_prompts: int, max_new_tokens: int) -> list[dict]:
+def run(engine, num_draft: int, num_prompts: int, max_new_tokens: int, repeats: int = 1) -> list[dict]:
     spec = engine.with_options(speculative="prompt-lookup", num_draft=num_draft)
     rows = []
     for name, prompts in workloads(num_prompts).items():
         ratios, base_tps, spec_tps, same, drafted, kept, forwards, tokens = [], [], [], [], 0, 0, 0, 0
         for messages in prompts:
-            plain = engine.chat(messages, max_new_tokens=max_new_tokens)
-            fast = spec.chat(messages, max_new_tokens=max_new_tokens)
-            same.append(plain.token_ids == fast.token_ids)
-            if plain.stats.decode_tokens_per_s and fast.stats.decode_tokens_per_s:
-                base_tps.append(plain.stats.decode_tokens_per_s)
-                spec_tps.append(fast.stats.decode_tokens_per_s)
-                ratios.append(fast.stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s)
+            answers: dict = {"plain": [], "fast": []}
+            for turn in range(repeats):  # alternating which goes first: the machine's drift hits both alike
+                for which in (("plain", "fast") if turn % 2 == 0 else ("fast", "plain")):
+                    answers[which].append((engine if which == "plain" else spec).chat(
+                        messages, max_new_tokens=max_new_tokens))
+            plain, fast = answers["plain"][0], answers["fast"][0]
+            same.append(all(a.token_ids == plain.token_ids for a in answers["plain"] + answers["fast"]))
+            plain_tps = [a.stats.decode_tokens_per_s for a in answers["plain"] if a.stats.decode_tokens_per_s]
+            fast_tps = [a.stats.decode_tokens_per_s for a in answers["fast"] if a.stats.decode_tokens_per_s]
+            if plain_tps and fast_tps:
+                base_tps.append(statistics.median(plain_tps))
+                spec_tps.append(statistics.median(fast_tps))
+                ratios.append(spec_tps[-1] / base_tps[-1])
             drafted += fast.stats.drafted_tokens
             kept += fast.stats.accepted_tokens
             forwards += fast.stats.decode_forwards
@@ -84,7 +92,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=6, help="prompts per workload")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="answers each way per prompt, order alternating")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from engine import KVBoost
@@ -93,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      disk_cache_bytes=0, quiet=True, speculative=None)
     rows = []
     for k in (int(x) for x in args.drafts.split(",")):
-        rows += run(engine, k, args.prompts, args.new_tokens)
-    print(f"weights: {engine.info().weights.format}, threads: {torch.get_num_threads()}")
+        rows += run(engine, k, args.prompts, args.new_tokens, args.repeats)
+    print(f"weights: {engine.info().weights.format}, threads: {torch.get_num_threads()}, "
+          f"answers each way per prompt: {args.repeats}")
     print(table(rows))
     return 0
