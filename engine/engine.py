@@ -37,6 +37,7 @@ from .reuse import KVReuse
 from .rope import rope_params, rotary_module
 from .rotary_table import use_rotary_table
 from .runner import ModelRunner
+from .speculative import Spellings
 from .thread_math import settle_thread_math
 from .weights import loader
 from .weights.fingerprint import fingerprint as model_fingerprint
@@ -108,6 +109,7 @@ class KVBoost:
         self.store, self.disk_error = build_store(config.tiers, config.reuse, self.device, self._root, name, model)
         self._breaks = TokenBreaks(tokenizer)
         self._eos_ids = self._find_eos_ids()
+        self._spellings = Spellings(tokenizer)  # prompt-lookup drafts' keys, made as tokens are first seen
         self.max_context = int(getattr(model.config, "max_position_embeddings", None) or 2048)
         self._batch_repair = False
         self._rope = self._check_approx_support() if config.reuse.mode == "approx" else None
@@ -299,7 +301,7 @@ class KVBoost:
             # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.
             tokens = list(ids)  # the prompt, then every sampled token
             decoder = Decoder(self.model, self.tokenizer, self.device, frozenset(self._eos_ids), self.max_context,
-                              decode.speculative, decode.num_draft, self.draft_model)
+                              decode.speculative, decode.num_draft, self.draft_model, self._spellings)
             events = decode_tokens(decoder, cache, logits, tokens, params, stats, t_enter=t_enter, cancel=cancel,
                                    return_logits=return_logits)
             storing, chunks_stored = mode != "off", False

@@ -197,6 +197,7 @@ class Decoder:
     speculative: str | None = None
     num_draft: int = DEFAULT_NUM_DRAFT
     draft_model: Any = None
+    spelling: Any = None  # speculative.Spellings of the tokenizer (prompt-lookup matches by it)
 
 
 def _drafts_do_not_pay(stats: Stats) -> bool:
@@ -226,7 +227,8 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
     detok = Detokenizer(decoder.tokenizer, params.stop)
     drafts = None
     if speculative and not isinstance(cache, SpillingCache):
-        drafts = DraftModel(decoder.draft_model, ids, device) if speculative == "draft-model" else NgramIndex(ids)
+        drafts = (DraftModel(decoder.draft_model, ids, device) if speculative == "draft-model"
+                  else NgramIndex(ids, decoder.spelling))
     rowwise = drafts is not None and hasattr(model, "config") and spill_unsupported(model) is None
     finish = None  # why the loop ended, once it has
     batched = False  # whether the last forward served other requests too (engine.batching)

@@ -16,33 +16,70 @@ from engine.batching import drive_alone
 from engine.config import SamplingConfig
 from engine.generate import Decoder, Result, Stats, check_forward, decode_one_token, decode_tokens, run_forward
 from engine.live_cache import GrowingCache
-from engine.speculative import NgramIndex, verify
+from engine.speculative import NgramIndex, Spellings, verify
 
 # -- drafts -------------------------------------------------------------------------------------------------------
 
 
-def test_a_draft_is_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
-    index = NgramIndex([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 2, 6, 7], max_n=3, min_n=2)
-    # suffix (2, 6, 7) never occurred before; (6, 7) last occurred at 6..7, followed by 3, 4, 2
-    assert index.draft(3) == [3, 4, 2]
-    index.append(3)  # suffix (6, 7, 3) occurred at 6..8: followed by 4, 2, 6, 7
-    assert index.draft(4) == [4, 2, 6, 7]
-    index.append(99)  # (3, 99) and (7, 3, 99) never occurred
+def test_a_draft_is_what_followed_an_earlier_occurrence_of_the_last_three_tokens():
+    index = NgramIndex([5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 2, 6, 7, 3])
+    # (6, 7, 3) occurred at 6..8, followed by 4, 2, 6, 7
+    assert index.draft(3) == [4, 2, 6]
+    assert index.draft(9) == [4, 2, 6, 7, 3]  # no further than the context goes
+    index.append(99)  # (7, 3, 99) never occurred, nor did the pair (3, 99)
     assert index.draft(4) == []
 
 
 def test_the_current_suffix_is_never_its_own_match_and_short_contexts_have_no_draft():
     assert NgramIndex([1, 2, 3]).draft(4) == []
     assert NgramIndex([1, 2, 3, 1, 2, 3]).draft(4) == [1, 2, 3]  # (1, 2, 3) at 0..2, followed by 1, 2, 3
-    assert NgramIndex([4, 4, 4, 4, 4]).draft(2) == [4]  # (4, 4, 4, 4) at 0..3, followed by one token
+    assert NgramIndex([4, 4, 4, 4, 4]).draft(2) == [4]  # (4, 4, 4) at 1..3, followed by one token
 
 
-def test_by_default_a_match_of_two_tokens_drafts_nothing_and_the_longest_match_wins():
-    """Two-token matches ("of the") were mostly rejected in free chat: the default drafts from 3 to 5 tokens."""
-    assert NgramIndex([1, 2, 9, 7, 1, 2]).draft(4) == []  # only (1, 2) matches
-    # (3, 1, 2, 5, 6) occurred at 0..4, followed by 7; (2, 5, 6) alone last occurred at 7..9, followed by 8
-    index = NgramIndex([3, 1, 2, 5, 6, 7, 9, 2, 5, 6, 8, 3, 1, 2, 5, 6])
-    assert index.draft(1) == [7]
+def test_the_occurrence_that_matches_furthest_back_wins_over_a_later_one():
+    """A document says "... code of the Falcon collection is 60494"; the question after it asks "... code of the
+    Falcon collection ?": an answer's "The archive code of the Falcon collection" must draft from the document, not
+    from the question, which is later and matches only the last tokens."""
+    the, archive, code, of, falcon, collection, is_, q = 10, 11, 12, 13, 14, 15, 16, 17
+    document = [1, the, archive, code, of, the, falcon, collection, is_, 6, 0, 4, 9, 4, 2]
+    question = [30, 31, archive, code, of, the, falcon, collection, q, 3]
+    answer = [the, archive, code, of, the, falcon, collection]
+    assert NgramIndex(document + question + answer).draft(4) == [is_, 6, 0, 4]
+    # among occurrences that match equally far, the latest
+    assert NgramIndex([7, 1, 2, 3, 5, 8, 1, 2, 3, 6, 9, 1, 2, 3]).draft(1) == [6]
+
+
+def test_runs_spelled_alike_but_for_leading_spaces_match():
+    """An answer's first word ("The") is a sentence's " The" in its document: with a tokenizer's spellings the
+    two are one key, and the draft is the document's own tokens."""
+    spelled = {10: "The", 20: " The", 11: " archive", 12: " code", 13: " of", 14: " the", 15: "\n", 16: "."}
+    tokenizer = SimpleNamespace(decode=lambda ids: spelled[ids[0]])
+    document = [16, 20, 11, 12, 13, 14]  # ". The archive code of the"
+    answer = [15, 10, 11, 12]  # "\nThe archive code"
+    assert NgramIndex(document + answer).draft(2) == []  # "The" is not " The"
+    assert NgramIndex(document + answer, Spellings(tokenizer)).draft(2) == [13, 14]
+    spellings = Spellings(tokenizer)
+    assert spellings(10) == spellings(20) != spellings(14)
+    broken = Spellings(SimpleNamespace(decode=lambda ids: spelled[ids[0]]))
+    assert broken(999) != broken(998) and broken(999) == broken(999)  # ids it cannot spell: a key each
+
+
+def test_a_pair_drafts_only_when_it_came_back_with_the_same_next_token_every_time():
+    """Two-token matches ("of the") were mostly rejected in free chat: a pair drafts only when it was seen at least
+    twice before and always followed by the same token; runs of three drafting first."""
+    assert NgramIndex([1, 2, 9, 7, 1, 2]).draft(4) == []  # (1, 2) seen once before
+    assert NgramIndex([1, 2, 9, 7, 1, 2, 9, 5, 8, 1, 2]).draft(4) == [9, 5, 8, 1]  # twice, both times 9
+    assert NgramIndex([1, 2, 9, 7, 1, 2, 4, 5, 8, 1, 2]).draft(4) == []  # 9, then 4
+    assert NgramIndex([1, 2, 9, 7, 1, 2, 9, 5, 8, 1, 2], pair_seen=0).draft(4) == []  # pairs off
+    # a run of three that matches drafts before the pair: (9, 1, 2) at 0..2, followed by 3, 5; the pair (1, 2)
+    # always by 3, latest at 5..6, followed by 3, 6
+    assert NgramIndex([9, 1, 2, 3, 5, 1, 2, 3, 6, 9, 1, 2]).draft(2) == [3, 5]
+
+
+def test_bad_index_settings_are_refused():
+    for settings in ({"match": 1}, {"candidates": 0}, {"longest": 2}):
+        with pytest.raises(ValueError):
+            NgramIndex([1, 2, 3], **settings)
 
 
 # -- the accept/reject rule -----------------------------------------------------------------------------------------
