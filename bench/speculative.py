@@ -8,6 +8,12 @@ prompt the median decode tokens/s of each, then per workload the median of the p
 drafted tokens kept, tokens per decode forward and whether every answer is the same text. Numbers are noisy on a
 shared machine (a short answer's decode takes ~0.1 s: one answer each way moved a prompt's ratio by +-0.3x from
 run to run); compare the columns of one run.
+
+`--replay` times nothing but the cost of a forward of 1-N positions: it answers each prompt once, greedily, and
+replays the drafts the decode loop would make for that answer with engine.speculative's index as it is and with
+one of its rules changed at a time, against those costs (a greedy answer is the same whatever is drafted, so
+the checks are known without running them). How the index's rules were chosen; the drafts replayed are the loop's
+own (a test compares them).
 """
 
 from __future__ import annotations
@@ -74,6 +80,79 @@ def run(engine, num_draft: int, num_prompts: int, max_new_tokens: int, repeats: 
     return rows
 
 
+def replay(prompt: Sequence[int], answer: Sequence[int], stopped: bool, index, num_draft: int,
+           max_new_tokens: int) -> list[tuple[list[int], int]]:
+    """The checks engine.generate's decode loop makes for a greedy `answer` to `prompt` (`stopped`: it ended
+    with EOS, else at max_new_tokens), drafting from `index` (a speculative.NgramIndex of `prompt`, or None for
+    no drafts): (drafted tokens, how many were kept) per forward."""
+    from engine.speculative import draft_limit
+
+    upcoming: list[int | None] = [*answer, *([None] if stopped else [])]  # None: EOS
+    generated, at, copying, checks = 0, 1, False, []
+    token = upcoming[0] if upcoming else None
+    while token is not None:
+        if index is not None:
+            index.append(token)
+        generated += 1
+        if generated >= max_new_tokens:
+            break
+        room = max_new_tokens - generated
+        draft = index.draft(min(draft_limit(num_draft, copying), room)) if index is not None else []
+        kept = 0
+        while kept < len(draft) and at + kept < len(upcoming) and upcoming[at + kept] == draft[kept]:
+            kept += 1
+        checks.append((draft, kept))
+        copying = bool(draft) and kept == len(draft)
+        for accepted in draft[:kept]:
+            index.append(accepted)
+            generated += 1
+            if generated >= max_new_tokens:
+                return checks
+        at += kept
+        token = upcoming[at] if at < len(upcoming) else None
+        at += 1
+    return checks
+
+
+REPLAYED = {"the index as it is": {}, "tokens by id (no spellings)": {"spelling": None},
+            "no pairs": {"pair_seen": 0}, "a pair after one sighting": {"pair_seen": 1},
+            "the latest occurrence (no longest match)": {"candidates": 1}}
+
+
+def replay_rows(engine, num_draft: int, num_prompts: int, max_new_tokens: int, costs: Sequence[float]) -> list[dict]:
+    """Per variant of the index (REPLAYED) and workload: the median over prompts of plain cost / drafted cost,
+    `costs[n - 1]` being a forward of n positions (costs[0] = 1)."""
+    from engine.speculative import NgramIndex, Spellings
+
+    spelling = Spellings(engine.tokenizer)
+    answers = {name: [(engine.encode(m), engine.chat(m, max_new_tokens=max_new_tokens)) for m in prompts]
+               for name, prompts in workloads(num_prompts).items()}
+    rows = []
+    for variant, change in REPLAYED.items():
+        settings = {"spelling": spelling, **change}
+        row = {"variant": variant}
+        for name, pairs in answers.items():
+            ratios = []
+            for prompt, result in pairs:
+                stopped = result.finish_reason == "stop"
+                plain = replay(prompt, result.token_ids, stopped, None, num_draft, max_new_tokens)
+                checks = replay(prompt, result.token_ids, stopped, NgramIndex(prompt, **settings), num_draft,
+                                max_new_tokens)
+                if len(plain) and all(len(d) < len(costs) for d, _ in checks):
+                    ratios.append(len(plain) / sum(costs[len(d)] for d, _ in checks))
+            row[name] = statistics.median(ratios) if ratios else float("nan")
+            row[name + "_lowest"] = min(ratios) if ratios else float("nan")
+        rows.append(row)
+    return rows
+
+
+def replay_table(rows: list[dict]) -> str:
+    lines = ["| drafts from | quote | needle | chat (lowest prompt) |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['quote']:.2f}x | {r['needle']:.2f}x | {r['chat']:.2f}x "
+              f"({r['chat_lowest']:.2f}x) |" for r in rows]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| workload | drafts | prompts | decode tok/s plain | speculative | speedup (median) | drafts kept | "
              "tokens / forward | same greedy text |", "|---|---|---|---|---|---|---|---|---|"]
@@ -93,15 +172,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3, help="answers each way per prompt, order alternating")
+    parser.add_argument("--replay", action="store_true",
+                        help="replay the drafts of each prompt's greedy answer against measured forward costs")
+    parser.add_argument("--costs", default=None,
+                        help="with --replay: the cost of a forward of 1, 2, 3... positions, comma-separated (1 first), "
+                             "instead of measuring them")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    costs = None
+    if args.costs is not None:
+        try:
+            costs = [float(x) for x in args.costs.split(",")]
+        except ValueError:
+            parser.error(f"--costs: comma-separated numbers, got {args.costs!r}")
+        if not costs or costs[0] != 1.0 or any(not 0 < c < 1000 for c in costs):
+            parser.error("--costs: positive numbers, the first 1")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from engine import KVBoost
 
     engine = KVBoost.from_pretrained(args.model, device="cpu", weights=args.weights, reuse="off",
                                      disk_cache_bytes=0, quiet=True, speculative=None)
+    if args.replay:
+        from engine.speculative import draft_limit
+
+        k = int(args.drafts.split(",")[0])
+        longest = draft_limit(k, True) + 1
+        if costs is None:
+            from bench.step import positions_cost
+
+            measured = positions_cost(args.model, prompt_tokens=1400, counts=range(1, longest + 1), rounds=30)
+            costs = [measured[n]["ms"] / measured[1]["ms"] for n in range(1, longest + 1)]
+        if len(costs) < longest:
+            parser.error(f"--costs: {longest} values needed ({k} drafts, {longest - 1} while copying)")
+        print("cost of a forward of n positions: " + ", ".join(f"{n + 1}: {c:.2f}x" for n, c in enumerate(costs)))
+        print(f"drafts: {k}, prompts: {args.prompts} a workload, medians of plain cost / drafted cost")
+        print(replay_table(replay_rows(engine, k, args.prompts, args.new_tokens, costs)))
+        return 0
     rows = []
     for k in (int(x) for x in args.drafts.split(",")):
         rows += run(engine, k, args.prompts, args.new_tokens, args.repeats)

@@ -321,3 +321,28 @@ def test_the_real_model_in_int4_answers_the_same_with_speculation(smollm_int4_en
     got = spec.chat(messages, max_new_tokens=48)
     assert got.token_ids == want.token_ids
     assert got.stats.accepted_tokens > 10  # the answer quotes the document: most of it came from drafts
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("max_new_tokens, ends", [(40, False), (13, False), (40, True)])
+def test_the_benchs_replay_drafts_what_the_decode_loop_drafts(max_new_tokens, ends):
+    """`python -m bench speculative --replay` chooses the index's rules by replaying greedy answers: its checks
+    must be the loop's own, forward for forward (the bigram model's cycle, with a wrong turn the drafts follow)."""
+    from bench.speculative import replay
+
+    cycle = [FIRST_WORD + i for i in range(9)]
+    table = torch.full((VOCAB, VOCAB), float("-inf"))
+    for i, word in enumerate(cycle):
+        table[word, cycle] = -3.0
+        table[word, cycle[(i + 1) % len(cycle)]] = -0.1
+    if ends:
+        table[cycle[6], EOS] = 0.0  # EOS after c6: the answer stops there
+    model = BigramLM(table)
+    prompt = cycle * 3 + [cycle[2], cycle[3], cycle[4], cycle[1], cycle[2]]
+    answer, drafts = greedy_checks(model, prompt, "prompt-lookup", max_new_tokens)
+    stopped = len(answer) < max_new_tokens
+    assert stopped == ends
+    checks = replay(prompt, answer, stopped, NgramIndex(prompt), 4, max_new_tokens)
+    assert [draft for draft, _ in checks] == drafts and any(drafts)
+    plain = replay(prompt, answer, stopped, None, 4, max_new_tokens)
+    assert len(plain) == len(greedy_checks(model, prompt, None, max_new_tokens)[1]) > len(checks)
