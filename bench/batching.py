@@ -10,6 +10,7 @@ while 7 others are decoding, against its TTFT alone on the same server.
     python -m bench batching                   # float weights, 48 new tokens per stream
     python -m bench batching --weights int4 --tokens 32
     python -m bench batching --weights int4 --engine-only   # the same streams without HTTP and clients
+    python -m bench batching --engine-only --streams 8 --model FILE.gguf   # a real model's size (bench shapes)
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -95,7 +96,7 @@ def newcomer(client, question: str, max_tokens: int, others: list[str]) -> dict:
     return result
 
 
-def run(weights: str, max_tokens: int, counts: list[int]) -> int:
+def run(weights: str, max_tokens: int, counts: list[int], model: str | None = None) -> int:
     import openai
 
     from cli.kvboost import quiet_transformers
@@ -103,7 +104,7 @@ def run(weights: str, max_tokens: int, counts: list[int]) -> int:
     from server.thread import ServerThread
 
     quiet_transformers()
-    base = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
+    base = KVBoost.from_pretrained(model, device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
     servers = {"fifo": ServerThread(base.with_options(), model_id="bench", max_batch=1).start(),
                "batched": ServerThread(base.with_options(), model_id="bench", max_batch=8).start()}
     assert all(s.wait_started(30) for s in servers.values()), "a server did not start"
@@ -153,7 +154,7 @@ def run(weights: str, max_tokens: int, counts: list[int]) -> int:
     return 0
 
 
-def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 3) -> int:
+def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 3, model: str | None = None) -> int:
     """The streams of `run` through two engine workers, one at a time (max_batch 1) against batched (8): the
     median over `rounds` of the wall time until all finished."""
     from cli.kvboost import quiet_transformers
@@ -162,7 +163,7 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
     from engine.worker import EngineWorker
 
     quiet_transformers()
-    base = KVBoost.from_pretrained(device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
+    base = KVBoost.from_pretrained(model, device="cpu", disk_cache_bytes=0, weights=weights, quiet=True)
     workers = {"fifo": (EngineWorker(name="bench-fifo", max_batch=1), base.with_options()),
                "batched": (EngineWorker(name="bench-batched", max_batch=8), base.with_options())}
 
@@ -174,7 +175,8 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
         texts = [next(event.text for event in job if isinstance(event, Result)) for job in jobs]
         return time.perf_counter() - start, texts
 
-    print(f"# Batching in the engine alone ({weights} weights, up to {max_tokens} new tokens per stream)\n")
+    print(f"# Batching in the engine alone ({Path(base.name).name}, {base.info().weights.format} weights, up to "
+          f"{max_tokens} new tokens per stream, medians of {rounds} rounds)\n")
     print("| streams | all done, one at a time | all done, batched | sooner | same text |")
     print("|---|---|---|---|---|")
     for n in counts:
@@ -200,16 +202,23 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--weights", default="float", choices=["float", "int4"])
+    parser.add_argument("--model", default=None, help="a GGUF file or hub name (default: the embedded model)")
+    parser.add_argument("--weights", default="float", choices=["float", "int4", "auto"])
     parser.add_argument("--tokens", type=int, default=48, help="max new tokens per stream (default 48)")
     parser.add_argument("--streams", default="1,2,4,8", help="comma-separated stream counts (default 1,2,4,8)")
     parser.add_argument("--engine-only", action="store_true",
                         help="the same streams straight to the engine's worker: no server, HTTP or clients")
+    parser.add_argument("--rounds", type=int, default=3, help="with --engine-only: rounds each way (median)")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.streams.split(",")]
+    try:
+        counts = [int(n) for n in args.streams.split(",")]
+    except ValueError:
+        parser.error(f"--streams: comma-separated counts, got {args.streams!r}")
+    if not counts or any(not 1 <= n <= 64 for n in counts) or args.rounds < 1 or args.tokens < 1:
+        parser.error("--streams: counts from 1 to 64; --rounds and --tokens: at least 1")
     if args.engine_only:
-        return engine_only(args.weights, args.tokens, counts)
-    return run(args.weights, args.tokens, counts)
+        return engine_only(args.weights, args.tokens, counts, args.rounds, args.model)
+    return run(args.weights, args.tokens, counts, args.model)
 
 
 if __name__ == "__main__":
