@@ -4,7 +4,8 @@ tokens or a batch of streams costs against one token, before any Python.
 - The block kernel's product for 1-8 activation rows (a speculative check's positions, a batch's streams): one
   Q4_1 weight of the embedded model's MLP shape (1536 x 576) held as tiles, as the engine holds it, multiplied by
   R rows; the weight rotates between enough copies to miss the caches, as a decode step's weights do. Per R: the
-  median microseconds, GMAC/s, and the cost against one row.
+  median microseconds, GMAC/s, and the cost against one row. `--type Q4_K` / `Q6_K`: a weight of the 1.5B shape's
+  MLP in that type instead (8960 x 1536 as the gate's, 1536 x 8960 as the down projection's).
 - With `--against LIBRARY`, the same products side by side with another build of the kernel (another checkout's
   library), calls alternating in one process, their outputs compared: a kernel change timed against the build
   before it. Equal bits, or, where a change moved the float steps (gguf_blocks.numerics), the largest difference
@@ -33,53 +34,65 @@ import torch
 
 from engine.weights import gguf_blocks
 
-OUT, COLUMNS = 1536, 576  # the embedded model's gate / up projection
-BLOCK_BYTES = 20  # Q4_1: fp16 scale, fp16 offset, 16 bytes of codes per 32 values
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+# per type: (rows, columns, values a block, bytes a block, where the block's fp16 scales are): the embedded model's
+# MLP for Q4_1, the 1.5B shape's for the K-quants (Q4_K as its gate, Q6_K as its down projection)
+SHAPES = {"Q4_1": (1536, 576, 32, 20, (0, 2)), "Q4_K": (8960, 1536, 256, 144, (0, 2)),
+          "Q6_K": (1536, 8960, 256, 210, (208,))}
+PAST_CACHES = 110 * 2 ** 20  # bytes of weight copies rotated by default: past this machine's L3
 
 
-def q4_1_weight(seed: int) -> torch.Tensor:
-    """The stored bytes of a random Q4_1 weight [OUT, COLUMNS], as tiles: random codes, small positive scales."""
+def random_weight(kind: str, seed: int) -> torch.Tensor:
+    """The stored bytes of a random weight of SHAPES[kind], as tiles where this build has them: random codes (and
+    sub-block scales), small positive fp16 scales."""
+    out, columns, values, size, scales = SHAPES[kind]
     rng = np.random.default_rng(seed)
-    data = rng.integers(0, 256, (OUT, COLUMNS // 32, BLOCK_BYTES), dtype=np.uint8)
-    for offset in (0, 2):
-        scales = rng.uniform(1e-3, 2e-2, data.shape[:2]).astype(np.float16)
-        data[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*data.shape[:2], 2)
-    blocks = torch.from_numpy(data.reshape(OUT, -1))
-    tiles = gguf_blocks.as_tiles(blocks, "Q4_1", COLUMNS)
+    data = rng.integers(0, 256, (out, columns // values, size), dtype=np.uint8)
+    for offset in scales:
+        scale = rng.uniform(1e-3, 2e-2, data.shape[:2]).astype(np.float16)
+        data[:, :, offset:offset + 2] = scale.view(np.uint8).reshape(*data.shape[:2], 2)
+    blocks = torch.from_numpy(data.reshape(out, -1))
+    tiles = gguf_blocks.as_tiles(blocks, kind, columns)
     return blocks if tiles is None else tiles
 
 
-def products(rows: Sequence[int], calls: int, copies: int) -> list[dict]:
+def default_copies(kind: str) -> int:
+    out, columns, values, size, _ = SHAPES[kind]
+    return max(2, -(-PAST_CACHES // (out * columns // values * size)))
+
+
+def products(rows: Sequence[int], calls: int, copies: int, kind: str = "Q4_1") -> list[dict]:
     """Per row count: median us of one product, GMAC/s, and the cost against one row."""
-    tiled = gguf_blocks.tiles("Q4_1")
-    weights = [q4_1_weight(seed) for seed in range(copies)]
-    inputs = {r: torch.randn(r, COLUMNS) for r in rows}
+    out_features, columns = SHAPES[kind][:2]
+    tiled = gguf_blocks.tiles(kind)
+    weights = [random_weight(kind, seed) for seed in range(copies)]
+    inputs = {r: torch.randn(r, columns) for r in rows}
     spent: dict[int, list[float]] = {r: [] for r in rows}
     for call in range(calls):
         for r in rows:
             weight = weights[(call * len(rows) + r) % copies]
             start = time.perf_counter()
-            gguf_blocks.matmul(weight, "Q4_1", COLUMNS, inputs[r], tiled=tiled)
+            gguf_blocks.matmul(weight, kind, columns, inputs[r], tiled=tiled)
             spent[r].append(time.perf_counter() - start)
     one = statistics.median(spent[rows[0]]) if rows[0] == 1 else None
     out = []
     for r in rows:
         seconds = statistics.median(spent[r])
-        out.append({"rows": r, "us": 1e6 * seconds, "gmacs": r * OUT * COLUMNS / seconds / 1e9,
+        out.append({"rows": r, "us": 1e6 * seconds, "gmacs": r * out_features * columns / seconds / 1e9,
                     "cost": seconds / one if one else float("nan")})
     return out
 
 
-def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str) -> list[dict]:
+def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str, kind: str = "Q4_1") -> list[dict]:
     """Per row count: median us of one product with this checkout's build and with `other` (another build's
     library), calls alternating in one process (the machine's noise hits both alike), and the largest difference
     between the two builds' outputs relative to the largest output (0.0: the same bits). SystemExit where it is
     past float32 rounding over a row's blocks: not the same product."""
     theirs, ours = gguf_blocks.other_build(other), gguf_blocks.library()
-    tiled = gguf_blocks.tiles("Q4_1")
-    weights = [q4_1_weight(seed) for seed in range(copies)]
-    inputs = {r: torch.randn(r, COLUMNS) for r in rows}
+    columns = SHAPES[kind][1]
+    tiled = gguf_blocks.tiles(kind)
+    weights = [random_weight(kind, seed) for seed in range(copies)]
+    inputs = {r: torch.randn(r, columns) for r in rows}
     spent: dict[tuple[str, int], list[float]] = {(name, r): [] for name in ("this", "other") for r in rows}
     for call in range(calls):
         order = [("this", ours), ("other", theirs)]
@@ -88,14 +101,14 @@ def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str) -> li
                 for r in rows:
                     weight = weights[(call * len(rows) + r) % copies]
                     start = time.perf_counter()
-                    gguf_blocks.matmul(weight, "Q4_1", COLUMNS, inputs[r], tiled=tiled)
+                    gguf_blocks.matmul(weight, kind, columns, inputs[r], tiled=tiled)
                     spent[(name, r)].append(time.perf_counter() - start)
     apart = {}
     for r in rows:
         outputs = []
         for lib in (ours, theirs):
             with gguf_blocks.build_in_use(lib):
-                outputs.append(gguf_blocks.matmul(weights[0], "Q4_1", COLUMNS, inputs[r], tiled=tiled))
+                outputs.append(gguf_blocks.matmul(weights[0], kind, columns, inputs[r], tiled=tiled))
         apart[r] = float((outputs[0] - outputs[1]).abs().max() / outputs[1].abs().max())
         if not apart[r] <= 1e-5:  # a float32 sum over 18 blocks: a few 2^-24 of its largest term
             raise SystemExit(f"bench kernels: the two builds' products of {r} rows differ by {apart[r]:.2e}")
@@ -210,7 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--calls", type=int, default=400, help="calls per row count (alternating)")
-    parser.add_argument("--copies", type=int, default=200, help="weight copies rotated (200 x 0.55 MB: past L3)")
+    parser.add_argument("--type", default="Q4_1", choices=sorted(SHAPES), help="the weight's block type")
+    parser.add_argument("--copies", type=int, default=None,
+                        help="weight copies rotated (default: 110 MB of them, past L3)")
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
     parser.add_argument("--ceiling", action="store_true",
                         help="also time this CPU's vpdpwssd, the tiles' instruction (needs cc and AVX-512 VNNI)")
@@ -222,21 +237,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         contexts = [int(c) for c in args.context.split(",") if c.strip()]
     except ValueError:
         parser.error(f"--context takes token counts separated by commas, not {args.context!r}")
-    if min(args.threads, args.calls, args.copies) < 1 or not contexts or min(contexts) < 1:
+    copies = args.copies if args.copies is not None else default_copies(args.type)
+    if min(args.threads, args.calls, copies) < 1 or not contexts or min(contexts) < 1:
         parser.error("--threads, --calls, --copies and every --context must be at least 1")
     if reason := gguf_blocks.unavailable("cpu"):
         raise SystemExit(f"bench kernels: no block kernel here: {reason}")
     torch.set_num_threads(args.threads)
-    print(f"Q4_1 {OUT} x {COLUMNS} {'as tiles' if gguf_blocks.tiles('Q4_1') else 'as rows'}, "
-          f"{args.threads} threads, {args.copies} weight copies, medians of {args.calls} calls")
+    out_features, columns = SHAPES[args.type][:2]
+    print(f"{args.type} {out_features} x {columns} {'as tiles' if gguf_blocks.tiles(args.type) else 'as rows'}, "
+          f"{args.threads} threads, {copies} weight copies, medians of {args.calls} calls")
     print("| rows | us | GMAC/s | cost / one row |\n|---|---|---|---|")
-    for r in products(list(range(1, 9)), args.calls, args.copies):
+    for r in products(list(range(1, 9)), args.calls, copies, args.type):
         print(f"| {r['rows']} | {r['us']:.1f} | {r['gmacs']:.1f} | {r['cost']:.2f}x |")
     if args.against:
         print(f"\nthe same products, this build against {args.against}, alternating, medians of {args.calls} calls "
               "(outputs apart: the largest difference / the largest output; 0 = the same bits)")
         print("| rows | this build us | the other us | this / other | outputs apart |\n|---|---|---|---|---|")
-        for r in side_by_side(list(range(1, 9)), args.calls, args.copies, args.against):
+        for r in side_by_side(list(range(1, 9)), args.calls, copies, args.against, args.type):
             print(f"| {r['rows']} | {r['this']:.1f} | {r['other']:.1f} | {r['this'] / r['other']:.3f} | "
                   f"{r['apart']:.1e} |")
     if args.ceiling:
