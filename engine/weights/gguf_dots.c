@@ -428,18 +428,23 @@ ALL_TILES(tile_q8_0, KVB_Q8_0)
 #define KVB_KTILES 1
 #define KVB_KTILE_DECL(NAME, R) \
     void NAME##_##R(const uint8_t *, int64_t, const int8_t *, const float *, const int32_t *, int64_t, float *, int64_t);
-#define KVB_KTILE_DECLS(NAME) KVB_KTILE_DECL(NAME, 1) KVB_KTILE_DECL(NAME, 2) KVB_KTILE_DECL(NAME, 4) KVB_KTILE_DECL(NAME, 8)
+#define KVB_KTILE_DECLS(NAME)                                                                                      \
+    KVB_KTILE_DECL(NAME, 1) KVB_KTILE_DECL(NAME, 2) KVB_KTILE_DECL(NAME, 3) KVB_KTILE_DECL(NAME, 4)                \
+    KVB_KTILE_DECL(NAME, 8)
 KVB_KTILE_DECLS(kvb_q4k_tile)
 KVB_KTILE_DECLS(kvb_q6k_tile)
 #endif
 
 /* the 16-row tiles for R activation rows at once (tiles[R - 1], R = 1 .. MAX_ROWS; NULL for an R taken in smaller
-   parts: the K-quants have 1, 2, 4 and 8), or 0 where this build has none for the type. The 32-value types take 3,
-   5, 6 or 7 rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded
-   the tile's weights again for each. */
+   parts: the K-quants have 1-4 and 8), or 0 where this build has none for the type. The 32-value types take 3, 5, 6
+   or 7 rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded the
+   tile's weights again for each. The K-quants' tiles take rows in groups of 4 (ktiles.c); 5-7 rows in one pass
+   (a group of 4, then the rest) were 1.6-2.8x slower than passes of 4 and the rest (Q4_K and Q6_K of the 1.5B
+   shape, EPYC Zen 4: spilled), 3 rows in one pass 0.80x the time of 2 + 1. */
 int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]) {
     for (int r = 0; r < MAX_ROWS; r++) tiles[r] = 0;
-#define KVB_KTILE_SET(NAME) tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[3] = NAME##_4, tiles[7] = NAME##_8
+#define KVB_KTILE_SET(NAME) \
+    tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_3, tiles[3] = NAME##_4, tiles[7] = NAME##_8
 #define KVB_TILE_SET(NAME)                                                                                         \
     tiles[0] = NAME##_1, tiles[1] = NAME##_2, tiles[2] = NAME##_3, tiles[3] = NAME##_4, tiles[4] = NAME##_5,      \
     tiles[5] = NAME##_6, tiles[6] = NAME##_7, tiles[7] = NAME##_8

@@ -282,6 +282,7 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
     }
 KTILE_FNS(1)
 KTILE_FNS(2)
+KTILE_FNS(3)
 KTILE_FNS(4)
 KTILE_FNS(8)
 #endif
