@@ -32,7 +32,7 @@ DEFAULT_NUM_DRAFT = 4
 # Drafts come from matches of at least MATCH_TOKENS tokens. Matches of 2 tokens ("of the", ", and") came back often
 # in free chat and were mostly rejected (23% of chat drafts kept against 43% from 3 tokens on; each check of 5
 # positions costs ~1.4x a one-token step on a CPU, `python -m bench step --positions`), so a pair drafts only
-# where it has come back at least PAIR_SEEN times and every time with the same next token (the start of an
+# where it occurred at least PAIR_SEEN times before and every time with the same next token (the start of an
 # answer that quotes its document: "The archive" -> " code of the"). Single tokens match by chance ("the", ","):
 # never drafted from.
 MATCH_TOKENS = 3
@@ -98,8 +98,9 @@ class NgramIndex:
 
     def __init__(self, ids: Sequence[int], spelling=None, *, match: int = MATCH_TOKENS,
                  pair_seen: int = PAIR_SEEN, candidates: int = CANDIDATES, longest: int = LONGEST_MATCH):
-        if match < 2 or candidates < 1 or longest < match:
-            raise ValueError(f"match {match} must be >= 2, candidates {candidates} >= 1, longest {longest} >= match")
+        if match < 2 or candidates < 1 or longest < match or pair_seen < 0:
+            raise ValueError(f"match {match} must be >= 2, candidates {candidates} >= 1, longest {longest} >= match, "
+                             f"pair_seen {pair_seen} >= 0 (0: pairs never draft)")
         self.match, self.pair_seen, self.candidates, self.longest = match, pair_seen, candidates, longest
         self.spelling = spelling or _same
         self.ids: list[int] = []

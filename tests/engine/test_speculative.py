@@ -77,7 +77,7 @@ def test_a_pair_drafts_only_when_it_came_back_with_the_same_next_token_every_tim
 
 
 def test_bad_index_settings_are_refused():
-    for settings in ({"match": 1}, {"candidates": 0}, {"longest": 2}):
+    for settings in ({"match": 1}, {"candidates": 0}, {"longest": 2}, {"pair_seen": -1}):
         with pytest.raises(ValueError):
             NgramIndex([1, 2, 3], **settings)
 
