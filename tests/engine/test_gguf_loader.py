@@ -5,9 +5,6 @@ the metadata, the tokenizer cache, and the real embedded model."""
 
 from __future__ import annotations
 
-import mmap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -153,43 +150,6 @@ def test_the_types_the_block_kernel_holds_are_kept_as_the_files_own_bytes(files,
     assert report.gguf[f"{kind}->blocks"] == GgufTensors(tensors=15, file_bytes=sum(r.nbytes for r in matrices),
                                                          bytes=sum(r.nbytes for r in matrices))
     assert report.attention == "sdpa"  # the engine switches it (engine.exact_attention): the next test
-
-
-def huge_page_mode() -> str | None:
-    """The system's transparent huge pages setting ("always", "madvise", "never"), or None where it has none."""
-    try:
-        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    return setting[setting.index("[") + 1:setting.index("]")]
-
-
-def advised_for_huge_pages(address: int) -> bool:
-    """Whether the mapping holding `address` may have huge pages (its THPeligible line in /proc/self/smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(part, 16) for part in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "THPeligible:":
-            return line.split()[1] == "1"
-    return False
-
-
-@needs_blocks
-def test_the_blocks_a_decode_step_reads_whole_lie_in_memory_advised_for_huge_pages(files, one_thread):
-    """Where the system gives huge pages only to memory that asks (its setting "madvise"), every weight held as
-    blocks (the decoder's, the head's) lies in mappings that ask; a mapping that did not ask is not eligible (the
-    control: a fresh one, since a torch allocation lands wherever the process's allocator has room, and once, after
-    the whole suite had run in one process, one read as eligible)."""
-    if huge_page_mode() != "madvise":
-        pytest.skip(f"transparent huge pages here: {huge_page_mode()} (only 'madvise' tells asking memory apart)")
-    model = ours(files("Q4_1", table_type="Q4_1"), weights="int4", kernel=gguf_blocks.KERNEL)
-    held = [m for m in model.modules() if isinstance(m, gguf_blocks.BlockLinear)]
-    assert len(held) == 15 and all(advised_for_huge_pages(m.blocks.data_ptr()) for m in held)
-    plain = torch.frombuffer(mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
-    assert not advised_for_huge_pages(plain.data_ptr() + (4 << 20))
 
 
 @needs_blocks

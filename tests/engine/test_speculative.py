@@ -64,6 +64,19 @@ def test_runs_spelled_alike_but_for_leading_spaces_match():
     assert broken(999) != broken(998) and broken(999) == broken(999)  # ids it cannot spell: a key each
 
 
+def test_with_a_real_tokenizer_an_answers_first_words_draft_the_documents_next_ones(smollm_int4_engine):
+    """The embedded model's tokenizer spells "The" (an answer's first word) and " The" (mid-sentence) as two
+    tokens: by spelling, the answer's opening matches the document's sentence and drafts its continuation."""
+    tokenizer = smollm_int4_engine.tokenizer
+    document = tokenizer("Rivers flood in spring. The archive code of the Falcon collection is 48213.",
+                         add_special_tokens=False)["input_ids"]
+    answer = tokenizer("The archive code", add_special_tokens=False)["input_ids"]
+    assert answer[0] not in document  # "The" is not the document's " The"
+    after = document[document.index(answer[1]) + 2:][:3]  # what follows " archive code" there: " of the Falcon"
+    assert NgramIndex(document + answer).draft(3) == []
+    assert NgramIndex(document + answer, Spellings(tokenizer)).draft(3) == after
+
+
 def test_a_pair_drafts_only_when_it_came_back_with_the_same_next_token_every_time():
     """Two-token matches ("of the") were mostly rejected in free chat: a pair drafts only when it was seen at least
     twice before and always followed by the same token; runs of three drafting first."""
