@@ -154,7 +154,7 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
         if (j->tiles[0]) /* tiled: the task is one tile; as many rows at once as it has a kernel for, up to 8 */
             while (i < upto) {
                 int rows = upto - i < MAX_ROWS ? (int)(upto - i) : MAX_ROWS;
-                while (!j->tiles[rows - 1]) rows--;
+                while (!j->tiles[rows - 1]) rows = rows > 4 ? 4 : rows - 1; /* 7 without its kernel: 4 + 3 */
                 j->tiles[rows - 1](j->w + first * j->row_bytes, nb, (const int8_t *)(j->acts + i * row), j->d + i * nb,
                                    (const int32_t *)(j->sum_bytes + i * nb * per_block), j->k, j->y + i * n + first, n);
                 i += rows;

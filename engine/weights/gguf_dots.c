@@ -433,14 +433,16 @@ ALL_TILES(tile_q8_0, KVB_Q8_0)
     KVB_KTILE_DECL(NAME, 8)
 KVB_KTILE_DECLS(kvb_q4k_tile)
 KVB_KTILE_DECLS(kvb_q6k_tile)
+KVB_KTILE_DECL(kvb_q6k_tile, 5) KVB_KTILE_DECL(kvb_q6k_tile, 6)
 #endif
 
 /* the 16-row tiles for R activation rows at once (tiles[R - 1], R = 1 .. MAX_ROWS; NULL for an R taken in smaller
-   parts: the K-quants have 1-4 and 8), or 0 where this build has none for the type. The 32-value types take 3, 5, 6
-   or 7 rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded the
-   tile's weights again for each. The K-quants' tiles take rows in groups of 4 (ktiles.c); 5-7 rows in one pass
-   (a group of 4, then the rest) were 1.6-2.8x slower than passes of 4 and the rest (Q4_K and Q6_K of the 1.5B
-   shape, EPYC Zen 4: spilled), 3 rows in one pass 0.80x the time of 2 + 1. */
+   parts: Q4_K has 1-4 and 8), or 0 where this build has none for the type. The 32-value types take 3, 5, 6 or 7
+   rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded the tile's
+   weights again for each. Q4_K's tiles take rows in groups of 4 (ktiles.c); 5-7 rows in one pass (a group of 4,
+   then the rest) were 1.6-2.8x slower than passes of 4 and the rest (the 1.5B shape, EPYC Zen 4: spilled), and
+   one group at a time for all rows (as Q6_K's below) 0.87 / 0.97 / 1.02 / 1.07x the time at 5 / 6 / 7 / 8 rows.
+   Q6_K takes 5, 6 and 8 rows one code group at a time (ktiles.c, q6k_rows_wide), 7 as 4 + 3. */
 int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]) {
     for (int r = 0; r < MAX_ROWS; r++) tiles[r] = 0;
 #define KVB_KTILE_SET(NAME) \
@@ -452,8 +454,10 @@ int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]) {
     if (type == KVB_Q4_K || type == KVB_Q6_K) {
         if (type == KVB_Q4_K)
             KVB_KTILE_SET(kvb_q4k_tile);
-        else
+        else {
             KVB_KTILE_SET(kvb_q6k_tile);
+            tiles[4] = kvb_q6k_tile_5, tiles[5] = kvb_q6k_tile_6;
+        }
         return 1;
     }
 #endif

@@ -213,10 +213,18 @@ static inline void q6k_prepare(const uint8_t *w, q6k_block *blk) {
     blk->dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w));
 }
 
-/* the codes offset 32 (the scales times the activations' sums, times 32) off the integer sum, then the float step */
-static inline void q6k_finish(const q6k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc) {
+/* the codes offset 32 (the scales times the activations' sums, times 32) off the integer sum, then the float step.
+   The pair of sums 2i, 2i + 1 is the int32 at bs + 2i: `from_memory`, it is the instruction's broadcast operand,
+   else built in scalar registers. Which is faster depends on the rows around it (Q6_K 1536 x 8960 past L3, 2
+   threads, EPYC Zen 4: 2 rows 0.90x the time from memory, 3 and 4 rows 1.05x; 2 rows in cache 101 -> 59 us). */
+static inline void q6k_finish(const q6k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc,
+                              int from_memory) {
     __m512i terms = _mm512_setzero_si512();
     for (int i = 0; i < 8; i++) {
+        if (from_memory) {
+            terms = dpwssd_from(terms, blk->spair[i], bs + 2 * i);
+            continue;
+        }
         const uint32_t pair = (uint16_t)bs[2 * i] | (uint32_t)(uint16_t)bs[2 * i + 1] << 16;
         terms = _mm512_dpwssd_epi32(terms, blk->spair[i], _mm512_set1_epi32((int32_t)pair));
     }
@@ -225,8 +233,8 @@ static inline void q6k_finish(const q6k_block *blk, __m512i sum, const int16_t *
 }
 
 /* rows 0 .. G - 1 at x (k apart) times a Q6_K tile block: as q4k_rows, a scale per 16 values (the codes made once
-   for the group of rows). Q6_K 1536 x 1536 in cache, one thread: 1 / 2 / 4 / 8 rows 76 / 131 / 217 / 384 us
-   before, 55 / 114 / 101 / 182 us (q6k_codes inlined whole: 1 row 75 -> 55 us). */
+   for the group of rows; 1-4 rows: q6k_rows_wide takes more). Q6_K 1536 x 1536 in cache, one thread: 1 / 2 / 4 / 8
+   rows 76 / 131 / 217 / 384 us before, 55 / 114 / 101 / 182 us (q6k_codes inlined whole: 1 row 75 -> 55 us). */
 static inline __attribute__((always_inline)) void q6k_rows(int G, const uint8_t *w, const q6k_block *blk,
                                                              const int8_t *x, int64_t k, __m512i *sum) {
     for (int r = 0; r < G; r++) sum[r] = _mm512_setzero_si512();
@@ -249,6 +257,47 @@ static inline __attribute__((always_inline)) void q6k_rows(int G, const uint8_t 
         }
 }
 
+/* code vector c (values 4g .. 4g + 3 of group c of half n, 16 lanes of four 6-bit codes) alone: q6k_codes' c */
+static inline __attribute__((always_inline)) __m512i q6k_code(const uint8_t *w, int n, int g, int c) {
+    const __m512i low = _mm512_set1_epi8(0x0f), top = _mm512_set1_epi8(0x30);
+    const __m512i qh = _mm512_loadu_si512((const void *)(w + 2336 + 64 * (8 * n + g)));
+    const __m512i ql = _mm512_loadu_si512((const void *)(w + 288 + 64 * (8 * (2 * n + (c & 1)) + g)));
+    const __m512i nibble = _mm512_and_si512(c >= 2 ? _mm512_srli_epi16(ql, 4) : ql, low);
+    /* bits 2c, 2c + 1 of qh's bytes to bits 4, 5 (the shifts move 16-bit lanes; `top` keeps each byte's own) */
+    const __m512i high = c == 2 ? qh : c < 2 ? _mm512_slli_epi16(qh, 4 - 2 * c) : _mm512_srli_epi16(qh, 2);
+    return _mm512_or_si512(nibble, _mm512_and_si512(high, top));
+}
+
+/* q6k_rows for 5, 6 or 8 rows in one pass: one group c at a time, each code vector made once for all G rows (G
+   accumulators and G sums in registers, where q6k_rows' four groups at once would spill). Q6_K 1536 x 8960 past
+   L3, 2 threads, EPYC Zen 4, against passes of 4 and the rest (4 + 1, 4 + 2, two groups of 4): 0.95-0.98 /
+   0.92-0.97 / 0.89-0.91x the time. 7 rows stay 4 + 3 (1.12-1.19x in one pass there, though 0.80x in cache: the
+   second pass of 3 reads the tile from L2 at the kernel's speed). The loop over c stays a loop (unrolled, its four
+   sets of accumulators spill: 1.2x the time at 8 rows). */
+static inline __attribute__((always_inline)) void q6k_rows_wide(int G, const uint8_t *w, const q6k_block *blk,
+                                                                  const int8_t *x, int64_t k, __m512i *sum) {
+#pragma GCC unroll 8
+    for (int r = 0; r < G; r++) sum[r] = _mm512_setzero_si512();
+    for (int n = 0; n < 2; n++)
+        for (int half = 0; half < 2; half++)
+#pragma GCC unroll 1
+            for (int c = 0; c < 4; c++) {
+                __m512i dot[MAX_ROWS];
+#pragma GCC unroll 8
+                for (int r = 0; r < G; r++) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int g = 4 * half; g < 4 * half + 4; g++) {
+                    const __m512i code = q6k_code(w, n, g, c);
+#pragma GCC unroll 8
+                    for (int r = 0; r < G; r++)
+                        dot[r] = dpbusd_from(dot[r], code, x + r * k + 128 * n + 32 * c + 4 * g);
+                }
+#pragma GCC unroll 8
+                for (int r = 0; r < G; r++)
+                    sum[r] = _mm512_add_epi32(sum[r], _mm512_mullo_epi32(dot[r], blk->scale[2 * (4 * n + c) + half]));
+            }
+}
+
 /* Q6_K: as q4k_tile, with a scale per 16 values */
 static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t *w, int64_t nb, const int8_t *q,
                                                              const float *d, const int16_t *bsums, int64_t k,
@@ -260,13 +309,13 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
             _mm_prefetch((const char *)(w + PREFETCH_BYTES + line), _MM_HINT_T0);
         q6k_block blk;
         q6k_prepare(w, &blk);
-        for (int r0 = 0; r0 < R; r0 += KT_GROUP) {
-            const int G = R - r0 < KT_GROUP ? R - r0 : KT_GROUP;
-            __m512i sum[KT_GROUP];
-            q6k_rows(G, w, &blk, q + r0 * k + b * 256, k, sum);
-            for (int r = r0; r < r0 + G; r++)
-                q6k_finish(&blk, sum[r - r0], bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r]);
-        }
+        __m512i sum[MAX_ROWS];
+        if (R > KT_GROUP)
+            q6k_rows_wide(R, w, &blk, q + b * 256, k, sum);
+        else
+            q6k_rows(R, w, &blk, q + b * 256, k, sum);
+        for (int r = 0; r < R; r++)
+            q6k_finish(&blk, sum[r], bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r], R <= 2 || R > KT_GROUP);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
 }
@@ -285,6 +334,13 @@ KTILE_FNS(2)
 KTILE_FNS(3)
 KTILE_FNS(4)
 KTILE_FNS(8)
+#define Q6K_TILE_FN(R)                                                                                             \
+    void kvb_q6k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
+                          int64_t k, float *out, int64_t stride) {                                               \
+        q6k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
+    }
+Q6K_TILE_FN(5)
+Q6K_TILE_FN(6)
 #endif
 
 /* ---- AMX: many activation rows at once ----
@@ -362,7 +418,7 @@ static void q6k_amx(const uint8_t *w, int64_t nb, const int8_t *q, const float *
             }
             for (int r = 0; r < 16; r++) {
                 const int64_t at = (m0 + r) * nb + b;
-                q6k_finish(&blk, scaled_sum(dots, blk.scale, 16, r), bsums + at * 16, d[at], &acc[m0 + r]);
+                q6k_finish(&blk, scaled_sum(dots, blk.scale, 16, r), bsums + at * 16, d[at], &acc[m0 + r], 0);
             }
         }
     }
