@@ -216,7 +216,8 @@ static inline void q6k_prepare(const uint8_t *w, q6k_block *blk) {
 /* the codes offset 32 (the scales times the activations' sums, times 32) off the integer sum, then the float step.
    The pair of sums 2i, 2i + 1 is the int32 at bs + 2i: `from_memory`, it is the instruction's broadcast operand,
    else built in scalar registers. Which is faster depends on the rows around it (Q6_K 1536 x 8960 past L3, 2
-   threads, EPYC Zen 4: 2 rows 0.90x the time from memory, 3 and 4 rows 1.05x; 2 rows in cache 101 -> 59 us). */
+   threads, EPYC Zen 4: 2 rows 0.90x the time from memory, 1 row 1.01-1.03x, 3 and 4 rows 1.05x; 2 rows in cache
+   101 -> 59 us). */
 static inline void q6k_finish(const q6k_block *blk, __m512i sum, const int16_t *bs, float dr, __m512 *acc,
                               int from_memory) {
     __m512i terms = _mm512_setzero_si512();
@@ -315,7 +316,7 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
         else
             q6k_rows(R, w, &blk, q + b * 256, k, sum);
         for (int r = 0; r < R; r++)
-            q6k_finish(&blk, sum[r], bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r], R <= 2 || R > KT_GROUP);
+            q6k_finish(&blk, sum[r], bsums + (r * nb + b) * 16, d[r * nb + b], &acc[r], R == 2 || R > KT_GROUP);
     }
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
 }
