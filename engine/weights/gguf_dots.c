@@ -439,11 +439,9 @@ KVB_KTILE_DECL(kvb_q6k_tile, 5) KVB_KTILE_DECL(kvb_q6k_tile, 6)
 /* the 16-row tiles for R activation rows at once (tiles[R - 1], R = 1 .. MAX_ROWS; NULL for an R taken in smaller
    parts: Q4_K has 1-4 and 8), or 0 where this build has none for the type. The 32-value types take 3, 5, 6 or 7
    rows (a check of drafted tokens, a batch of streams) in one pass, where passes of 4, 2 and 1 decoded the tile's
-   weights again for each. Q4_K's tiles take rows in groups of 4 (ktiles.c); 5-7 rows in one pass (a group of 4,
-   then the rest) were 1.6-2.8x slower than passes of 4 and the rest (the 1.5B shape, EPYC Zen 4: spilled), and
-   one group at a time for all rows (as Q6_K's below) 0.87 / 0.97 / 1.02 / 1.07x the time at 5 / 6 / 7 / 8 rows
-   in cache.
-   Q6_K takes 5, 6 and 8 rows one code group at a time (ktiles.c, q6k_rows_wide), 7 as 4 + 3. */
+   weights again for each. Q4_K's tiles take rows in groups of 4 (ktiles.c): 5-7 rows in one pass were 1.6-2.8x
+   slower (spilled), one code group at a time for all rows (as Q6_K's 5, 6 and 8; its 7 rows are 4 + 3) 0.87 /
+   0.97 / 1.02 / 1.07x the time at 5 / 6 / 7 / 8 rows in cache (the 1.5B shape, EPYC Zen 4). */
 int kvb_tiles_for(int type, tile_fn tiles[MAX_ROWS]) {
     for (int r = 0; r < MAX_ROWS; r++) tiles[r] = 0;
 #define KVB_KTILE_SET(NAME) \

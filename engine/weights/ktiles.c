@@ -271,8 +271,8 @@ static inline __attribute__((always_inline)) __m512i q6k_code(const uint8_t *w, 
 
 /* q6k_rows for 5, 6 or 8 rows in one pass: one group c at a time, each code vector made once for all G rows (G
    accumulators and G sums in registers, where q6k_rows' four groups at once would spill). Q6_K 1536 x 8960 past
-   L3, 2 threads, EPYC Zen 4, against passes of 4 and the rest (4 + 1, 4 + 2, two groups of 4): 0.95-0.98 /
-   0.92-0.97 / 0.89-0.91x the time. 7 rows stay 4 + 3 (1.12-1.19x in one pass there, though 0.80x in cache: the
+   L3, 2 threads, EPYC Zen 4, against passes of 4 and the rest (4 + 1, 4 + 2, two groups of 4): 0.96-1.00 /
+   0.91-0.94 / 0.91-0.93x the time. 7 rows stay 4 + 3 (1.12-1.19x in one pass there, though 0.80x in cache: the
    second pass of 3 reads the tile from L2 at the kernel's speed). The loop over c stays a loop (unrolled, its four
    sets of accumulators spill: 1.2x the time at 8 rows). */
 static inline __attribute__((always_inline)) void q6k_rows_wide(int G, const uint8_t *w, const q6k_block *blk,
@@ -321,27 +321,20 @@ static inline __attribute__((always_inline)) void q6k_tile(int R, const uint8_t 
     for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * stride, acc[r]);
 }
 
-#define KTILE_FNS(R)                                                                                               \
-    void kvb_q4k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
-                          int64_t k, float *out, int64_t stride) {                                               \
-        q4k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
-    }                                                                                                            \
-    void kvb_q6k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
-                          int64_t k, float *out, int64_t stride) {                                               \
-        q6k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
+/* kvb_q4k_tile_R / kvb_q6k_tile_R: R rows at once (gguf_dots.c's kvb_tiles_for lists them) */
+#define KTILE_FN(TYPE, R)                                                                                          \
+    void kvb_##TYPE##_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums, \
+                               int64_t k, float *out, int64_t stride) {                                          \
+        TYPE##_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                      \
     }
+#define KTILE_FNS(R) KTILE_FN(q4k, R) KTILE_FN(q6k, R)
 KTILE_FNS(1)
 KTILE_FNS(2)
 KTILE_FNS(3)
 KTILE_FNS(4)
 KTILE_FNS(8)
-#define Q6K_TILE_FN(R)                                                                                             \
-    void kvb_q6k_tile_##R(const uint8_t *w, int64_t nb, const int8_t *q, const float *d, const int32_t *sums,     \
-                          int64_t k, float *out, int64_t stride) {                                               \
-        q6k_tile(R, w, nb, q, d, (const int16_t *)sums, k, out, stride);                                         \
-    }
-Q6K_TILE_FN(5)
-Q6K_TILE_FN(6)
+KTILE_FN(q6k, 5)
+KTILE_FN(q6k, 6)
 #endif
 
 /* ---- AMX: many activation rows at once ----
