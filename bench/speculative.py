@@ -127,19 +127,20 @@ def replay_rows(engine, num_draft: int, num_prompts: int, max_new_tokens: int, c
     spelling = Spellings(engine.tokenizer)
     answers = {name: [(engine.encode(m), engine.chat(m, max_new_tokens=max_new_tokens)) for m in prompts]
                for name, prompts in workloads(num_prompts).items()}
+    # per answer: its prompt, tokens, whether it stopped, and its forwards without drafts (the same for every variant)
+    replays = {name: [(prompt, result.token_ids, result.finish_reason == "stop",
+                       len(replay(prompt, result.token_ids, result.finish_reason == "stop", None, num_draft,
+                                  max_new_tokens))) for prompt, result in pairs] for name, pairs in answers.items()}
     rows = []
     for variant, change in REPLAYED.items():
         settings = {"spelling": spelling, **change}
         row = {"variant": variant}
-        for name, pairs in answers.items():
+        for name, answered in replays.items():
             ratios = []
-            for prompt, result in pairs:
-                stopped = result.finish_reason == "stop"
-                plain = replay(prompt, result.token_ids, stopped, None, num_draft, max_new_tokens)
-                checks = replay(prompt, result.token_ids, stopped, NgramIndex(prompt, **settings), num_draft,
-                                max_new_tokens)
-                if len(plain) and all(len(d) < len(costs) for d, _ in checks):
-                    ratios.append(len(plain) / sum(costs[len(d)] for d, _ in checks))
+            for prompt, tokens, stopped, plain in answered:
+                checks = replay(prompt, tokens, stopped, NgramIndex(prompt, **settings), num_draft, max_new_tokens)
+                if plain and all(len(d) < len(costs) for d, _ in checks):
+                    ratios.append(plain / sum(costs[len(d)] for d, _ in checks))
             row[name] = statistics.median(ratios) if ratios else float("nan")
             row[name + "_lowest"] = min(ratios) if ratios else float("nan")
         rows.append(row)
