@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -140,11 +140,15 @@ def attention(positions: Sequence[int], context: int, calls: int, threads: int) 
             for n in positions]
 
 
-# The instruction the 32-value types' tiles multiply with on AVX-512 VNNI (gguf_dots.c, tile32): vpdpwssd, int16
-# pairs multiplied and added into 16 int32 lanes. Timed here alone, in independent chains on every thread, and with
-# the tiles' float steps interleaved (4 float multiply-adds per 16 products: a block's scaling for one row), to show
-# what the product of many rows can reach on this CPU. (Only there: on AVX2, a compiler folds the probe's loop-
-# invariant vpmaddwd away, and such a loop would time something else.)
+# The instructions the tiles multiply with on AVX-512 VNNI: vpdpwssd for the 32-value types (gguf_dots.c, tile32:
+# int16 pairs multiplied and added into 16 int32 lanes) and vpdpbusd for the K-quants (ktiles.c: four u8 x s8
+# products a lane). Each timed alone, in independent chains on every thread, and with the other operations of a
+# tile's block for one row interleaved: the 32-value types' float steps (4 float multiply-adds per 16 products), and
+# a Q4_K block's (per 64 vpdpbusd: 8 vpmulld for the sub-block scales, 4 vpdpwssd for the mins, 2 float
+# multiply-adds and 2 float multiplies), or as many operations that multiply nothing (and, add, shift, convert).
+# Zen 4 runs the multiplying ones on the same two pipes as the products, the others beside them: the mixes show what
+# the product of many rows can reach on this CPU. (Only there: on AVX2, a compiler folds the probe's loop-invariant
+# vpmaddwd away, and such a loop would time something else.)
 CEILING_SOURCE = r"""
 #include <immintrin.h>
 #include <pthread.h>
@@ -157,25 +161,46 @@ CEILING_SOURCE = r"""
 #endif
 typedef __m512i vi; typedef __m512 vf;
 #define LANES 16
-#define MADD(a, x, y) a = _mm512_dpwssd_epi32(a, x, y)
-#define FMA(f, x) f = _mm512_fmadd_ps(f, x, x)
-#define SETI(v) _mm512_set1_epi32(v)
-#define SETF(v) _mm512_set1_ps(v)
 #define KEEP(r) __asm__ volatile("" : "+v"(r))
+/* 16 products of the mode's instruction into 8 chains */
+#define PRODUCTS(OP) \
+    a0 = OP(a0, x, y); a1 = OP(a1, x, y); a2 = OP(a2, x, y); a3 = OP(a3, x, y); \
+    a4 = OP(a4, x, y); a5 = OP(a5, x, y); a6 = OP(a6, x, y); a7 = OP(a7, x, y); \
+    a0 = OP(a0, x, y); a1 = OP(a1, x, y); a2 = OP(a2, x, y); a3 = OP(a3, x, y); \
+    a4 = OP(a4, x, y); a5 = OP(a5, x, y); a6 = OP(a6, x, y); a7 = OP(a7, x, y);
+enum { WSSD, WSSD_FLOAT, BUSD, BUSD_Q4K, BUSD_OTHER, MODES };
 static long rounds;
-static int with_float;
+static int mode;
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 static void *work(void *unused) {
     (void)unused;
-    vi a0 = SETI(0), a1 = SETI(1), a2 = SETI(2), a3 = SETI(3), a4 = SETI(4), a5 = SETI(5), a6 = SETI(6), a7 = SETI(7);
-    vi x = SETI(3), y = SETI(5);
-    vf f0 = SETF(0.f), f1 = SETF(1.f), f2 = SETF(2.f), f3 = SETF(3.f), s = SETF(1.0001f);
+    vi a0 = _mm512_set1_epi32(0), a1 = _mm512_set1_epi32(1), a2 = _mm512_set1_epi32(2), a3 = _mm512_set1_epi32(3);
+    vi a4 = _mm512_set1_epi32(4), a5 = _mm512_set1_epi32(5), a6 = _mm512_set1_epi32(6), a7 = _mm512_set1_epi32(7);
+    vi x = _mm512_set1_epi32(3), y = _mm512_set1_epi32(5), m0 = x, m1 = y, w = x, b0 = x, b1 = y, b2 = x;
+    vf f0 = _mm512_set1_ps(0.f), f1 = _mm512_set1_ps(1.f), f2 = _mm512_set1_ps(2.f), f3 = _mm512_set1_ps(3.f);
+    vf s = _mm512_set1_ps(1.0001f), g = s, c = s;
+    KEEP(x); KEEP(y); /* unknown to the compiler: a multiply by a constant would become shifts and adds */
     for (long i = 0; i < rounds; i++) {
-        MADD(a0, x, y); MADD(a1, x, y); MADD(a2, x, y); MADD(a3, x, y);
-        MADD(a4, x, y); MADD(a5, x, y); MADD(a6, x, y); MADD(a7, x, y);
-        MADD(a0, x, y); MADD(a1, x, y); MADD(a2, x, y); MADD(a3, x, y);
-        MADD(a4, x, y); MADD(a5, x, y); MADD(a6, x, y); MADD(a7, x, y);
-        if (with_float) { FMA(f0, s); FMA(f1, s); FMA(f2, s); FMA(f3, s); KEEP(f0); KEEP(f1); KEEP(f2); KEEP(f3); }
+        if (mode <= WSSD_FLOAT) {
+            PRODUCTS(_mm512_dpwssd_epi32)
+        } else {
+            PRODUCTS(_mm512_dpbusd_epi32) PRODUCTS(_mm512_dpbusd_epi32)
+        }
+        if (mode == WSSD_FLOAT) {
+            f0 = _mm512_fmadd_ps(f0, s, s); f1 = _mm512_fmadd_ps(f1, s, s);
+            f2 = _mm512_fmadd_ps(f2, s, s); f3 = _mm512_fmadd_ps(f3, s, s);
+            KEEP(f0); KEEP(f1); KEEP(f2); KEEP(f3);
+        } else if (mode == BUSD_Q4K) { /* a Q4_K block's share per 32 products */
+            m0 = _mm512_mullo_epi32(m0, x); m1 = _mm512_mullo_epi32(m1, x); KEEP(m0); KEEP(m1);
+            m0 = _mm512_mullo_epi32(m0, y); m1 = _mm512_mullo_epi32(m1, y); KEEP(m0); KEEP(m1);
+            w = _mm512_dpwssd_epi32(w, x, y); KEEP(w); w = _mm512_dpwssd_epi32(w, y, x); KEEP(w);
+            f0 = _mm512_fmadd_ps(f0, s, s); g = _mm512_mul_ps(g, s); KEEP(f0); KEEP(g);
+        } else if (mode == BUSD_OTHER) { /* as many operations that multiply nothing */
+            b0 = _mm512_and_si512(b0, y); b1 = _mm512_add_epi32(b1, x); KEEP(b0); KEEP(b1);
+            b2 = _mm512_srli_epi16(b2, 1); c = _mm512_cvtepi32_ps(b1); KEEP(b2); KEEP(c);
+            b0 = _mm512_or_si512(b0, x); b1 = _mm512_sub_epi32(b1, y); KEEP(b0); KEEP(b1);
+            b2 = _mm512_slli_epi16(b2, 1); c = _mm512_cvtepi32_ps(b0); KEEP(b2); KEEP(c);
+        }
         KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7);
     }
     return NULL;
@@ -183,22 +208,36 @@ static void *work(void *unused) {
 int main(int argc, char **argv) {
     int threads = atoi(argv[1]);
     rounds = atol(argv[2]);
-    for (with_float = 0; with_float < 2; with_float++) {
-        pthread_t t[64];
-        double start = now();
-        for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, work, NULL);
-        for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
-        double seconds = now() - start;
-        printf("%d %.3f\n", LANES, 16.0 * rounds * threads * LANES * 2 / seconds / 1e9);
-    }
+    double best[MODES] = {0};
+    for (int repeat = 0; repeat < 3; repeat++) /* the modes in turn, the best of three each */
+        for (mode = 0; mode < MODES; mode++) {
+            pthread_t t[64];
+            double start = now();
+            for (int i = 0; i < threads; i++) pthread_create(&t[i], NULL, work, NULL);
+            for (int i = 0; i < threads; i++) pthread_join(t[i], NULL);
+            const double seconds = now() - start, products = mode <= WSSD_FLOAT ? 16.0 * 2 : 32.0 * 4;
+            const double rate = products * rounds * threads * LANES / seconds / 1e9;
+            if (rate > best[mode]) best[mode] = rate;
+        }
+    for (mode = 0; mode < MODES; mode++) printf("%d %.3f\n", LANES, best[mode]);
     return 0;
 }
 """
 
 
-def ceiling(threads: int, rounds: int = 50_000_000) -> tuple[int, float, float] | None:
-    """This CPU's vpdpwssd rate on `threads` threads, in GMAC/s: (lanes, alone, with the float steps interleaved);
-    None where the probe cannot be built here (no C compiler, no AVX-512 VNNI)."""
+class Ceiling(NamedTuple):
+    """This CPU's multiply-add rates in GMAC/s on the probe's threads (CEILING_SOURCE)."""
+    lanes: int
+    wssd: float  # vpdpwssd alone
+    wssd_float: float  # with the 32-value types' float steps
+    busd: float  # vpdpbusd alone
+    busd_q4k: float  # with a Q4_K block's other multiplying operations
+    busd_other: float  # with as many operations that multiply nothing
+
+
+def ceiling(threads: int, rounds: int = 10_000_000) -> Ceiling | None:
+    """This CPU's vpdpwssd and vpdpbusd rates on `threads` threads (Ceiling), the best of three runs of each loop in
+    turn; None where the probe cannot be built here (no C compiler, no AVX-512 VNNI)."""
     import shutil
     import subprocess
     import tempfile
@@ -215,8 +254,8 @@ def ceiling(threads: int, rounds: int = 50_000_000) -> tuple[int, float, float] 
             return None
         lines = subprocess.run([str(program), str(threads), str(rounds)], capture_output=True, text=True,
                                check=True).stdout.split("\n")
-    (lanes, alone), (_, mixed) = [line.split() for line in lines[:2]]
-    return int(lanes), float(alone), float(mixed)
+    rows = [line.split() for line in lines[:5]]
+    return Ceiling(int(rows[0][0]), *(float(rate) for _, rate in rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="weight copies rotated (default: 110 MB of them, past L3)")
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
     parser.add_argument("--ceiling", action="store_true",
-                        help="also time this CPU's vpdpwssd, the tiles' instruction (needs cc and AVX-512 VNNI)")
+                        help="also time this CPU's vpdpwssd and vpdpbusd, the tiles' instructions, alone and with a "
+                             "block's other steps (needs cc and AVX-512 VNNI)")
     parser.add_argument("--against", metavar="LIBRARY",
                         help="also time the products side by side with another build of the kernel (the library "
                              "another checkout built: gguf_blocks.library()._name there), calls alternating")
@@ -259,12 +299,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.ceiling:
         found = ceiling(args.threads)
         if found is None:
-            print("\nno probe of the multiply-add here (it needs a C compiler and AVX-512 VNNI)")
+            print("\nno probe of the multiply-adds here (it needs a C compiler and AVX-512 VNNI)")
         else:
-            lanes, alone, mixed = found
-            print(f"\nthis CPU's int16 multiply-add (vpdpwssd, {lanes} lanes), {args.threads} threads: "
-                  f"{alone:.1f} GMAC/s alone, {mixed:.1f} with 4 float multiply-adds per 16 (a block's float "
-                  "steps): the most the products of many rows can reach here")
+            print(f"\nthis CPU's multiply-adds ({found.lanes} int32 lanes), {args.threads} threads, GMAC/s: the most "
+                  "the products of many rows can reach here\n| instruction | alone | with a block's other steps | "
+                  "share |\n|---|---|---|---|\n"
+                  f"| vpdpwssd (32-value types) | {found.wssd:.1f} | {found.wssd_float:.1f} (4 float multiply-adds "
+                  f"per 16) | {found.wssd_float / found.wssd:.0%} |\n"
+                  f"| vpdpbusd (K-quants) | {found.busd:.1f} | {found.busd_q4k:.1f} (Q4_K: 8 vpmulld, 4 vpdpwssd, "
+                  f"4 float operations per 64) | {found.busd_q4k / found.busd:.0%} |\n"
+                  f"| vpdpbusd (K-quants) | {found.busd:.1f} | {found.busd_other:.1f} (as many operations that "
+                  f"multiply nothing) | {found.busd_other / found.busd:.0%} |")
     for context in contexts:
         print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached tokens")
         print("| positions | us | cost / one position |\n|---|---|---|")

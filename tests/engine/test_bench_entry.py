@@ -68,7 +68,7 @@ def test_kvboost_bench_runs_the_bench_entry_in_a_child_process():
 @pytest.mark.skipif(sys.platform != "linux", reason="the probe is built with the system's cc and pthreads")
 def test_the_kernels_bench_times_this_cpus_multiply_add_where_a_compiler_builds_its_probe():
     """`bench kernels --ceiling`: where the CPU has AVX-512 VNNI, the probe builds and reports a rate for each of
-    its two loops; elsewhere it says it cannot."""
+    its loops; elsewhere it says it cannot."""
     import shutil
 
     from bench.kernels import ceiling
@@ -76,13 +76,15 @@ def test_the_kernels_bench_times_this_cpus_multiply_add_where_a_compiler_builds_
 
     if not (shutil.which("cc") or shutil.which("gcc")):
         pytest.skip("no C compiler")
-    found = ceiling(1, rounds=200_000)
+    found = ceiling(1, rounds=2_000_000)
     if "avx512_vnni" not in gguf_blocks.cpu_flags().split():
         assert found is None
         return
     assert found is not None, "the probe did not build"
-    lanes, alone, mixed = found
-    assert lanes == 16 and alone > 0 and mixed > 0
+    assert found.lanes == 16 and min(found[1:]) > 0
+    # the Q4_K mix adds multiplying work on the products' pipes (~20% more on Zen 4 and Intel alike): a probe that
+    # lost its mix would time the products alone
+    assert found.busd_q4k < 0.95 * found.busd
 
 
 def test_the_kernels_bench_times_two_builds_side_by_side():
