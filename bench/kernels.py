@@ -162,7 +162,7 @@ CEILING_SOURCE = r"""
 typedef __m512i vi; typedef __m512 vf;
 #define LANES 16
 #define KEEP(r) __asm__ volatile("" : "+v"(r))
-/* 16 products of the mode's instruction into 8 chains */
+/* 16 of the mode's instructions, in 8 chains */
 #define PRODUCTS(OP) \
     a0 = OP(a0, x, y); a1 = OP(a1, x, y); a2 = OP(a2, x, y); a3 = OP(a3, x, y); \
     a4 = OP(a4, x, y); a5 = OP(a5, x, y); a6 = OP(a6, x, y); a7 = OP(a7, x, y); \
@@ -190,7 +190,7 @@ static void *work(void *unused) {
             f0 = _mm512_fmadd_ps(f0, s, s); f1 = _mm512_fmadd_ps(f1, s, s);
             f2 = _mm512_fmadd_ps(f2, s, s); f3 = _mm512_fmadd_ps(f3, s, s);
             KEEP(f0); KEEP(f1); KEEP(f2); KEEP(f3);
-        } else if (mode == BUSD_Q4K) { /* a Q4_K block's share per 32 products */
+        } else if (mode == BUSD_Q4K) { /* a Q4_K block's share per 32 vpdpbusd */
             m0 = _mm512_mullo_epi32(m0, x); m1 = _mm512_mullo_epi32(m1, x); KEEP(m0); KEEP(m1);
             m0 = _mm512_mullo_epi32(m0, y); m1 = _mm512_mullo_epi32(m1, y); KEEP(m0); KEEP(m1);
             w = _mm512_dpwssd_epi32(w, x, y); KEEP(w); w = _mm512_dpwssd_epi32(w, y, x); KEEP(w);
@@ -208,6 +208,7 @@ static void *work(void *unused) {
 int main(int argc, char **argv) {
     int threads = atoi(argv[1]);
     rounds = atol(argv[2]);
+    if (threads < 1 || threads > 64 || rounds < 1) return 2;
     double best[MODES] = {0};
     for (int repeat = 0; repeat < 3; repeat++) /* the modes in turn, the best of three each */
         for (mode = 0; mode < MODES; mode++) {
@@ -278,6 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         parser.error(f"--context takes token counts separated by commas, not {args.context!r}")
     copies = args.copies if args.copies is not None else default_copies(args.type)
+    if args.ceiling and args.threads > 64:
+        parser.error("--ceiling: its probe runs 1 to 64 threads")
     if min(args.threads, args.calls, copies) < 1 or not contexts or min(contexts) < 1:
         parser.error("--threads, --calls, --copies and every --context must be at least 1")
     if reason := gguf_blocks.unavailable("cpu"):
