@@ -116,28 +116,51 @@ def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str, kind:
              "other": 1e6 * statistics.median(spent[("other", r)]), "apart": apart[r]} for r in rows]
 
 
-def attention(positions: Sequence[int], context: int, calls: int, threads: int) -> list[dict]:
+def attention(positions: Sequence[int], context: int, calls: int, threads: int, other: str | None = None,
+              past_caches: bool = True) -> list[dict]:
     """Per number of positions: median us of one layer's row attention over `context` cached keys (a cache's
-    buffer with room to spare, as the one-call forward hands it), and the cost against one position."""
-    lib = gguf_blocks.library()
+    buffer with room to spare, as the one-call forward hands it), and the cost against one position. The keys and
+    values rotate between enough buffers to miss the caches, as a decode step finds them (the step's weights have
+    pushed them out; `past_caches=False`: one buffer, in cache). With `other` (another build's library), its calls
+    alternate with this build's, over the same buffers, and each output is compared bit for bit."""
+    libs = {"this": gguf_blocks.library()}
+    if other:
+        libs["other"] = gguf_blocks.other_build(other)
     room = context + max(positions) + 64
-    keys = torch.randn(KV_HEADS, room, HEAD_DIM)
-    values = torch.randn(KV_HEADS, room, HEAD_DIM)
+    layer_bytes = 2 * KV_HEADS * room * HEAD_DIM * 4
+    copies = max(2, PAST_CACHES // layer_bytes) if past_caches else 1
+    keys = [torch.randn(KV_HEADS, room, HEAD_DIM) for _ in range(copies)]
+    values = [torch.randn(KV_HEADS, room, HEAD_DIM) for _ in range(copies)]
     queries = {n: torch.randn(HEADS, n, HEAD_DIM) for n in positions}
-    spent: dict[int, list[float]] = {n: [] for n in positions}
-    for _ in range(calls):
-        for n in positions:
-            out = torch.empty(n, HEADS, HEAD_DIM)
-            start = time.perf_counter()
-            status = lib.kvb_attention(queries[n].data_ptr(), keys.data_ptr(), values.data_ptr(), 0, room * HEAD_DIM,
-                                       None, 1, 1, out.data_ptr(), 1, HEADS, KV_HEADS, n, context + n, HEAD_DIM,
-                                       ctypes.c_float(HEAD_DIM ** -0.5), threads)
-            spent[n].append(time.perf_counter() - start)
-            if status != 0:
-                raise MemoryError("no scratch memory for attention")
-    one = statistics.median(spent[positions[0]])
-    return [{"positions": n, "us": 1e6 * statistics.median(spent[n]), "cost": statistics.median(spent[n]) / one}
-            for n in positions]
+    spent: dict[tuple[str, int], list[float]] = {(name, n): [] for name in libs for n in positions}
+
+    def attend(lib, n: int, at: int) -> tuple[torch.Tensor, float]:
+        out = torch.empty(n, HEADS, HEAD_DIM)
+        start = time.perf_counter()
+        status = lib.kvb_attention(queries[n].data_ptr(), keys[at].data_ptr(), values[at].data_ptr(), 0,
+                                   room * HEAD_DIM, None, 1, 1, out.data_ptr(), 1, HEADS, KV_HEADS, n, context + n,
+                                   HEAD_DIM, ctypes.c_float(HEAD_DIM ** -0.5), threads)
+        seconds = time.perf_counter() - start
+        if status != 0:
+            raise MemoryError("no scratch memory for attention")
+        return out, seconds
+
+    turn = 0
+    for call in range(calls):
+        for name, lib in list(libs.items())[:: 1 if call % 2 == 0 else -1]:
+            for n in positions:
+                spent[(name, n)].append(attend(lib, n, turn % copies)[1])
+                turn += 1
+    one = statistics.median(spent[("this", positions[0])])
+    rows = []
+    for n in positions:
+        row = {"positions": n, "us": 1e6 * statistics.median(spent[("this", n)]),
+               "cost": statistics.median(spent[("this", n)]) / one}
+        if other:
+            row["other"] = 1e6 * statistics.median(spent[("other", n)])
+            row["same"] = torch.equal(attend(libs["this"], n, 0)[0], attend(libs["other"], n, 0)[0])
+        rows.append(row)
+    return rows
 
 
 # The instructions the tiles multiply with on AVX-512 VNNI: vpdpwssd for the 32-value types (gguf_dots.c, tile32:
@@ -314,10 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"| vpdpbusd (K-quants) | {found.busd:.1f} | {found.busd_other:.1f} (as many operations that "
                   f"multiply nothing) | {found.busd_other / found.busd:.0%} |")
     for context in contexts:
-        print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached tokens")
-        print("| positions | us | cost / one position |\n|---|---|---|")
-        for a in attention([1, 4, 5, 9], context, max(args.calls // 4, 20), args.threads):
-            print(f"| {a['positions']} | {a['us']:.1f} | {a['cost']:.2f}x |")
+        against = f", this build against {args.against}" if args.against else ""
+        print(f"\nrow attention, one layer ({HEADS} heads, {KV_HEADS} kv heads of {HEAD_DIM}), {context} cached "
+              f"tokens, keys and values rotated past L3{against}")
+        found = attention([1, 4, 5, 9], context, max(args.calls // 4, 20), args.threads, args.against)
+        if args.against:
+            print("| positions | this build us | the other us | this / other | same bits |\n|---|---|---|---|---|")
+            for a in found:
+                print(f"| {a['positions']} | {a['us']:.1f} | {a['other']:.1f} | {a['us'] / a['other']:.3f} | "
+                      f"{'yes' if a['same'] else 'NO'} |")
+        else:
+            print("| positions | us | cost / one position |\n|---|---|---|")
+            for a in found:
+                print(f"| {a['positions']} | {a['us']:.1f} | {a['cost']:.2f}x |")
     return 0
 
 

@@ -48,8 +48,8 @@ ENGINE_DIR = SOURCE.parent.parent  # exact_attention.c and block_forward.c live 
 SOURCES = (SOURCE, SOURCE.with_name("gguf_dots.c"), SOURCE.with_name("gguf_layout.c"), SOURCE.with_name("ktiles.c"),
            SOURCE.with_name("amx.c"), ENGINE_DIR / "exact_attention.c", ENGINE_DIR / "block_forward.c",
            SOURCE.with_name("thread_pool.c"))
-HEADERS = (SOURCE.with_name("gguf_blocks.h"), ENGINE_DIR / "own_exp.h")  # included by the sources: part of a
-# build's key, shipped beside them
+# included by the sources: part of a build's key, shipped beside them
+HEADERS = (SOURCE.with_name("gguf_blocks.h"), ENGINE_DIR / "own_exp.h", ENGINE_DIR / "attention_rows.h")
 # Installers ship a build for x86-64-v3 (AVX2, FMA, F16C) beside the source (packaging/kvboost-desktop.spec), for
 # machines without a C compiler; it is loaded only where the CPU has those features.
 PREBUILT = SOURCE.with_name("gguf_blocks-x86-64-v3.so")
