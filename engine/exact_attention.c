@@ -8,7 +8,8 @@
    step of a model with 3 query heads per kv head, 15 in a check of 5 tokens) are computed as a tile, each block of
    keys read once for all of them while it is in L1, and the weighted sums of up to 4 rows in one pass over the
    values. A forward of many rows first lays each kv head's keys out in blocks of 16 (value d of 16 keys together);
-   a decode step or a check reads the key rows as they are (a copy would cost more than it saves). */
+   a decode step or a check reads the key rows as they are (a copy would cost more than it saves). A row's
+   arithmetic (dot products, softmax, weighted sums) is in attention_rows.h; this file lays out the work. */
 
 #include "attention_rows.h"
 
