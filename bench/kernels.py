@@ -12,7 +12,8 @@ tokens or a batch of streams costs against one token, before any Python.
   printed; one past float32 rounding stops the run.
 - Row attention for a decode step (1 position) and checks (4, 5, 9 positions) at a given context, the embedded
   model's heads (9 query heads, 3 kv heads of 64): the median microseconds of one layer's call over a cache's
-  buffer, and the cost against one position.
+  buffer, its keys and values rotated past L3 as a decode step finds them, and the cost against one position; with
+  `--against`, side by side with the other build, the outputs compared bit for bit.
 
 Medians of alternating calls (the machine's noise hits every row alike); the threads are the engine's
 (`--threads`). The numbers compare row counts within one run: a row that costs 2x one row makes a check of that

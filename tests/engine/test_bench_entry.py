@@ -98,3 +98,9 @@ def test_the_kernels_bench_times_two_builds_side_by_side():
     rows = side_by_side([1, 8], calls=2, copies=2, other=gguf_blocks.library()._name)
     assert [r["rows"] for r in rows] == [1, 8]
     assert all(r["this"] > 0 and r["other"] > 0 and r["apart"] == 0.0 for r in rows)  # the same build: same bits
+    # and attention, the two builds' calls alternating, their outputs compared bit for bit
+    from bench.kernels import attention
+
+    found = attention([1, 4], context=40, calls=2, threads=1, other=gguf_blocks.library()._name, past_caches=False)
+    assert [a["positions"] for a in found] == [1, 4]
+    assert all(a["us"] > 0 and a["other"] > 0 and a["same"] is True for a in found)
