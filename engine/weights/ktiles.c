@@ -70,10 +70,11 @@ void kvb_kuntile(int type, const uint8_t *tile, int c, uint8_t *block) { k_move(
 #ifdef KVB_KTILES
 /* The weight stream is asked for this far ahead of the tile block being multiplied, into L2 (as gguf_dots.c does
    for the 32-value types, but there into L1, 4096 bytes ahead). A K-quant tile block is 2304 (Q4_K) or 3360
-   (Q6_K) bytes. Into L1 at 4096 bytes, the tiles of 1-8 rows ran 1.1-1.9x the time they take with this (the 1.5B
-   shape's 8960 x 1536 Q4_K and 1536 x 8960 Q6_K rotated past L3, 2 threads, 2-vCPU EPYC, alternating in one
-   process: Q4_K 1 / 8 / 64 rows 0.65 / 0.81 / 0.96x the time, Q6_K 0.82 / 0.52 / 0.89x; 16384 bytes alike). The
-   32-value types' tiles lost 3-11% at 4-64 rows into L2, so they keep theirs. */
+   (Q6_K) bytes. The 1.5B shape's 8960 x 1536 Q4_K and 1536 x 8960 Q6_K rotated past L3, 2 threads, 2-vCPU EPYC:
+   the two settings alternating in one library, Q4_K 1 / 8 / 64 rows 0.65 / 0.81 / 0.96x the time of 4096 into L1,
+   Q6_K 0.82 / 0.52 / 0.89x (16384 bytes alike); this build against the one before (`bench kernels --against`),
+   Q4_K 3-8 rows 0.70-0.90x but 1-2 rows 0.91-1.07x, Q6_K 0.55-0.88x. The 32-value types' tiles lost 3-11% at 4-64
+   rows into L2, so they keep theirs. */
 #define PREFETCH_BYTES 8192
 #define PREFETCH_HINT _MM_HINT_T1
 

@@ -82,9 +82,11 @@ def test_the_kernels_bench_times_this_cpus_multiply_add_where_a_compiler_builds_
         return
     assert found is not None, "the probe did not build"
     assert found.lanes == 16 and min(found[1:]) > 0
-    # the Q4_K mix adds multiplying work on the products' pipes (~20% more on Zen 4 and Intel alike): a probe that
-    # lost its mix would time the products alone
-    assert found.busd_q4k < 0.95 * found.busd
+    # On AMD's Zen 4 (where the suite runs) the Q4_K mix's multiplies share the products' two pipes, ~20% more
+    # work: a probe that lost its mix would time the products alone. Other CPUs' ports differ, so not asserted there.
+    cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+    if "AuthenticAMD" in cpuinfo and "avx512_bf16" in gguf_blocks.cpu_flags().split():  # Zen 4 and later
+        assert found.busd_q4k < 0.95 * found.busd
 
 
 def test_the_kernels_bench_times_two_builds_side_by_side():
