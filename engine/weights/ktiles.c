@@ -352,7 +352,7 @@ KTILE_FN(q6k, 6)
    then the same integer scaling and the same float steps per row. So a row's output does not depend on whether
    AMX computed it (test: any number of rows against the weight's rows, bit for bit). */
 #if defined(KVB_KTILES) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
-#define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's M_BLOCK) */
+#define AMX_ROWS 64 /* activation rows a call takes at most (gguf_blocks.c's AMX_BLOCK) */
 
 /* activation row r's integer sum of `count` products' dots (dots[i]: 16 rows x 16 weight rows) times their scales */
 static inline __m512i scaled_sum(const int32_t (*dots)[256], const __m512i *scale, int count, int r) {

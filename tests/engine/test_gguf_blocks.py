@@ -113,6 +113,30 @@ def test_an_output_is_the_same_whatever_rows_and_threads_it_is_computed_with(typ
     assert torch.equal(together, column_by_column)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q4_1"])
+def test_a_weight_taken_in_several_cache_sized_chunks_gives_each_output_its_own_tiles_result(type_name):
+    """A product over many rows takes a thread's weight rows ~256 KB at a time (gguf_blocks.c, CHUNK_BYTES): with
+    4096 columns a chunk is 6-7 tasks of 16 rows, so 384 rows on two threads make two chunks each. Every output is
+    the one its 16 weight rows give alone (no chunks) and the float64 product's to float32 rounding."""
+    data = random_rows(type_name, 384, 4096, seed=8)
+    blocks = torch.from_numpy(data.copy())
+    tiles = gguf_blocks.as_tiles(blocks, type_name, 4096)
+    weight, tiled = (blocks, False) if tiles is None else (tiles, True)
+    x = torch.randn(21, 4096)  # 8 + 8 + 5 rows at a time
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        together = gguf_blocks.matmul(weight, type_name, 4096, x, tiled=tiled)
+    finally:
+        torch.set_num_threads(threads)
+    by_task = torch.cat([gguf_blocks.matmul(weight[16 * t:16 * t + 16].contiguous(), type_name, 4096, x, tiled=tiled)
+                         for t in range(24)], dim=1)
+    assert torch.equal(together, by_task)
+    weight64 = reference_weight(data, type_name).double()
+    exact = rebuilt_activations(x, gguf_blocks.activation_block(type_name)) @ weight64.T
+    assert (together.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
     """Where the CPU multiplies 16-row tiles (the 32-value types with AVX2 or AVX-512, Q4_K with AVX-512 VNNI), a
