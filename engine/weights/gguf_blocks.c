@@ -179,7 +179,7 @@ static inline void task_rows(const matmul_job *j, int64_t t, int64_t from, int64
 static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
     const matmul_job *j = ctx;
     const int64_t block = j->amx_type ? AMX_BLOCK : ROW_BLOCK, task_bytes = ROWS_PER_TASK * j->row_bytes;
-    const int64_t chunk = CHUNK_BYTES > task_bytes ? CHUNK_BYTES / task_bytes : 1; /* tasks */
+    const int64_t chunk = task_bytes > 0 && CHUNK_BYTES > task_bytes ? CHUNK_BYTES / task_bytes : 1; /* tasks */
     for (int64_t c0 = first_task; c0 < end_task; c0 += chunk) {
         const int64_t c1 = c0 + chunk < end_task ? c0 + chunk : end_task;
         for (int64_t from = 0; from < j->m; from += block)
