@@ -137,6 +137,16 @@ def test_a_weight_taken_in_several_cache_sized_chunks_gives_each_output_its_own_
     assert (together.double() - exact).abs().max() <= 2e-6 * exact.abs().max()
 
 
+def test_the_c_entry_multiplies_rows_of_no_columns_without_dividing_by_zero():
+    """kvb_matmul cuts a thread's tasks into chunks by their bytes; a weight of no columns (rows of 0 bytes, which
+    the Python side refuses before it gets here) must give zeros, not a division by zero."""
+    w, y = torch.zeros(64, dtype=torch.uint8), torch.full((1, 16), 7.0)
+    q, d, sums = torch.zeros(64, dtype=torch.int8), torch.zeros(4), torch.zeros(64, dtype=torch.int16)
+    status = gguf_blocks._library().kvb_matmul(BLOCK_TYPES["Q4_K"][0], w.data_ptr(), 16, 0, 0, q.data_ptr(),
+                                               d.data_ptr(), sums.data_ptr(), 1, y.data_ptr(), 1)
+    assert status == 0 and not y.any()
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_weights_held_as_tiles_read_back_and_multiply_as_their_rows(type_name):
     """Where the CPU multiplies 16-row tiles (the 32-value types with AVX2 or AVX-512, Q4_K with AVX-512 VNNI), a
