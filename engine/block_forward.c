@@ -14,11 +14,10 @@
 #include "own_exp.h"
 
 void kvb_quantize(const float *x, int64_t rows, int64_t k, int block, int8_t *q, float *d, void *sums, int threads);
-int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q, const float *d,
-               const void *sums, int64_t m, float *y, int threads);
 int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const int64_t *n, int64_t k,
                     const int64_t *row_bytes, const int8_t *q, const float *d, const void *sums, int64_t m,
-                    float *const *y, int threads);
+                    float *const *y, int threads, const char *const *fetch_at, const int64_t *fetch_bytes,
+                    int64_t fetch_count, int64_t fetch_from, int64_t fetch_to);
 int kvb_activation_block(int type);
 int kvb_attention_segments(int64_t count, const float *const *q, const float *const *k, const float *const *v,
                            const int64_t *head_stride, const int64_t *nq, const int64_t *nk, float *const *out,
@@ -147,44 +146,42 @@ static void add_bias(const kvb_weight *w, int64_t m, float *y) {
             for (int64_t i = 0; i < w->n; i++) y[r * w->n + i] = y[r * w->n + i] + w->bias[i];
 }
 
-/* y = x W^T (+ bias), x rounded once per activation block size in `slots` (two: 32 and 256). */
-static int linear(const kvb_weight *w, const float *x, rounded *slots, int64_t m, float *y, int threads) {
-    const int block = kvb_activation_block((int)w->type);
-    rounded *slot = block == 32 ? &slots[0] : &slots[1];
-    round_for(slot, x, m, w->k, block, threads);
-    const int status = kvb_matmul((int)w->type, w->w, w->n, w->k, w->row_bytes, slot->q, slot->d, slot->sums, m, y,
-                                  threads);
-    if (status == 0) add_bias(w, m, y);
-    return status;
-}
+/* Cached keys and values a step reads next (list_cached), asked for into L2 while products run: each product asks
+   for the lines from .. to - 1 of their `lines` cache lines, its tasks a share each (kvb_matmul_many) */
+typedef struct {
+    const char **at;
+    int64_t *bytes;
+    int64_t count, lines;
+} fetch_plan;
 
-/* linear() for `count` (2 or 3) weights of the same input x: one parallel call where their activations round to
-   the same block (q, k and v; gate and up: one hand-off between the threads instead of three or two), else one
-   call each. The same outputs either way. */
+/* y[j] = x W[j]^T (+ bias) for `count` (1-3) weights of the same input x, x rounded once per activation block size
+   in `slots` (two: 32 and 256): one parallel call where their activations round to the same block (q, k and v;
+   gate and up: one hand-off between the threads instead of three or two), else one call each (the first asking
+   for the lines). The same outputs either way. */
 static int linears(int count, const kvb_weight *const *w, const float *x, rounded *slots, int64_t m,
-                   float *const *y, int threads) {
+                   float *const *y, int threads, const fetch_plan *plan, int64_t from, int64_t to) {
     const int block = kvb_activation_block((int)w[0]->type);
-    int types[3];
-    const uint8_t *weights[3];
-    int64_t n[3], row_bytes[3];
     int same = 1;
+    for (int j = 0; j < count; j++) same = same && kvb_activation_block((int)w[j]->type) == block && w[j]->k == w[0]->k;
     for (int j = 0; j < count; j++) {
-        same = same && kvb_activation_block((int)w[j]->type) == block && w[j]->k == w[0]->k;
-        types[j] = (int)w[j]->type, weights[j] = w[j]->w, n[j] = w[j]->n, row_bytes[j] = w[j]->row_bytes;
+        const int many = same ? count - j : 1, block_j = kvb_activation_block((int)w[j]->type);
+        int types[3];
+        const uint8_t *weights[3];
+        int64_t n[3], row_bytes[3];
+        for (int i = 0; i < many; i++)
+            types[i] = (int)w[j + i]->type, weights[i] = w[j + i]->w, n[i] = w[j + i]->n,
+            row_bytes[i] = w[j + i]->row_bytes;
+        rounded *slot = block_j == 32 ? &slots[0] : &slots[1];
+        round_for(slot, x, m, w[j]->k, block_j, threads);
+        const int asks = plan != NULL && j == 0 && from < to;
+        const int status = kvb_matmul_many(many, types, weights, n, w[j]->k, row_bytes, slot->q, slot->d, slot->sums,
+                                           m, y + j, threads, asks ? plan->at : NULL, asks ? plan->bytes : NULL,
+                                           asks ? plan->count : 0, from, to);
+        if (status) return status;
+        for (int i = 0; i < many; i++) add_bias(w[j + i], m, y[j + i]);
+        j += many - 1;
     }
-    if (!same) {
-        for (int j = 0; j < count; j++) {
-            const int status = linear(w[j], x, slots, m, y[j], threads);
-            if (status) return status;
-        }
-        return 0;
-    }
-    rounded *slot = block == 32 ? &slots[0] : &slots[1];
-    round_for(slot, x, m, w[0]->k, block, threads);
-    const int status = kvb_matmul_many(count, types, weights, n, w[0]->k, row_bytes, slot->q, slot->d, slot->sums, m,
-                                       y, threads);
-    for (int j = 0; j < count && status == 0; j++) add_bias(w[j], m, y[j]);
-    return status;
+    return 0;
 }
 
 /* x [m, heads, D] in place: x * cos + rotate_half(x) * sin, cos and sin [m, D] (rotate_half: the second half
@@ -212,6 +209,35 @@ typedef struct { /* one request's cache in one layer: buffers [kv_heads, capacit
     int64_t head_stride; /* capacity * head_dim */
 } kvb_cache;
 
+/* Rows from which a step asks for the next layer's cached keys and values while this layer's o, gate, up and down
+   products run. A decode step's attention reads them from memory (the step's weights have pushed them out of the
+   caches) and waited on them: eight batched streams of the embedded model (2-vCPU EPYC, the benchmark's answers,
+   one process alternating the builds) spent 57 ms of a round's 324 ms of layers in attention, 25 ms with the
+   keys asked for ahead, the products taking 16 ms longer (302 ms in all). Asked for during the gate and up
+   products alone, or the q, k and v products just before attention, the products lost most of the gain: those
+   bursts of requests left them waiting. A step of few rows reads its weights from memory, and the keys compete
+   with them: one row lost 68 ms in the products for 20 ms gained in attention. */
+#define FETCH_FROM 4
+
+/* plan: layer l's cached keys and values (every segment's, each kv head's positions before its new rows), where
+   plan->count is not negative (the step asks for them) */
+static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_layers, int64_t l, int64_t segments,
+                        const int64_t *starts, int64_t kv_heads, int64_t head_dim) {
+    if (plan->count < 0) return;
+    int64_t f = 0;
+    plan->lines = 0;
+    for (int64_t s = 0; s < segments; s++) {
+        const kvb_cache *c = &caches[s * n_layers + l];
+        for (int64_t h = 0; h < kv_heads; h++, f += 2) {
+            plan->at[f] = (const char *)(c->keys + h * c->head_stride);
+            plan->at[f + 1] = (const char *)(c->values + h * c->head_stride);
+            plan->bytes[f] = plan->bytes[f + 1] = 4 * starts[s] * head_dim;
+            plan->lines += 2 * ((plan->bytes[f] + 63) / 64);
+        }
+    }
+    plan->count = f;
+}
+
 /* Runs `n_layers` layers over x [m, hidden] (overwritten with the last layer's output): the rows of `segments`
    requests one after the other, segment s `rows[s]` rows at positions starts[s] .. starts[s] + rows[s] - 1 over its
    own cache (caches[s * n_layers + l] in layer l), each layer's
@@ -237,12 +263,17 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
     /* per request: its queries, keys, values and output for the layer's attention call */
     float **seg_q = malloc((size_t)segments * 4 * sizeof(float *));
     int64_t *seg_stride = malloc((size_t)segments * 2 * sizeof(int64_t));
-    if (!scratch || !seg_q || !seg_stride) {
+    fetch_plan plan = {malloc((size_t)(2 * segments * kv_heads) * sizeof(char *)),
+                       malloc((size_t)(2 * segments * kv_heads) * sizeof(int64_t)), 0, 0};
+    if (!scratch || !seg_q || !seg_stride || !plan.at || !plan.bytes) {
         free(scratch);
         free(seg_q);
         free(seg_stride);
+        free(plan.at);
+        free(plan.bytes);
         return -2;
     }
+    if (m < FETCH_FROM) plan.count = -1; /* list_cached lists nothing */
     float **seg_k = seg_q + segments, **seg_v = seg_k + segments, **seg_out = seg_v + segments;
     int64_t *seg_nk = seg_stride + segments;
     float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
@@ -262,7 +293,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[0].block = slots[1].block = 0;
         const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {q, k, v};
-        if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads))) break;
+        if (l == 0) list_cached(&plan, caches, n_layers, 0, segments, starts, kv_heads, head_dim);
+        if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads, &plan, 0, l == 0 ? plan.lines : 0))) break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
         for (int64_t s = 0, r0 = 0; s < segments; r0 += rows[s], s++) {
@@ -289,20 +321,33 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                                         kv_heads, head_dim, scale, threads);
         if (status) break;
         slots[0].block = slots[1].block = 0;
-        if ((status = linear(&L->o, attended, slots, m, normed, threads))) break;
+        /* the next layer's cached keys and values, asked for while this layer's o, gate, up and down products run
+           (each its share by its weights' size) */
+        plan.lines = 0;
+        if (l + 1 < n_layers) list_cached(&plan, caches, n_layers, l + 1, segments, starts, kv_heads, head_dim);
+        const double o_work = (double)L->o.n * L->o.k, gate_up_work = (double)(L->gate.n + L->up.n) * L->gate.k;
+        const double work = o_work + gate_up_work + (double)L->down.n * L->down.k;
+        const int64_t after_o = (int64_t)(plan.lines * (o_work / work));
+        const int64_t after_gate_up = (int64_t)(plan.lines * ((o_work + gate_up_work) / work));
+        const kvb_weight *o = &L->o;
+        if ((status = linears(1, &o, attended, slots, m, &normed, threads, &plan, 0, after_o))) break;
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
         rmsnorm_parallel(x, L->post_norm, m, hidden, eps, normed, threads);
         slots[0].block = slots[1].block = 0;
         const kvb_weight *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {gate, up};
-        if ((status = linears(2, gate_up, normed, slots, m, gate_up_out, threads))) break;
+        if ((status = linears(2, gate_up, normed, slots, m, gate_up_out, threads, &plan, after_o, after_gate_up)))
+            break;
         gating_parallel(gate, up, m, intermediate, mixed, threads);
         slots[0].block = slots[1].block = 0;
-        if ((status = linear(&L->down, mixed, slots, m, normed, threads))) break;
+        const kvb_weight *down = &L->down;
+        if ((status = linears(1, &down, mixed, slots, m, &normed, threads, &plan, after_gate_up, plan.lines))) break;
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
     }
     free(scratch);
     free(seg_q);
     free(seg_stride);
+    free(plan.at);
+    free(plan.bytes);
     return status;
 }

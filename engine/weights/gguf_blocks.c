@@ -133,7 +133,29 @@ typedef struct {
     int64_t n, k, nb, row_bytes, row, per_block, m;
     float *y;
     int amx_type; /* a K-quant held as tiles on a CPU with AMX: 16 activation rows at a time go there */
+    const struct fetch_list *fetch; /* memory to ask for while the tasks run, or NULL (kvb_matmul_many) */
+    int64_t first_task;             /* this job's first task among the call's */
 } matmul_job;
+
+/* Memory a caller reads next, asked for into L2 while a product's tasks run (kvb_matmul_many): `count` ranges of
+   bytes[r] bytes at at[r], task t of the call's `tasks` asking for its share of their cache lines from .. from +
+   lines - 1, in order. Prefetches only: no result depends on them. */
+typedef struct fetch_list {
+    const char *const *at;
+    const int64_t *bytes;
+    int64_t count, from, lines, tasks; /* the lines asked for: from .. from + lines - 1 of the ranges' */
+} fetch_list;
+
+/* Inlined always: gcc sees no effect in a function that only prefetches, and drops its calls. */
+static inline __attribute__((always_inline)) void fetch_share(const fetch_list *f, int64_t t) {
+    int64_t from = f->from + f->lines * t / f->tasks;
+    const int64_t to = f->from + f->lines * (t + 1) / f->tasks;
+    for (int64_t r = 0, before = 0; r < f->count && from < to; r++) {
+        const int64_t lines = (f->bytes[r] + 63) / 64;
+        for (; from < to && from < before + lines; from++) __builtin_prefetch(f->at[r] + 64 * (from - before), 0, 2);
+        before += lines;
+    }
+}
 
 /* The order of a product's work, for many activation rows (a prefill): the task's weight rows a chunk of about
    CHUNK_BYTES at a time (they stay in L2 while every activation row passes), and within a chunk the activation
@@ -183,7 +205,10 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
     for (int64_t c0 = first_task; c0 < end_task; c0 += chunk) {
         const int64_t c1 = c0 + chunk < end_task ? c0 + chunk : end_task;
         for (int64_t from = 0; from < j->m; from += block)
-            for (int64_t t = c0; t < c1; t++) task_rows(j, t, from, from + block < j->m ? from + block : j->m);
+            for (int64_t t = c0; t < c1; t++) {
+                task_rows(j, t, from, from + block < j->m ? from + block : j->m);
+                if (j->fetch && from == 0) fetch_share(j->fetch, j->first_task + t);
+            }
     }
 }
 
@@ -192,7 +217,7 @@ static void matmul_tasks(void *ctx, int64_t first_task, int64_t end_task) {
 static int matmul_job_for(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int8_t *q,
                           const float *d, const void *sums, int64_t m, float *y, matmul_job *job) {
     const matmul_job empty = {{0}, {0}, w, (const uint8_t *)q, (const uint8_t *)sums, d, n, k, 0, row_bytes, 0, 0, m,
-                              y, 0};
+                              y, 0, NULL, 0};
     *job = empty;
     const int tiled = type >= KVB_TILED;
     type = tiled ? type - KVB_TILED : type;
@@ -222,11 +247,16 @@ int kvb_matmul(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
 #define MAX_MANY 4
 /* kvb_matmul for up to MAX_MANY weights of the same input (q, k and v; gate and up) in one parallel call: weight
    j (type types[j], n[j] x k, row_bytes[j] a row, at w[j]) into y[j] [m, n[j]], every type's activations rounded
-   to the same block (q, d, sums). Each output is the one kvb_matmul gives. Returns 0, or -1 (nothing computed) for
-   a type or layout this build does not multiply, or more than MAX_MANY weights. */
+   to the same block (q, d, sums). Each output is the one kvb_matmul gives. While the tasks run they ask for the
+   cache lines fetch_from .. fetch_to - 1 of the fetch_count ranges (fetch_bytes[r] bytes at fetch_at[r]; none
+   where fetch_count is 0), each task its share in order: memory the caller reads next (engine/block_forward.c:
+   a batched step's cached keys and values, read by the next layer's attention), brought in while these products
+   keep the cores busy. Returns 0, or -1 (nothing computed) for a type or layout this build does not multiply, or
+   more than MAX_MANY weights. */
 int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const int64_t *n, int64_t k,
                     const int64_t *row_bytes, const int8_t *q, const float *d, const void *sums, int64_t m,
-                    float *const *y, int threads) {
+                    float *const *y, int threads, const char *const *fetch_at, const int64_t *fetch_bytes,
+                    int64_t fetch_count, int64_t fetch_from, int64_t fetch_to) {
     matmul_job jobs[MAX_MANY];
     int64_t first[MAX_MANY + 1] = {0}; /* weight j's tasks are first[j] .. first[j + 1] - 1 */
     if (count < 1 || count > MAX_MANY) return -1;
@@ -234,6 +264,9 @@ int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const 
         if (matmul_job_for(types[j], w[j], n[j], k, row_bytes[j], q, d, sums, m, y[j], &jobs[j])) return -1;
         first[j + 1] = first[j] + (n[j] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
     }
+    const fetch_list fetch = {fetch_at, fetch_bytes, fetch_count, fetch_from, fetch_to - fetch_from, first[count]};
+    for (int j = 0; j < count && fetch_count > 0 && fetch.lines > 0 && fetch.tasks > 0; j++)
+        jobs[j].fetch = &fetch, jobs[j].first_task = first[j];
     kvb_parallel_segments(count, first, matmul_tasks, jobs, sizeof(matmul_job), threads);
     return 0;
 }
