@@ -134,9 +134,13 @@ def slice_kv(kv: KV, start: int, end: int) -> KV:
 
 
 def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
-    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation."""
+    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation (one segment:
+    as it is, the cache's update copies it; concatenating it first was a second copy of every layer)."""
     num_layers = len(parts[0])
     for layer in range(num_layers):
-        keys = torch.cat([p[layer][0] for p in parts], dim=2)
-        values = torch.cat([p[layer][1] for p in parts], dim=2)
+        if len(parts) == 1:
+            keys, values = parts[0][layer]
+        else:
+            keys = torch.cat([p[layer][0] for p in parts], dim=2)
+            values = torch.cat([p[layer][1] for p in parts], dim=2)
         cache.update(keys, values, layer)
