@@ -68,6 +68,30 @@ static void quantize_block16(const float *x, int n, int16_t *q, float *d) {
     *d = scale;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+/* quantize_block16 for 32 values and their kvb_sum32, in vectors: the same maximum (largest_abs's lanes), scale
+   and products; the codes converted in the current rounding mode as nearbyintf does and narrowed by dropping the
+   high bits as the cast to int16_t does (vpmovdw, not saturating), summed from those int16 values: the same bits.
+   A batched step's 8 rows of 1536 values took ~7 us a product one value at a time (rounded on one thread, while
+   the other waits), a few tenths of a millisecond a step. */
+static inline void quantize32_int16(const float *x, int16_t *q, float *d, kvb_sum32 *at) {
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const __m512 lanes = _mm512_max_ps(_mm512_abs_ps(b), _mm512_max_ps(_mm512_abs_ps(a), _mm512_setzero_ps()));
+    const float amax = _mm512_reduce_max_ps(lanes); /* no NaN in the lanes: the same maximum in any order */
+    const float scale = amax / 32767.0f, inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+    const __m512 by = _mm512_set1_ps(inverse);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, by)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, by));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtepi32_epi16(qa));
+    _mm256_storeu_si256((__m256i *)(q + 16), _mm512_cvtepi32_epi16(qb));
+    const __m512i as16 = _mm512_add_epi32(_mm512_srai_epi32(_mm512_slli_epi32(qa, 16), 16),
+                                          _mm512_srai_epi32(_mm512_slli_epi32(qb, 16), 16));
+    const int32_t sum = _mm512_reduce_add_epi32(as16);
+    *d = scale;
+    at->sum = sum;
+    at->scaled = scale * (float)sum;
+}
+#endif
+
 typedef struct {
     const float *x;
     int64_t k;
@@ -89,6 +113,10 @@ static void quantize_rows(void *ctx, int64_t first, int64_t end) {
         for (int64_t b = 0; b < nb; b++) {
             if (block == 32) {
                 int16_t *qb = (int16_t *)q + r * k + b * 32;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+                quantize32_int16(x + r * k + b * 32, qb, d + r * nb + b, (kvb_sum32 *)sums + r * nb + b);
+                continue;
+#endif
                 quantize_block16(x + r * k + b * 32, 32, qb, d + r * nb + b);
                 int32_t sum = 0;
                 for (int i = 0; i < 32; i++) sum += qb[i];

@@ -78,6 +78,34 @@ def test_activations_round_to_the_nearest_step_of_their_blocks_largest_value(blo
         assert torch.equal(sums[..., 1].contiguous().view(torch.float32), d * code_sums.to(torch.float32))
 
 
+def test_int16_codes_are_each_value_times_the_inverse_step_rounded_half_to_even():
+    """The 32-value types' rounding, value by value against float32 numpy: x * (1 / (max / 32767)) to the nearest
+    integer, ties to even, as int16 (a NaN: 0); each block's code sum, and the scale times it rounded once."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((7, 96)) * np.logspace(-4, 3, 96)).astype(np.float32)
+    x[1, :32] = [32767.0, 2.5, 3.5, -2.5, 0.5, -0.5, 1.5, -1.5] + [0.25] * 24  # step 1: ties go to the even code
+    x[2, 32:64] = 0.0
+    x[3, 40], x[3, 41] = np.inf, np.nan
+    x[4, 64:96] = -7.0
+    q, d, sums = gguf_blocks.quantize_activations(torch.from_numpy(x), 32)
+    blocks = x.reshape(7, 3, 32)
+    amax = np.nanmax(np.abs(blocks), axis=-1).astype(np.float32)
+    scale = (amax / np.float32(32767)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inverse = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+        product = blocks * inverse[..., None]
+    codes = np.where(np.isnan(product), 0, np.rint(np.nan_to_num(product)))
+    codes = ((codes.astype(np.int64) + 32768) % 65536 - 32768).reshape(7, 96)
+    assert torch.equal(d, torch.from_numpy(scale)) and torch.equal(q.to(torch.int64), torch.from_numpy(codes))
+    assert q[1, :8].tolist() == [32767, 2, 4, -2, 0, 0, 2, -2]
+    code_sums = codes.reshape(7, 3, 32).sum(-1)
+    assert torch.equal(sums[..., 0].to(torch.int64), torch.from_numpy(code_sums))
+    with np.errstate(invalid="ignore"):  # the block holding inf: scale inf times its sum
+        scaled = (scale * code_sums.astype(np.float32)).astype(np.float32)
+    torch.testing.assert_close(sums[..., 1].contiguous().view(torch.float32), torch.from_numpy(scaled), rtol=0,
+                               atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_a_product_is_the_float64_product_of_the_files_values_and_the_rounded_activations(type_name):
     data = random_rows(type_name, 96, 768, seed=1)
