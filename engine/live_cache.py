@@ -112,6 +112,18 @@ class GrowingLayer(DynamicLayer):
         copy_positions(self._value_buffer[:, :, start:], value_states)
         return self.keys, self.values
 
+    def fill(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What the first update() of a layer does (buffers for its positions with room to grow, the values
+        copied in), without transformers' lazy initialization of empty tensors and update's checks."""
+        if self.is_initialized:
+            raise ValueError("fill() starts an empty layer; this one holds positions")
+        self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        rows = key_states.shape[-2]
+        self._grow(0, rows, key_states, value_states)
+        copy_positions(self._key_buffer, key_states)
+        copy_positions(self._value_buffer, value_states)
+        self._length = rows
+
     def reserve(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Extends the filled part by `rows` positions whose values the caller writes (the one-call forward's C
         code does, straight into the buffers); returns the key and value buffers. `like`: a tensor of the
@@ -154,6 +166,19 @@ class GrowingCache(DynamicCache):
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+
+    def append(self, kv) -> None:
+        """Layer i's keys and values kv[i] ([B, H_kv, T, D] each) appended to it, as update() would for every layer;
+        a layer still empty is filled at once (GrowingLayer.fill: a new request's reused prefix, copied in without
+        update's per-layer bookkeeping, which took longer than the copies)."""
+        for index, (keys, values) in enumerate(kv):
+            while len(self.layers) <= index:
+                self.layers.append(GrowingLayer())
+            layer = self.layers[index]
+            if layer.is_initialized:
+                layer.update(keys, values)
+            else:
+                layer.fill(keys, values)
 
     def reserve(self, num_layers: int, rows: int, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """GrowingLayer.reserve for the first `num_layers` layers (made where missing): their buffers."""

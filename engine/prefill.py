@@ -18,6 +18,7 @@ from .batching import Forward
 from .blend import blend
 from .block_forward import OneCallForward
 from .kv.store import ChunkStore
+from .live_cache import GrowingCache
 from .paged import KV, spilling
 from .plan import APPROXIMATE, MISS, Plan, Segment
 from .rope import rerotate_kv
@@ -137,6 +138,9 @@ def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
     """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation (one segment:
     as it is, the cache's update copies it; concatenating it first was a second copy of every layer)."""
     num_layers = len(parts[0])
+    if len(parts) == 1 and type(cache) is GrowingCache:
+        cache.append(parts[0])
+        return
     for layer in range(num_layers):
         if len(parts) == 1:
             keys, values = parts[0][layer]

@@ -161,3 +161,34 @@ def test_advance_extends_in_place_only_where_reserve_would_need_nothing_new(monk
     assert after[0] == grown[0] and after[1] != grown[1]  # layer 1 grown, layer 0 written in place
     assert cache.advance(2, 2) and cache.generations(2) == after
     assert [layer.keys.shape[-2] for layer in cache.layers] == [12, 11]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@torch.inference_mode()
+def test_a_prefix_appended_at_once_decodes_as_one_updated_layer_by_layer(arch):
+    """What a request reusing a stored prefix does (append); the same cache as transformers' updates build: the
+    same values, lengths, dtype and device, and the next positions' logits bit for bit."""
+    model = build_model(arch)
+    ids = random_ids(41, seed=3)
+    source = DynamicCache()
+    model(input_ids=torch.tensor([ids[:33]]), past_key_values=source, use_cache=True)
+    prefix = [(layer.keys.clone(), layer.values.clone()) for layer in source.layers]
+    updated, appended = GrowingCache(), GrowingCache()
+    for index, (keys, values) in enumerate(prefix):
+        updated.update(keys, values, index)
+    appended.append(prefix)
+    assert appended.get_seq_length() == updated.get_seq_length() == 33
+    for mine, theirs in zip(appended.layers, updated.layers, strict=True):
+        assert mine.is_initialized and (mine.dtype, mine.device) == (theirs.dtype, theirs.device)
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        assert mine._is_prefix_view() and mine.capacity_bytes() == theirs.capacity_bytes()
+    for cache in (updated, appended):
+        out = model(input_ids=torch.tensor([ids[33:]]), past_key_values=cache, use_cache=True)
+        cache.logits = out.logits
+    assert torch.equal(appended.logits, updated.logits)
+    assert len(prefix) >= 2
+    appended.append(prefix[:1])  # a layer that holds positions takes an update
+    assert appended.layers[0].get_seq_length() == 41 + 33 and appended.layers[1].get_seq_length() == 41
+    assert torch.equal(appended.layers[0].keys[:, :, 41:], prefix[0][0])
+    with pytest.raises(ValueError, match="empty layer"):
+        appended.layers[0].fill(*prefix[0])
