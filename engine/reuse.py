@@ -193,6 +193,8 @@ class KVReuse:
             return
         tokens = ids[start:end]
         key = chain_key(plan.tail_parent + b"tail", tokens)
+        if self.store.refresh(key):  # the same tokens after the same chunks: the same KV, stored (no copy made)
+            return
         self.store.put_tail(key, plan.tail_parent, start, tokens, kv_range(cache, start, end),
                             lossy=plan.first_lossy < end)
 

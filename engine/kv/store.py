@@ -287,13 +287,20 @@ class ChunkStore:
                              lossy=lossy)
         return self._insert(record, kv, share, disk)
 
+    def refresh(self, key: bytes) -> bool:
+        """Whether an entry is stored under `key`; if so it counts as used now, as storing it again would make it."""
+        record = self.records.get(key)
+        if record is None:
+            return False
+        record.last_access = next(self._clock)
+        return True
+
     def put_tail(self, key: bytes, parent: bytes, start: int, tokens: Sequence[int], kv: KV, *,
                  lossy: bool = False) -> bool:
         """Stores a tail; tails under the same parent whose tokens are a prefix of this one are dropped,
         since this one serves every request they could."""
         tokens = tuple(tokens)
-        if key in self.records:
-            self.records[key].last_access = next(self._clock)
+        if self.refresh(key):
             return True
         shorter = [other for other in self.tails_under(parent)
                    if other.ref_count == 0 and tokens[: other.num_tokens] == other.tokens]

@@ -207,6 +207,17 @@ def test_longer_tail_supersedes_its_prefix():
     assert {r.key for r in store.tails_under(b"parent")} == {b"t2", b"t3"}
 
 
+def test_a_refreshed_entry_is_the_last_to_be_evicted_and_an_unknown_key_is_not_stored():
+    store = ChunkStore(budget_bytes=1 << 20, policy=LRU())
+    store.put_tail(b"old", b"parent", 0, [1, 2, 3], kv(3))
+    store.put_tail(b"new", b"other", 0, [4, 5], kv(2))
+    assert store.eviction_order()[0] == b"old"
+    before = store.num_bytes
+    assert store.refresh(b"old") and not store.refresh(b"missing")
+    assert store.eviction_order() == [b"new", b"old"] and store.num_bytes == before
+    assert b"missing" not in store.records
+
+
 def test_engine_package_never_imports_qt():
     import ast
     import pathlib
