@@ -137,7 +137,8 @@ def bench_trace(engine, print_, policies: dict | None = None, seed: int = 12) ->
     from engine.chunking import chunk_spans
     from engine.keys import content_key
     from engine.kv.eviction import POLICIES
-    from engine.kv.store import ChunkStore, kv_nbytes
+    from engine.kv.records import kv_nbytes
+    from engine.kv.store import ChunkStore
     from engine.plan import chain_keys
     from engine.prefill import slice_kv
 
@@ -196,7 +197,7 @@ def bench_memory(engine, print_) -> dict:
     import torch
 
     from engine.kv.payload_file import encode_file
-    from engine.kv.store import kv_nbytes
+    from engine.kv.records import kv_nbytes
     from engine.kv.tiers import encode_kv
 
     messages = rag_messages(engine.tokenizer)

@@ -19,7 +19,7 @@ from .chunking import Span
 from .keys import chain_key
 
 if TYPE_CHECKING:  # records are only read here, never built
-    from .kv.store import ChunkRecord
+    from .kv.records import ChunkRecord
 
 
 class ChunkLookup(Protocol):

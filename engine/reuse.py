@@ -21,8 +21,9 @@ from .approx import apply_selective, fill_approximate, merge_misses
 from .chunking import TokenBreaks, chunk_spans
 from .config import ChunkingConfig, RepairConfig
 from .keys import chain_key, content_key
+from .kv.records import ChunkRecord
 from .kv.remote_tier import RemoteEntry
-from .kv.store import ChunkRecord, ChunkStore
+from .kv.store import ChunkStore
 from .kv.tiers import decode_kv
 from .paged import kv_range
 from .plan import EXACT, MISS, PREFIX, QUANTIZED, Plan, Segment, chain_keys, plan_prompt

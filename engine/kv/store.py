@@ -18,77 +18,25 @@ in use (ref_count > 0) never move or leave. Below disk, a remote tier (engine.kv
 gets a copy of every exact chunk with its computed values; engine.reuse reads it back into these tiers. What
 comes back from disk or the remote tier is used only when it is the model's KV (engine.kv.tiers.KVLayout).
 
-Over 400 lines on purpose: records, their indexes (chained key, content key, anchors, children) and their
-moves between tiers change together under one rule (an entry in use never moves); split, every move would
-reach into another module's dictionaries.
+Over 400 lines on purpose: the records' indexes (chained key, content key, anchors, children) and their moves
+between tiers change together under one rule (an entry in use never moves); split, every move would reach into
+another module's dictionaries. What a record holds and what the store counts are in engine.kv.records.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from .eviction import LRU, EvictionPolicy, rank
+from .records import ChunkRecord, StoreCounters, kv_importance, kv_nbytes
 from .tiers import KV, KVLayout, MemoryTier, decode_kv, encode_kv
 
 # Tokens per anchor for alignment-free lookup: any run of >= 2 * ANCHOR_LEN - 1 tokens shared with a stored chunk
 # contains a whole anchor of it.
 ANCHOR_LEN = 16
-
-
-@dataclass
-class ChunkRecord:
-    key: bytes
-    parent: bytes
-    content_key: bytes | None
-    kind: str  # "chunk" | "tail"
-    start: int  # absolute token position of the first token
-    tokens: tuple[int, ...]
-    num_bytes: int
-    importance: float = 0.0
-    last_access: int = 0
-    hits: int = 0
-    ref_count: int = 0
-    # False for KV computed after an APPROXIMATE segment: usable only for approximate reuse (anchors), never
-    # under its chained key.
-    exact: bool = True
-    tier: str = "device"  # the fastest tier holding the payload
-    on_disk: bool = False  # a copy is in the disk tier (as well, or only: tier == "disk")
-    # The values of the memory copy (device/host) and of the disk copy are not the computed ones: quantized
-    # (a tier's kv_quant) or computed over quantized KV. Hits on a lossy copy are QUANTIZED, never EXACT.
-    lossy: bool = False
-    disk_lossy: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
-class StoreCounters:
-    hits: dict[str, int] = field(default_factory=lambda: {"EXACT": 0, "PREFIX": 0, "APPROXIMATE": 0,
-                                                          "QUANTIZED": 0})
-    misses: int = 0
-    stored: int = 0
-    evicted: int = 0
-    rejected: int = 0  # entries no tier could take
-    tier_hits: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0, "remote": 0})
-    demoted: int = 0
-    promoted: int = 0
-    disk_misses: int = 0  # entries whose disk payload turned out missing/corrupt (served as MISS, recomputed)
-
-
-def kv_nbytes(kv: KV) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
-
-
-def kv_importance(kv: KV) -> float:
-    """Mean L2 norm of the key and value vectors over layers, heads and tokens (a cheap energy measure)."""
-    norms = [t.float().norm(dim=-1).mean() for k, v in kv for t in (k, v)]
-    return float(torch.stack(norms).mean()) if norms else 0.0
 
 
 def _checked(stored, record: ChunkRecord, device: torch.device, layout: KVLayout | None, quant: str) -> KV | None:

@@ -21,8 +21,8 @@ from engine.config import KVQuantConfig
 from engine.keys import chain_key
 from engine.kv.kv_quant import QuantizedTensor, quantize
 from engine.kv.payload_file import decode_bytes, encode_file, read_header
+from engine.kv.records import ChunkRecord
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
-from engine.kv.store import ChunkRecord
 from engine.kv.tiers import StoredKV, decode_kv, encode_kv
 
 DOC_CHUNKS = 10

@@ -19,8 +19,8 @@ from tiny_models import CHUNK, build_model, build_tokenizer
 from engine import EngineConfig, KVBoost
 from engine.config import KVQuantConfig
 from engine.keys import chain_key
+from engine.kv.records import ChunkRecord
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
-from engine.kv.store import ChunkRecord
 from engine.kv.tiers import encode_kv
 
 pytestmark = NEEDS_REDIS

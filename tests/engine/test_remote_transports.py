@@ -11,8 +11,8 @@ from redis_server import BINARY, RedisServer, make_certificates
 from tiny_models import CHUNK
 
 from engine.keys import chain_key
+from engine.kv.records import ChunkRecord
 from engine.kv.remote_tier import RemoteEntry, RemoteTier
-from engine.kv.store import ChunkRecord
 from engine.kv.tiers import encode_kv
 
 pytestmark = pytest.mark.skipif(BINARY is None, reason="redis-server is not installed")

@@ -12,7 +12,8 @@ from engine.keys import chain_key
 from engine.kv.disk import DiskTier
 from engine.kv.eviction import LRU
 from engine.kv.payload_file import PayloadError, decode_file, encode_file
-from engine.kv.store import ChunkStore, kv_nbytes
+from engine.kv.records import kv_nbytes
+from engine.kv.store import ChunkStore
 from engine.kv.tiers import MemoryTier, decode_kv, encode_kv
 
 LAYERS, HEADS, TOKENS, DIM = 3, 3, 128, 64  # SmolLM2-135M's KV head shape, fewer layers
