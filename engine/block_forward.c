@@ -219,11 +219,9 @@ typedef struct { /* one request's cache in one layer: buffers [kv_heads, capacit
    with them: one row lost 68 ms in the products for 20 ms gained in attention. */
 #define FETCH_FROM 4
 
-/* plan: layer l's cached keys and values (every segment's, each kv head's positions before its new rows), where
-   plan->count is not negative (the step asks for them) */
+/* plan: layer l's cached keys and values (every segment's, each kv head's positions before its new rows) */
 static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_layers, int64_t l, int64_t segments,
                         const int64_t *starts, int64_t kv_heads, int64_t head_dim) {
-    if (plan->count < 0) return;
     int64_t f = 0;
     plan->lines = 0;
     for (int64_t s = 0; s < segments; s++) {
@@ -273,7 +271,6 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         free(plan.bytes);
         return -2;
     }
-    if (m < FETCH_FROM) plan.count = -1; /* list_cached lists nothing */
     float **seg_k = seg_q + segments, **seg_v = seg_k + segments, **seg_out = seg_v + segments;
     int64_t *seg_nk = seg_stride + segments;
     float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
@@ -293,7 +290,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[0].block = slots[1].block = 0;
         const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {q, k, v};
-        if (l == 0) list_cached(&plan, caches, n_layers, 0, segments, starts, kv_heads, head_dim);
+        if (l == 0 && m >= FETCH_FROM) list_cached(&plan, caches, n_layers, 0, segments, starts, kv_heads, head_dim);
         if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads, &plan, 0, l == 0 ? plan.lines : 0))) break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
@@ -324,7 +321,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         /* the next layer's cached keys and values, asked for while this layer's o, gate, up and down products run
            (each its share by its weights' size) */
         plan.lines = 0;
-        if (l + 1 < n_layers) list_cached(&plan, caches, n_layers, l + 1, segments, starts, kv_heads, head_dim);
+        if (l + 1 < n_layers && m >= FETCH_FROM)
+            list_cached(&plan, caches, n_layers, l + 1, segments, starts, kv_heads, head_dim);
         const double o_work = (double)L->o.n * L->o.k, gate_up_work = (double)(L->gate.n + L->up.n) * L->gate.k;
         const double work = o_work + gate_up_work + (double)L->down.n * L->down.k;
         const int64_t after_o = (int64_t)(plan.lines * (o_work / work));

@@ -135,16 +135,13 @@ def slice_kv(kv: KV, start: int, end: int) -> KV:
 
 
 def append_kv(cache: DynamicCache, parts: list[KV]) -> None:
-    """Appends the KV of consecutive reuse segments to every layer of `cache` in one concatenation (one segment:
-    as it is, the cache's update copies it; concatenating it first was a second copy of every layer)."""
-    num_layers = len(parts[0])
-    if len(parts) == 1 and type(cache) is GrowingCache:
-        cache.append(parts[0])
+    """Appends the KV of consecutive reuse segments to every layer of `cache`, several concatenated per layer (one
+    as it is: the cache copies it in; concatenating it first was a second copy of every layer)."""
+    kv = parts[0] if len(parts) == 1 else tuple(
+        (torch.cat([p[layer][0] for p in parts], dim=2), torch.cat([p[layer][1] for p in parts], dim=2))
+        for layer in range(len(parts[0])))
+    if type(cache) is GrowingCache:
+        cache.append(kv)
         return
-    for layer in range(num_layers):
-        if len(parts) == 1:
-            keys, values = parts[0][layer]
-        else:
-            keys = torch.cat([p[layer][0] for p in parts], dim=2)
-            values = torch.cat([p[layer][1] for p in parts], dim=2)
+    for layer, (keys, values) in enumerate(kv):
         cache.update(keys, values, layer)
