@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step": ("bench.step", "where a decode step's time goes (the C call, the head, the rest); --compile too"),
     "kernels": ("bench.kernels", "the C kernels by rows at once: a check's or a batch's cost against one token"),
     "exactness": ("bench.exactness", "greedy answers with EXACT/PREFIX hits against uncached ones, per weight format"),
+    "rounding": ("bench.rounding", "greedy answers with activations rounded to int8 or int16 per 32, against float"),
     "streaming": ("bench.streaming", "int4 layer streaming against the resident model"),
     "speculative": ("bench.speculative", "prompt-lookup speculative decoding against one token per forward"),
     "batching": ("bench.batching", "concurrent streams through the server, one at a time against batched"),

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.__main__ import COMMANDS, main, usage
 
@@ -106,3 +107,19 @@ def test_the_kernels_bench_times_two_builds_side_by_side():
     found = attention([1, 4], context=40, calls=2, threads=1, other=gguf_blocks.library()._name, past_caches=False)
     assert [a["positions"] for a in found] == [1, 4]
     assert all(a["us"] > 0 and a["other"] > 0 and a["same"] is True for a in found)
+
+
+def test_the_rounding_benchmark_rounds_each_run_of_32_to_its_codes_ties_to_even():
+    from bench.rounding import rounded
+
+    run = torch.tensor([127.0, 2.5, 3.5, -2.5, 0.5, -0.5, 1.5, -126.6] + [0.25] * 24)  # max 127: a step of 1
+    x = torch.stack([run, torch.zeros(32), run * 2]).reshape(1, 3, 32)
+    got = rounded(x, 127.0)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert got[0, 0, :8].tolist() == [127.0, 2.0, 4.0, -2.0, 0.0, -0.0, 2.0, -127.0]
+    assert got[0, 0, 8:].abs().sum() == 0  # 0.25 of a step rounds to 0
+    assert got[0, 1].abs().sum() == 0  # an all-zero run stays zero (no division by a zero scale)
+    assert torch.equal(got[0, 2], got[0, 0] * 2)  # each run its own scale
+    wide = torch.arange(64, dtype=torch.float32).reshape(1, 64) / 7
+    fine = rounded(wide, 32767.0)
+    assert torch.equal(fine[0, :32].max(), wide[0, :32].max()) and (fine - wide).abs().max() < 2e-4
