@@ -5,7 +5,11 @@
 
    The 32-value types' tiles were tried here too (their int16 activations split into a signed high and an unsigned
    low byte, two dots a block): 0.7-0.95x the vector tiles, whose int16 products already run at float32 GEMM's
-   speed; their per-block float steps, not the products, bound them. Not kept. */
+   speed; their per-block float steps, not the products, bound them. Not kept. Tried again for a batched step's
+   6-8 rows (blocks pipelined, one vpermb to lay out 64 bytes of codes; the same bits): 0.99-1.08x the vector
+   tiles' time at 7-8 rows, 2.1x at one (a 2-vCPU Xeon, one thread, Q4_1 1536 x 576): storing each block's two
+   integer sums out of the tile registers, before its scales can apply, bounds them. docs/benchmarks.md has the
+   numbers ("On the Xeon again"). */
 
 #define _GNU_SOURCE /* syscall() */
 #include "gguf_blocks.h"
