@@ -52,8 +52,14 @@ static void rows_alone(const attention_job *job, int64_t first, int64_t end, flo
    two at a time, read a kv head's keys once per row: there the hints cost more than they saved (1.1-1.2x the time
    for checks), and it has none. */
 #define AHEAD 8192
-#define FETCH_ROWS 8 /* the rows of a tile that asks: a decode step's (its kv head's query heads); a check of more
-                        positions or a prefill has the work to hide the reads, and the hints cost more than they gave */
+/* The rows of a tile that asks: a decode step's (its kv head's query heads) and a check's, a full tile. Tiles of a
+   prefill's 64 rows and more a kv head read keys laid out in blocks, and do not ask. Checks asked only from 8 rows
+   down while a step's products asked for every request's cached keys and values ahead (block_forward.c); since
+   those stop at 1 MiB a layer, a single request's check over a long context reads them here (2-vCPU Xeon, `bench
+   step --positions 3,5,7`, the two builds alternating: 0.85-0.99x the time at 1400 and 3000 cached tokens, the
+   same within the noise at 450; the needle answers of `bench speculative --prompts 5` 2.08-2.21x faster with
+   drafts, 1.88-1.97x before). */
+#define FETCH_ROWS 16
 
 /* rows from .. from + count - 1 of `rows` (D values each) asked for, where all are below n. Inlined always: gcc
    sees no effect in a function that only prefetches, and dropped the calls of a plain inline one at -O2. */
