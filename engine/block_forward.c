@@ -218,24 +218,31 @@ typedef struct { /* one request's cache in one layer: buffers [kv_heads, capacit
    bursts of requests left them waiting. A step of few rows reads its weights from memory, and the keys compete
    with them: one row lost 68 ms in the products for 20 ms gained in attention. */
 #define FETCH_FROM 4
-/* A request's cached keys and values are asked for only up to this size a layer (~700 tokens of the embedded
-   model). One long context is one stream per kv head that attention's own hints (exact_attention.c, AHEAD) and the
-   hardware's prefetchers follow, and asked for all at once it took the memory the products' weights were coming
-   through: a single request's check of 4 or 6 drafted tokens (`python -m bench step --positions 1,3,5,7`, 2-vCPU
-   Xeon, the two builds alternating) took 0.87-0.93x / 0.91-0.95x the time with 1400 cached tokens and
-   0.77-0.89x / 0.81-0.90x with 3000 when they were not asked for; 150 and 450 cached tokens (under this size)
-   and prefill pieces of 64 and 256 rows read the same within the noise. */
+/* A step's cached keys and values are asked for only up to this size a layer, all its requests together (~700
+   tokens of the embedded model): requests in order, each whole or not at all. One long context is one stream per kv
+   head that attention's own hints (exact_attention.c, AHEAD) and the hardware's prefetchers follow, and asked for
+   all at once it took the memory the products' weights were coming through, or was pushed out of L2 before
+   attention came to it. Measured on a 2-vCPU Xeon, the builds alternating:
+   - a single request's check of 4 or 6 drafted tokens (`python -m bench step --positions 1,3,5,7`) took
+     0.87-0.93x / 0.91-0.95x the time with 1400 cached tokens and 0.77-0.89x / 0.81-0.90x with 3000 when they were
+     not asked for; 150 and 450 cached tokens and prefill pieces of 64 and 256 rows read the same within the noise;
+   - eight batched requests over ~600 cached tokens each (`python -m bench batching --engine-only --document 600`,
+     0.9 MB a request a layer), when this was a cap per request: the round's layers 1122-1131 ms, 891-911 ms with it
+     for the step (no cap: 1187-1220 ms, nothing asked: 871-883); eight short chats (the same without --document)
+     read the same with the cap, without it and with nothing asked (287-304 ms). */
 #define FETCH_MOST_BYTES (1024 * 1024)
 
-/* plan: layer l's cached keys and values (each segment's up to FETCH_MOST_BYTES, each kv head's positions before
-   its new rows) */
+/* plan: layer l's cached keys and values (segments in order while the total stays within FETCH_MOST_BYTES, each
+   kv head's positions before its new rows) */
 static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_layers, int64_t l, int64_t segments,
                         const int64_t *starts, int64_t kv_heads, int64_t head_dim) {
-    int64_t f = 0;
+    int64_t f = 0, total = 0;
     plan->lines = 0;
     for (int64_t s = 0; s < segments; s++) {
         const kvb_cache *c = &caches[s * n_layers + l];
-        if (2 * kv_heads * 4 * starts[s] * head_dim > FETCH_MOST_BYTES) continue; /* a long context: see above */
+        const int64_t bytes = 2 * kv_heads * 4 * starts[s] * head_dim;
+        if (total + bytes > FETCH_MOST_BYTES) continue; /* long contexts: see above */
+        total += bytes;
         for (int64_t h = 0; h < kv_heads; h++, f += 2) {
             plan->at[f] = (const char *)(c->keys + h * c->head_stride);
             plan->at[f + 1] = (const char *)(c->values + h * c->head_stride);
