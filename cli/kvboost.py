@@ -8,7 +8,6 @@ import json
 import logging
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 from engine.config import SamplingConfig, help_of, options
@@ -146,49 +145,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    eng = load_engine(args)
-    system = [{"role": "system", "content": args.system}] if args.system else []
-    history: list[dict] = []
-    print("KVBoost chat. /reset clears the conversation, /stats shows the cache (/stats json: all of it), /quit or "
-          "Ctrl+D leaves.\n"
-          "Ctrl+C stops an answer.", file=sys.stderr)
-    while True:
-        try:
-            line = input("you> ")
-        except EOFError:
-            print()
-            return 0
-        if not sys.stdin.isatty():  # piped: the terminal did not echo the line, so the answer would share it
-            print(line)
-        text = line.strip()
-        if not text:
-            continue
-        if text in ("/quit", "/exit"):
-            return 0
-        if text == "/reset":
-            history.clear()
-            continue
-        if text in ("/stats", "/stats json"):
-            stats = eng.cache_stats()
-            print(json.dumps(stats.to_dict(), indent=2) if text.endswith("json") else stats_summary(stats))
-            continue
-        history.append({"role": "user", "content": line})
-        cancel = threading.Event()
-        sys.stdout.write("bot> ")
-        try:
-            result = _stream_to(sys.stdout, eng, system + history, _sampling(args), cancel)
-        except KeyboardInterrupt:
-            # The stream object is gone with the interrupt; the engine stored what was computed.
-            print("\n[stopped]")
-            history.pop()
-            continue
-        except ValueError as exc:
-            print(f"\nerror: {exc}", file=sys.stderr)
-            history.pop()
-            continue
-        print()
-        print(_badge(result.stats), file=sys.stderr)
-        history.append({"role": "assistant", "content": result.text})
+    from .chat import run_chat
+
+    return run_chat(load_engine(args), args.system, _sampling(args), _stream_to, _badge, stats_summary)
 
 
 def stats_summary(stats: CacheStats) -> str:
@@ -210,13 +169,34 @@ def stats_summary(stats: CacheStats) -> str:
 
 
 def cmd_warm(args) -> int:
+    """Each file's text (read as the app reads a dropped file: its formats, in a worker process with time and
+    memory limits; "-": stdin, up to the same size) prefilled into the cache. A file that cannot be read or is
+    longer than the model holds is named with the reason and the others are still warmed: exit code 1."""
+    from app.document_worker import shared_pool
+    from app.documents import MAX_FILE_BYTES, DocumentError
+
     eng = load_engine(args)
+    failed = 0
     for name in args.files:
-        text = sys.stdin.read() if name == "-" else Path(name).read_text(encoding="utf-8", errors="replace")
-        info = eng.warm(text)
+        try:
+            if name == "-":
+                text = sys.stdin.read(MAX_FILE_BYTES + 1)
+                if len(text) > MAX_FILE_BYTES:
+                    raise ValueError(f"standard input is over {_human(MAX_FILE_BYTES)}; warm files of at most that")
+            else:
+                text = shared_pool().extract(name).text
+            info = eng.warm(text)
+        except DocumentError as exc:  # its message names the file
+            print(f"kvboost warm: {exc}", file=sys.stderr)
+            failed += 1
+            continue
+        except ValueError as exc:  # longer than the model holds
+            print(f"kvboost warm: {name}: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         print(f"{name}: {info['tokens']} tokens, {info['entries_stored']} entries stored in {info['ms']:.0f} ms")
     print(json.dumps(eng.cache_stats().to_dict()))
-    return 0
+    return 1 if failed else 0
 
 
 def _human(n: float) -> str:

@@ -1,0 +1,129 @@
+"""`kvboost chat` with documents: the conversation the terminal keeps (the app's database and prompt layouts), and
+the real command as a user types into it."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.chat import Conversation, command_of
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTE = "# Harbour note\n\nThe ferry to the island leaves at 7:40 every morning from pier 3. A ticket costs 12 crowns.\n"
+
+
+def test_typed_lines_are_commands_only_when_they_start_with_one_slash():
+    assert command_of("/file notes.md") == "/file"
+    assert command_of("/frobnicate") == "/frobnicate"
+    assert command_of("//etc is a folder?") is None
+    assert command_of("What is /etc?") is None
+
+
+def long_document(path: Path) -> Path:
+    """~50 KB of sections, one of them the only one about a lighthouse."""
+    words = "harbour ferry island ticket crown pier morning evening market bridge tower lantern captain cargo".split()
+    sections = [f"## Section {i}\n\n" + " ".join(words[(i * 7 + j) % len(words)] for j in range(120)) + ".\n"
+                for i in range(60)]
+    sections.insert(31, "## Lighthouse\n\nThe lighthouse keeper's code is 48213.\n")
+    path.write_text("\n".join(sections), encoding="utf-8")
+    return path
+
+
+def test_a_short_document_is_kept_whole_in_the_system_message(tmp_path):
+    note = tmp_path / "note.md"
+    note.write_text(NOTE, encoding="utf-8")
+    conversation = Conversation(tmp_path, None, max_context=8192)
+    try:
+        report = conversation.add(str(note))
+        assert report == {"added": 1, "unchanged": 0, "problems": []}
+        assert conversation.add(str(note))["added"] == 0  # the same file again: nothing new
+        messages, _, _ = conversation.ask("When does the ferry leave?")
+        assert messages[0]["role"] == "system" and "leaves at 7:40 every morning" in messages[0]["content"]
+        assert messages[-1] == {"role": "user", "content": "When does the ferry leave?"}
+        # what the next question's prompt starts with is what /file reads into the cache
+        assert conversation.warm_inputs(approximate=False)[-1] == messages[:1]
+    finally:
+        conversation.db.close()
+
+
+def test_a_long_document_sends_each_question_its_passages(tmp_path):
+    conversation = Conversation(tmp_path, None, max_context=8192)
+    try:
+        assert conversation.add(str(long_document(tmp_path / "harbour.md")))["added"] == 1
+        messages, sources, user = conversation.ask("What is the lighthouse keeper's code?")
+        assert "48213" not in messages[0]["content"]  # not whole in the system message: too long for the context
+        assert "48213" in messages[-1]["content"] and "What is the lighthouse keeper's code?" in messages[-1]["content"]
+        assert any("48213" in s["text"] for s in sources)
+        conversation.answered("48213", sources)
+        # the next question resends the first one as it was sent, passages and all, and not its passage again
+        again, _, _ = conversation.ask("And the ferry?")
+        assert again[1]["content"] == messages[-1]["content"]
+        assert "48213" not in again[-1]["content"]
+    finally:
+        conversation.db.close()
+
+
+def test_unreadable_files_are_named_and_the_conversation_keeps_the_rest(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "note.md").write_text(NOTE, encoding="utf-8")
+    (folder / "blob.txt").write_bytes(b"\x00\x01\x02binary" * 100)
+    conversation = Conversation(tmp_path, None, max_context=8192)
+    try:
+        report = conversation.add(str(folder))
+        assert report["added"] == 1
+        assert len(report["problems"]) == 1 and "blob.txt" in report["problems"][0]
+        assert [d["name"] for d in conversation.documents()] == ["note.md"]
+        missing = conversation.add(str(tmp_path / "missing.md"))
+        assert missing["added"] == 0 and "missing.md" in missing["problems"][0]
+    finally:
+        conversation.db.close()
+
+
+@pytest.mark.slow
+def test_chat_with_a_document_as_a_user_types_it(tmp_path):
+    note = tmp_path / "note.md"
+    note.write_text(NOTE, encoding="utf-8")
+    lines = ["/help", "/files", f"/file {note}", f"/file {tmp_path / 'missing.md'}", "/files",
+             "When does the ferry leave?", "/frobnicate", "/reset", "/files", "/quit"]
+    proc = subprocess.run([sys.executable, "-m", "cli.kvboost", "chat", "--max-new-tokens", "24", "--threads", "2",
+                           "--disk-cache-bytes", "0"], input="\n".join(lines) + "\n", capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert proc.returncode == 0, proc.stderr
+    assert "/file PATH" in proc.stdout  # /help lists the commands
+    assert proc.stdout.count("[no documents: /file PATH adds one]") == 2  # before /file and after /reset
+    assert "  note.md (" in proc.stdout
+    assert "error: missing.md: not found" in proc.stderr
+    assert "unknown command /frobnicate" in proc.stderr
+    assert "7:40" in proc.stdout  # the answer comes from the note
+    assert "[from: note.md, Harbour note]" in proc.stderr
+    # /file read the note into the cache: the question's prompt is mostly reused, only the question computed
+    reused = [int(m) for m in re.findall(r"(\d+)% reused", proc.stderr)]
+    assert len(reused) == 1 and reused[0] >= 60
+    assert "Traceback" not in proc.stderr
+
+
+def test_warm_reads_files_as_the_app_does_and_names_the_ones_it_cannot(tmp_path):
+    """`kvboost warm` over a tiny model: a .docx's text is warmed (not its zip bytes), a binary file and a
+    missing one are named with the reason, and the exit code says that some failed."""
+    import docx
+    from gguf_files import tiny_gguf
+
+    model = tiny_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    document = docx.Document()
+    document.add_paragraph("The ferry leaves at 7:40 from pier 3.")
+    document.save(tmp_path / "ferry.docx")
+    (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02binary" * 100)
+    proc = subprocess.run([sys.executable, "-m", "cli.kvboost", "warm", "--model", str(model), "--disk-cache-bytes",
+                           "0", str(tmp_path / "ferry.docx"), str(tmp_path / "blob.txt"), str(tmp_path / "gone.md")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    warmed = re.search(r"ferry\.docx: (\d+) tokens", proc.stdout)
+    assert warmed and 0 < int(warmed[1]) < 40  # the sentence, not the ~36 KB of the file's zip
+    assert "kvboost warm: blob.txt" in proc.stderr and "kvboost warm: gone.md" in proc.stderr
+    assert "Traceback" not in proc.stderr
