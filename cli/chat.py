@@ -128,7 +128,8 @@ def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, sta
             continue
         print()
         if sources:
-            print("[from: " + "; ".join(passage_label(s) for s in sources) + "]", file=sys.stderr)
+            labels = dict.fromkeys(passage_label(s) for s in sources)  # passages of one section: named once
+            print("[from: " + "; ".join(labels) + "]", file=sys.stderr)
         print(badge(result.stats), file=sys.stderr)
         conversation.answered(result.text, sources)
 
