@@ -155,11 +155,12 @@ def run(weights: str, max_tokens: int, counts: list[int], model: str | None = No
 
 
 def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 3, model: str | None = None,
-                document: int = 0) -> int:
+                document: int = 0, same_document: bool = False) -> int:
     """The streams of `run` through two engine workers, one at a time (max_batch 1) against batched (8): the
     median over `rounds` of the wall time until all finished. With `document` > 0 every stream asks about its own
     passage of ~that many tokens (chat tabs over dropped files), each prompt read once by both workers before the
-    rounds, so the rounds time answers over long cached contexts."""
+    rounds, so the rounds time answers over long cached contexts; `same_document`: all of them about the first
+    passage (one file asked about in several conversations), each its own question."""
     from cli.kvboost import quiet_transformers
     from engine import KVBoost
     from engine.generate import Result
@@ -187,14 +188,19 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
             passages += corpus.passages(document, 4)[1]
     print(f"# Batching in the engine alone ({Path(base.name).name}, {base.info().weights.format} weights, up to "
           f"{max_tokens} new tokens per stream, medians of {rounds} rounds"
-          + (f", each stream over its own ~{document}-token passage, read before the rounds" if document else "")
+          + (f", every stream over {'one' if same_document else 'its own'} ~{document}-token passage, read before "
+             "the rounds" if document else "")
           + ")\n")
     print("| streams | all done, one at a time | all done, batched | sooner | same text |")
     print("|---|---|---|---|---|")
     for n in counts:
         questions = [QUESTIONS[i % len(QUESTIONS)].format(n=3 + i // len(QUESTIONS)) for i in range(n)]
         if document:
-            questions = [f"{passages[i]}\n\nIn {3 + i % 3} short points, what does the text above explain?"
+            asks = ["In {k} short points, what does the text above explain?", "Which {k} words of the text above "
+                    "matter most?", "Write {k} questions the text above answers.", "Summarize the text above in {k} "
+                    "sentences."]
+            questions = [f"{passages[0]}\n\n" + asks[i % 4].format(k=3 + i // 4) if same_document else
+                         f"{passages[i]}\n\nIn {3 + i % 3} short points, what does the text above explain?"
                          for i in range(n)]
         prompts = [list(base.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=True,
                                                            add_generation_prompt=True, return_dict=True)["input_ids"])
@@ -226,6 +232,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="with --engine-only: rounds each way (median)")
     parser.add_argument("--document", type=int, default=0,
                         help="with --engine-only: every stream asks about its own passage of ~this many tokens")
+    parser.add_argument("--same-document", action="store_true",
+                        help="with --document: every stream asks about the same passage (its own question)")
     args = parser.parse_args(argv)
     try:
         counts = [int(n) for n in args.streams.split(",")]
@@ -233,10 +241,12 @@ def main(argv=None) -> int:
         parser.error(f"--streams: comma-separated counts, got {args.streams!r}")
     if not counts or any(not 1 <= n <= 64 for n in counts) or args.rounds < 1 or args.tokens < 1:
         parser.error("--streams: counts from 1 to 64; --rounds and --tokens: at least 1")
-    if not 0 <= args.document <= 8000 or (args.document and not args.engine_only):
-        parser.error("--document: 0 to 8000 tokens, with --engine-only")
+    if not 0 <= args.document <= 8000 or (args.document and not args.engine_only) or \
+            (args.same_document and not args.document):
+        parser.error("--document: 0 to 8000 tokens, with --engine-only; --same-document: with --document")
     if args.engine_only:
-        return engine_only(args.weights, args.tokens, counts, args.rounds, args.model, args.document)
+        return engine_only(args.weights, args.tokens, counts, args.rounds, args.model, args.document,
+                           args.same_document)
     return run(args.weights, args.tokens, counts, args.model)
 
 

@@ -279,6 +279,10 @@ typedef struct {
     _Atomic int status;
     float *kt; /* the keys in blocks of 16 (dot16_blocked), [B, KVH, blocks, D, 16], or NULL: key rows as given */
     int64_t KVH, blocks;
+    /* B = 1 only: the first `shared` keys and values are also at lk and lv (kv heads lead_stride apart), another
+       request's cache holding the very same bits, read there where the rows' tiles take them (NULL: none) */
+    const float *lk, *lv;
+    int64_t lead_stride, shared;
 } attention_job;
 
 /* What row r reads and writes: its query, its kv head's keys (as rows, and as blocks where job->kt holds them) and
@@ -289,6 +293,8 @@ typedef struct {
     const uint8_t *mask;
     int64_t last, span;
     float *out;
+    const float *lk, *lv; /* its kv head's first `shared` keys and values, the same bits elsewhere (else k, v, 0) */
+    int64_t shared;
 } row_view;
 
 static inline row_view row_of(const attention_job *job, int64_t r) {
@@ -302,6 +308,9 @@ static inline row_view row_of(const attention_job *job, int64_t r) {
     w.last = job->causal ? nk - nq + i : nk - 1;
     w.span = w.mask ? nk : (w.last + 1 < nk ? w.last + 1 : nk);
     w.out = job->out + ((b * nq + i) * H + h) * D;
+    w.lk = job->lk ? job->lk + kv * job->lead_stride : w.k;
+    w.lv = job->lv ? job->lv + kv * job->lead_stride : w.v;
+    w.shared = job->lk && job->lv ? job->shared : 0;
     return w;
 }
 

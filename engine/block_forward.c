@@ -21,7 +21,8 @@ int kvb_matmul_many(int count, const int *types, const uint8_t *const *w, const 
 int kvb_activation_block(int type);
 int kvb_attention_segments(int64_t count, const float *const *q, const float *const *k, const float *const *v,
                            const int64_t *head_stride, const int64_t *nq, const int64_t *nk, float *const *out,
-                           int64_t H, int64_t KVH, int64_t D, float scale, int threads);
+                           int64_t H, int64_t KVH, int64_t D, float scale, int threads, const float *const *lead_k,
+                           const float *const *lead_v, const int64_t *lead_stride, const int64_t *shared);
 
 /* out[r] = w * (x[r] / sqrt(mean(x[r]^2) + eps)), the mean's sum in a fixed order of the row (eight lanes, then
    the lanes in order, then the tail): a row's result does not depend on the other rows. */
@@ -235,13 +236,14 @@ typedef struct { /* one request's cache in one layer: buffers [kv_heads, capacit
 /* plan: layer l's cached keys and values (segments in order while the total stays within FETCH_MOST_BYTES, each
    kv head's positions before its new rows) */
 static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_layers, int64_t l, int64_t segments,
-                        const int64_t *starts, int64_t kv_heads, int64_t head_dim) {
+                        const int64_t *starts, const int64_t *shared, int64_t kv_heads, int64_t head_dim) {
     int64_t f = 0, total = 0;
     plan->lines = 0;
     for (int64_t s = 0; s < segments; s++) {
         const kvb_cache *c = &caches[s * n_layers + l];
         const int64_t bytes = 2 * kv_heads * 4 * starts[s] * head_dim;
-        if (total + bytes > FETCH_MOST_BYTES) continue; /* long contexts: see above */
+        if (total + bytes > FETCH_MOST_BYTES || (shared && shared[s])) continue; /* long contexts: see above; a
+                                                                                    lead's bits: asked for there */
         total += bytes;
         for (int64_t h = 0; h < kv_heads; h++, f += 2) {
             plan->at[f] = (const char *)(c->keys + h * c->head_stride);
@@ -258,16 +260,22 @@ static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_lay
    own cache (caches[s * n_layers + l] in layer l), each layer's
    keys and values for them written into that cache and attention computed per segment over its own keys. Every
    other step works per row, so a segment's outputs are those it gets alone. cos, sin [m, head_dim]: the model's
-   rotary embedding at each row's position. Returns 0, -1 for a weight type the kernel does not multiply, -2 when
-   scratch memory cannot be had, -3 for shapes it does not take. */
+   rotary embedding at each row's position. `lead` and `shared` (both NULL, or both set): segment s's first
+   shared[s] cached positions hold, in every layer, the very same bits as segment lead[s]'s (lead[s] < s, shared[s]
+   at most both segments' starts; the caller has compared them), and its attention reads them there, where the
+   segments before it have just read them (kvb_attention_segments). Returns 0, -1 for a weight type the kernel does
+   not multiply, -2 when scratch memory cannot be had, -3 for shapes or leads it does not take. */
 int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cache *caches, int64_t segments,
                        const int64_t *rows, const int64_t *starts, float *x, int64_t m, int64_t hidden, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t intermediate, const float *cos, const float *sin,
-                       float eps, float scale, int threads) {
-    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0 || segments <= 0) return -3;
+                       float eps, float scale, int threads, const int64_t *lead, const int64_t *shared) {
+    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0 || segments <= 0 || (!lead != !shared)) return -3;
     int64_t total = 0;
     for (int64_t s = 0; s < segments; s++) {
         if (rows[s] <= 0 || starts[s] < 0) return -3;
+        if (shared && shared[s] && (shared[s] < 0 || lead[s] < 0 || lead[s] >= s || shared[s] > starts[s] ||
+                                    shared[s] > starts[lead[s]]))
+            return -3;
         total += rows[s];
     }
     if (total != m) return -3;
@@ -276,8 +284,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                           2 * (2 * m * widest + 8 * m * (widest / 16 + 1)) + 64 * 16;
     uint8_t *scratch = malloc((size_t)bytes), *at = scratch;
     /* per request: its queries, keys, values and output for the layer's attention call */
-    float **seg_q = malloc((size_t)segments * 4 * sizeof(float *));
-    int64_t *seg_stride = malloc((size_t)segments * 2 * sizeof(int64_t));
+    float **seg_q = malloc((size_t)segments * 6 * sizeof(float *));
+    int64_t *seg_stride = malloc((size_t)segments * 3 * sizeof(int64_t));
     fetch_plan plan = {malloc((size_t)(2 * segments * kv_heads) * sizeof(char *)),
                        malloc((size_t)(2 * segments * kv_heads) * sizeof(int64_t)), 0, 0};
     if (!scratch || !seg_q || !seg_stride || !plan.at || !plan.bytes) {
@@ -289,7 +297,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         return -2;
     }
     float **seg_k = seg_q + segments, **seg_v = seg_k + segments, **seg_out = seg_v + segments;
-    int64_t *seg_nk = seg_stride + segments;
+    float **lead_k = seg_out + segments, **lead_v = lead_k + segments;
+    int64_t *seg_nk = seg_stride + segments, *lead_stride = seg_nk + segments;
     float *normed = take(&at, 4 * m * hidden), *q = take(&at, 4 * m * qn), *q_heads = take(&at, 4 * m * qn);
     float *attended = take(&at, 4 * m * qn), *k = take(&at, 4 * m * kvn), *v = take(&at, 4 * m * kvn);
     float *gate = take(&at, 4 * m * intermediate), *up = take(&at, 4 * m * intermediate);
@@ -307,7 +316,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[0].block = slots[1].block = 0;
         const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {q, k, v};
-        if (l == 0 && m >= FETCH_FROM) list_cached(&plan, caches, n_layers, 0, segments, starts, kv_heads, head_dim);
+        if (l == 0 && m >= FETCH_FROM) list_cached(&plan, caches, n_layers, 0, segments, starts, shared, kv_heads, head_dim);
         if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads, &plan, 0, l == 0 ? plan.lines : 0))) break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
@@ -328,18 +337,21 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                 }
             seg_q[s] = q_heads + r0 * qn, seg_k[s] = keys, seg_v[s] = values, seg_out[s] = attended + r0 * qn;
             seg_stride[s] = stride, seg_nk[s] = start + ms;
+            const kvb_cache *led = &caches[(shared && shared[s] ? lead[s] : s) * n_layers + l];
+            lead_k[s] = led->keys, lead_v[s] = led->values, lead_stride[s] = led->head_stride;
         }
         /* every request's rows in one parallel call: one call per request was ~250 hand-offs a step of 8 */
         status = kvb_attention_segments(segments, (const float *const *)seg_q, (const float *const *)seg_k,
                                         (const float *const *)seg_v, seg_stride, rows, seg_nk, seg_out, heads,
-                                        kv_heads, head_dim, scale, threads);
+                                        kv_heads, head_dim, scale, threads, (const float *const *)lead_k,
+                                        (const float *const *)lead_v, lead_stride, shared);
         if (status) break;
         slots[0].block = slots[1].block = 0;
         /* the next layer's cached keys and values, asked for while this layer's o, gate, up and down products run
            (each its share by its weights' size) */
         plan.lines = 0;
         if (l + 1 < n_layers && m >= FETCH_FROM)
-            list_cached(&plan, caches, n_layers, l + 1, segments, starts, kv_heads, head_dim);
+            list_cached(&plan, caches, n_layers, l + 1, segments, starts, shared, kv_heads, head_dim);
         const double o_work = (double)L->o.n * L->o.k, gate_up_work = (double)(L->gate.n + L->up.n) * L->gate.k;
         const double work = o_work + gate_up_work + (double)L->down.n * L->down.k;
         const int64_t after_o = (int64_t)(plan.lines * (o_work / work));

@@ -37,6 +37,9 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 MAX_HEAD_DIM = 512
+# Positions two requests of a step must begin with alike before one reads the other's keys and values (a chat
+# template's first tokens are not worth the comparisons): OneCallForward._leads
+SHARE_FROM = 64
 
 
 class RowNorm(nn.Module):
@@ -227,6 +230,8 @@ class OneCallForward:
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
         # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
         self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # a cache -> {id of another: (that cache, both caches' generations, positions alike, positions compared)}
+        self._alike_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __deepcopy__(self, memo):  # a copied model gets its own arrays (they point into its own tensors)
         import copy
@@ -395,13 +400,15 @@ class OneCallForward:
                            ctypes.addressof(self._grown(cache, n_layers, rows, like)), n_layers * ctypes.sizeof(_Cache))
         rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
         first = (ctypes.c_int64 * len(segments))(*starts)
+        lead, shared = self._leads([cache for cache, _ in segments], starts, n_layers)
         inter = inner.layers[0].mlp.gate_proj.out_features
         status = gguf_blocks.library().kvb_decoder_packed(
             ctypes.addressof(self._layers), n_layers, ctypes.addressof(buffers), len(segments),
             ctypes.addressof(rows), ctypes.addressof(first), hidden.data_ptr(), m, cfg.hidden_size,
             cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, inter, cos.data_ptr(), sin.data_ptr(),
             ctypes.c_float(inner.norm.variance_epsilon), ctypes.c_float(attention.scaling),
-            max(1, torch.get_num_threads()))
+            max(1, torch.get_num_threads()), None if lead is None else ctypes.addressof(lead),
+            None if shared is None else ctypes.addressof(shared))
         if status != 0:
             for (cache, _), start in zip(segments, starts):  # the positions were not computed: give them back
                 for layer in cache.layers:
@@ -411,6 +418,39 @@ class OneCallForward:
         self.one_call_forwards += 1
         return hidden
 
+
+    def _leads(self, caches: list[GrowingCache], starts: list[int], n_layers: int) -> tuple:
+        """For each request of a step, an earlier one whose cache holds the very same bits in at least its first
+        SHARE_FROM positions, and how many: (lead, shared) as the C call takes them, or (None, None) where no
+        request has one. Requests that begin alike (a document asked about in several conversations, the system
+        prompt of every client of a server) then read those keys and values where the request before them has
+        just read them, and not each its own copy from memory; the bits are the same, and so is every answer."""
+        lead, shared = [0] * len(caches), [0] * len(caches)
+        for s in range(1, len(caches)):
+            for r in range(s):
+                if min(starts[r], starts[s]) >= max(SHARE_FROM, shared[s] + 1):
+                    alike = self._alike(caches[r], caches[s], n_layers, min(starts[r], starts[s]))
+                    if alike >= SHARE_FROM and alike > shared[s]:
+                        lead[s], shared[s] = r, alike
+        if not any(shared):
+            return None, None
+        return (ctypes.c_int64 * len(caches))(*lead), (ctypes.c_int64 * len(caches))(*shared)
+
+    def _alike(self, a: GrowingCache, b: GrowingCache, n_layers: int, limit: int) -> int:
+        """How many of their first `limit` positions caches `a` and `b` hold alike in every bit of every layer
+        (GrowingCache.same_until). Remembered for the pair while neither's layers change but by growing in place
+        (their generations stay): then only positions not compared before are compared, and a pair found to
+        differ is not compared again."""
+        memo = self._alike_memo.setdefault(b, {})
+        known = memo.get(id(a))
+        generations = (a.generations(n_layers), b.generations(n_layers))
+        alike = compared = 0
+        if known is not None and known[0]() is a and known[1] == generations:
+            alike, compared = known[2], known[3]
+        if alike == compared and limit > compared:
+            alike, compared = b.same_until(a, n_layers, compared, limit), limit
+            memo[id(a)] = (weakref.ref(a), generations, alike, compared)
+        return min(alike, limit)
 
     def _grown(self, cache: GrowingCache, n_layers: int, rows: int, like: torch.Tensor) -> ctypes.Array:
         """`cache`'s first `n_layers` layers grown by `rows` positions: their buffers as the C call takes them. The

@@ -95,14 +95,16 @@ static inline __attribute__((always_inline)) void fetch_values(const float *v, i
    p + g * stride: each row's sums the very same multiply-adds and adds, in the same order, as alone; the rows share
    each value row's reads (asked for ahead where `fetch`: the first group of a tile, which reads them from memory) */
 static inline __attribute__((always_inline)) void weighted_sum_rows(float *acc, const float *p, int64_t stride,
-                                                                    const float *vb, const int64_t *n, const int R,
+                                                                    const row_view *w, const int64_t *n, const int R,
                                                                     const int D, float *totals, int fetch) {
     __m512 a[16];
     int64_t most = 0;
+    const int64_t ahead = AHEAD / (4 * D);
     for (int g = 0; g < R; g++) totals[g] = 0.0f, most = n[g] > most ? n[g] : most;
     for (int x = 0; x < R * (D / 16); x++) a[x] = _mm512_setzero_ps();
     for (int64_t j = 0; j < most; j++) {
-        if (fetch) fetch_values(vb, j, most, D);
+        if (fetch) fetch_values(j + ahead < w->shared ? w->lv : w->v, j, most, D);
+        const float *vj = (j < w->shared ? w->lv : w->v) + j * D; /* the same bits either way */
 #pragma GCC unroll 4
         for (int g = 0; g < R; g++) {
             if (j >= n[g]) continue;
@@ -110,7 +112,7 @@ static inline __attribute__((always_inline)) void weighted_sum_rows(float *acc, 
             const __m512 pv = _mm512_set1_ps(p[g * stride + j]);
 #pragma GCC unroll 8
             for (int c = 0; c < D / 16; c++)
-                a[g * (D / 16) + c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vb + j * D + 16 * c), a[g * (D / 16) + c]);
+                a[g * (D / 16) + c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vj + 16 * c), a[g * (D / 16) + c]);
         }
     }
     for (int x = 0; x < R * (D / 16); x++) _mm512_storeu_ps(acc + 16 * x, a[x]);
@@ -139,9 +141,11 @@ static void tile_scores(const attention_job *job, const row_view *w, int R, int6
     }
     if (D % 16 == 0)
         for (int64_t j = 0; j + 8 <= most; j += 8) {
-            if (R <= FETCH_ROWS) fetch_keys(w[0].k, j, most, D); /* the tile's rows read one kv head's keys */
+            /* the tile's rows read one kv head's keys: its first w[0].shared also where another request reads them */
+            if (R <= FETCH_ROWS) fetch_keys(j + 8 + AHEAD / (4 * D) <= w[0].shared ? w[0].lk : w[0].k, j, most, D);
+            const float *keys = (j + 8 <= w[0].shared ? w[0].lk : w[0].k) + j * D; /* the same bits either way */
             for (int g = 0; g < R; g++)
-                if (j + 8 <= w[g].span) dot8_f32(w[g].q, w[g].k + j * D, D, job->scale, scores + g * width + j);
+                if (j + 8 <= w[g].span) dot8_f32(w[g].q, keys, D, job->scale, scores + g * width + j);
         }
     for (int g = 0; g < R; g++) {
         float *row = scores + g * width;
@@ -152,7 +156,7 @@ static void tile_scores(const attention_job *job, const row_view *w, int R, int6
 
 #ifdef __AVX512F__
 /* weighted_sum_rows for the `count` (1-4) rows from g, with the number of rows a constant of each call */
-static void weighted_sums_of(float *acc, const float *p, int64_t stride, const float *vb, const int64_t *n,
+static void weighted_sums_of(float *acc, const float *p, int64_t stride, const row_view *vb, const int64_t *n,
                              int count, int64_t D, float *totals, int fetch) {
     if (D == 64) {
         switch (count) {
@@ -190,7 +194,7 @@ static void rows_tiled(const attention_job *job, int64_t first, int64_t end, flo
                 float totals[4];
                 for (int x = 0; x < count; x++) n[x] = w[g + x].span;
                 /* the values asked for ahead by a decode step's tile, in its first group */
-                weighted_sums_of(acc, scores + g * width, width, w[g].v, n, count, D, totals,
+                weighted_sums_of(acc, scores + g * width, width, &w[g], n, count, D, totals,
                                  g == 0 && R <= FETCH_ROWS && !w[0].kt);
                 for (int x = 0; x < count; x++) write_row(&w[g + x], acc + x * D, totals[x], D);
                 g += count;
@@ -293,11 +297,15 @@ int kvb_attention(const float *q, const float *k, const float *v, int64_t kv_bat
 /* Causal attention of `count` requests' new rows in one parallel call (a batched step: one row each, or a
    newcomer's prompt piece), each over its own keys: request s's queries [H, nq[s], D] at q[s], its keys and values
    [KVH, nk[s] (the last nq[s] its new positions), D] at k[s], v[s], kv heads head_stride[s] apart, its output
-   [nq[s], H, D] at out[s]. Each row is computed as kvb_attention computes it alone. Returns 0, or -2 when
-   scratch memory cannot be had. */
+   [nq[s], H, D] at out[s]. Each row is computed as kvb_attention computes it alone. Where `shared` is not NULL,
+   request s's first shared[s] keys and values are also at lead_k[s], lead_v[s] (kv heads lead_stride[s] apart),
+   bit for bit: another request's cache, which requests whose prompts begin alike read in turn while it is in
+   cache, where each would read its own copy from memory (the caller checks the bits: block_forward.py). Returns
+   0, or -2 when scratch memory cannot be had. */
 int kvb_attention_segments(int64_t count, const float *const *q, const float *const *k, const float *const *v,
                            const int64_t *head_stride, const int64_t *nq, const int64_t *nk, float *const *out,
-                           int64_t H, int64_t KVH, int64_t D, float scale, int threads) {
+                           int64_t H, int64_t KVH, int64_t D, float scale, int threads, const float *const *lead_k,
+                           const float *const *lead_v, const int64_t *lead_stride, const int64_t *shared) {
     attention_job *jobs = calloc((size_t)count, sizeof(attention_job));
     int64_t *first = malloc((size_t)(count + 1) * sizeof(int64_t));
     if (!jobs || !first) {
@@ -310,6 +318,8 @@ int kvb_attention_segments(int64_t count, const float *const *q, const float *co
     for (int64_t s = 0; s < count; s++) {
         attention_job job = {q[s], k[s], v[s], 0, head_stride[s], NULL, 1, 1, out[s], H, nq[s], nk[s], D, H / KVH,
                              scale, 0, NULL, KVH, (nk[s] + 15) / 16};
+        if (shared && shared[s] > 0)
+            job.lk = lead_k[s], job.lv = lead_v[s], job.lead_stride = lead_stride[s], job.shared = shared[s];
         jobs[s] = job;
         lay_out_keys(&jobs[s], 1, threads);
         first[s + 1] = first[s] + H * nq[s];

@@ -205,3 +205,21 @@ class GrowingCache(DynamicCache):
         for layer in layers:
             layer._length += rows
         return True
+
+    def same_until(self, other: GrowingCache, num_layers: int, start: int, stop: int) -> int:
+        """The first position from `start` to `stop` (both caches hold it) where this cache's keys or values and
+        `other`'s differ in any bit, in any of the first `num_layers` layers; `stop` where none do. Positions are
+        compared bit for bit (as int32): 0.0 and -0.0 differ, and a NaN is equal only to the same NaN."""
+        for index in range(num_layers):
+            if stop <= start:
+                break
+            mine, theirs = self.layers[index], other.layers[index]
+            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                if a.shape[0] != 1 or b.shape[0] != 1 or a.shape[1] != b.shape[1] or a.shape[3] != b.shape[3] \
+                        or a.dtype != b.dtype or a.dtype.itemsize != 4:
+                    return start
+                differ = (a[0, :, start:stop].view(torch.int32) != b[0, :, start:stop].view(torch.int32)).any(-1)
+                first = differ.any(0).nonzero()
+                if len(first):
+                    stop = start + int(first[0])
+        return stop

@@ -176,7 +176,8 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_rmsnorm.restype = None
     lib.kvb_silu.argtypes = [p, i64, p]
     lib.kvb_silu.restype = None
-    lib.kvb_decoder_packed.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32]
+    lib.kvb_decoder_packed.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32, p,
+                                       p]
     lib.kvb_decoder_packed.restype = i32
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32

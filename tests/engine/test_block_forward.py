@@ -375,3 +375,75 @@ def test_a_request_run_alone_takes_the_packed_entry_with_the_same_bits(files, on
         assert torch.equal(got, want)
         assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
                    for a, b in zip(cache.layers, reference.layers))
+
+
+PREFIX = [(7 * i + 3) % 500 + 1 for i in range(80)]  # a beginning long enough to be read where another request has it
+
+
+def prefilled(forward, ids: list[int]) -> GrowingCache:
+    cache = GrowingCache()
+    with torch.inference_mode():
+        forward(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def packed_step(forward, caches: list[GrowingCache], tokens: list[int]) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return forward.packed([[t] for t in tokens], caches)
+
+
+def test_requests_that_begin_alike_read_one_copy_of_their_beginning_with_the_logits_they_get_alone(files, one_thread):
+    """Three requests over one 80-token beginning and a fourth that begins otherwise, decoded together: the later
+    ones read the first one's keys and values for the shared positions (found bit for bit), each request's logits
+    and cache those it gets stepping alone; a beginning that differs in one bit of one deep layer is shared only up
+    to that position."""
+    model = blocks_model(files("Q4_1"))
+    assert use_block_forward(model)
+    forward = model.forward
+    prompts = [PREFIX + [11, 12], PREFIX + [40], PREFIX + [41, 42, 43], [9] + PREFIX]
+    caches = [prefilled(forward, p) for p in prompts]
+    lead, shared = forward._leads(caches, [len(p) for p in prompts], len(model.model.layers))
+    assert list(lead) == [0, 0, 0, 0] and list(shared) == [0, 80, 80, 0]
+    alone = [prefilled(forward, p) for p in prompts]
+    tokens = [100, 101, 102, 103]
+    for step in range(3):
+        together = packed_step(forward, caches, tokens)
+        for i, token in enumerate(tokens):
+            assert torch.equal(together[i], packed_step(forward, [alone[i]], [token])[0]), (step, i)
+        tokens = [t + 1 for t in tokens]
+    assert all(same_cache(a, b) for a, b in zip(caches, alone))
+
+    deep = prefilled(forward, PREFIX + [50])
+    layer = deep.layers[1]
+    changed = layer.values.clone()
+    changed[0, 0, 70, 5] = torch.nextafter(changed[0, 0, 70, 5], torch.tensor(float("inf")))
+    layer.values = changed  # one bit of position 70, second layer's values
+    assert deep.same_until(caches[0], len(model.model.layers), 0, 80) == 70
+    assert list(forward._leads([caches[0], deep], [83, 81], len(model.model.layers))[1]) == [0, 70]
+
+
+def test_a_request_reads_its_beginning_where_the_request_before_it_holds_it(files, one_thread):
+    """What shows that the shared positions are read in the other cache and not in the request's own: the lead's
+    copy changed in place (its generation the same, so the pair is not compared again) changes the follower's
+    logits; changed through an assignment (a crop or a CacheBlend pass does that), the pair is compared again and
+    the follower reads its own copy."""
+    model = blocks_model(files("Q4_1"))
+    assert use_block_forward(model)
+    forward = model.forward
+    prompts = [PREFIX + [11], PREFIX + [40]]
+    caches = [prefilled(forward, p) for p in prompts]
+    expected = packed_step(forward, [prefilled(forward, prompts[1])], [200])[0]
+    assert torch.equal(packed_step(forward, caches, [100, 200])[1], expected)
+    with torch.inference_mode():
+        caches[0].layers[0]._key_buffer[0, :, :60] += 1.0  # in place, behind the cache's back
+    assert not torch.equal(packed_step(forward, caches, [101, 201])[1],
+                           packed_step(forward, [prefilled(forward, prompts[1] + [200])], [201])[0])
+
+    caches = [prefilled(forward, p) for p in prompts]
+    packed_step(forward, caches, [100, 200])
+    with torch.inference_mode():
+        keys = caches[0].layers[0].keys.clone()
+        keys[0, :, :60] += 1.0
+    caches[0].layers[0].keys = keys  # a new generation: compared again, found to differ from position 0
+    assert torch.equal(packed_step(forward, caches, [101, 201])[1],
+                       packed_step(forward, [prefilled(forward, prompts[1] + [200])], [201])[0])
