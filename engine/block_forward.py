@@ -228,6 +228,7 @@ class OneCallForward:
         self._unhooked: tuple = ()  # (place, object) of those a registration hook does not see replaced
         self._registrations = -1  # _registrations when the places were last found to hold what the array read
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
+        self.shared_forwards = 0  # of those, forwards where a request read its beginning in another's cache
         # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
         self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # a cache -> {id of another: (that cache, both caches' generations, positions alike, positions compared)}
@@ -426,24 +427,28 @@ class OneCallForward:
         prompt of every client of a server) then read those keys and values where the request before them has
         just read them, and not each its own copy from memory; the bits are the same, and so is every answer."""
         lead, shared = [0] * len(caches), [0] * len(caches)
+        generations: list = [None] * len(caches)  # each cache's, read once a step
         for s in range(1, len(caches)):
             for r in range(s):
                 if min(starts[r], starts[s]) >= max(SHARE_FROM, shared[s] + 1):
-                    alike = self._alike(caches[r], caches[s], n_layers, min(starts[r], starts[s]))
+                    for i in (r, s):
+                        generations[i] = generations[i] or caches[i].generations(n_layers)
+                    alike = self._alike(caches[r], caches[s], (generations[r], generations[s]),
+                                        min(starts[r], starts[s]), n_layers)
                     if alike >= SHARE_FROM and alike > shared[s]:
                         lead[s], shared[s] = r, alike
         if not any(shared):
             return None, None
+        self.shared_forwards += 1
         return (ctypes.c_int64 * len(caches))(*lead), (ctypes.c_int64 * len(caches))(*shared)
 
-    def _alike(self, a: GrowingCache, b: GrowingCache, n_layers: int, limit: int) -> int:
+    def _alike(self, a: GrowingCache, b: GrowingCache, generations: tuple, limit: int, n_layers: int) -> int:
         """How many of their first `limit` positions caches `a` and `b` hold alike in every bit of every layer
         (GrowingCache.same_until). Remembered for the pair while neither's layers change but by growing in place
-        (their generations stay): then only positions not compared before are compared, and a pair found to
+        (their `generations` stay): then only positions not compared before are compared, and a pair found to
         differ is not compared again."""
         memo = self._alike_memo.setdefault(b, {})
         known = memo.get(id(a))
-        generations = (a.generations(n_layers), b.generations(n_layers))
         alike = compared = 0
         if known is not None and known[0]() is a and known[1] == generations:
             alike, compared = known[2], known[3]

@@ -99,6 +99,25 @@ def test_a_packed_forward_over_gguf_blocks_runs_in_one_call_and_gives_each_reque
                    for x, y in zip(a.layers, b.layers))
 
 
+def test_conversations_over_one_document_batched_answer_as_alone_reading_one_copy_of_it(smollm):
+    """Four questions about one document (its KV reused from the cache by all but the first, as in four
+    conversations it was dropped into), decoded together with drafts on: each answer is the one it gets alone,
+    and the later requests read the document's keys and values in the first one's cache."""
+    engine = smollm.with_options(speculative="prompt-lookup")
+    document = " ".join(f"Ferry {i} leaves the harbour at {6 + i % 12}:{(i * 7) % 60:02d} from pier {i % 5}."
+                        for i in range(24))
+    asks = ["When does ferry 3 leave?", "Which pier does ferry 7 use?", "Summarize the timetable.",
+            "Name two ferries that leave from pier 2."]
+    prompts = [engine.encode([{"role": "system", "content": document}, {"role": "user", "content": q}])
+               for q in asks]
+    alone = [engine.generate(p, max_new_tokens=24) for p in prompts]
+    before = engine.model.forward.shared_forwards
+    together = run_together(lambda i: engine, prompts, max_new_tokens=24)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert all(r.stats.batched_forwards > 0 for r in together)
+    assert engine.model.forward.shared_forwards > before
+
+
 def test_the_real_model_in_int4_batched_answers_as_alone(smollm_int4_engine):
     engine = smollm_int4_engine.with_options(speculative="prompt-lookup")
     prompts = [chat_ids(engine, q) for q in QUESTIONS[:5]]
