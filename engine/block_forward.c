@@ -255,6 +255,27 @@ static void list_cached(fetch_plan *plan, const kvb_cache *caches, int64_t n_lay
     plan->count = f;
 }
 
+/* The first position from start to stop at which two requests' caches (a[l], b[l] for the first n_layers layers)
+   hold different bits in any key or value, stop where none do: requests that begin alike (kvb_decoder_packed's
+   lead). Each kv head's rows are compared at once, and row by row only where they differ. */
+int64_t kvb_same_until(const kvb_cache *a, const kvb_cache *b, int64_t n_layers, int64_t kv_heads, int64_t head_dim,
+                       int64_t start, int64_t stop) {
+    const size_t row = (size_t)head_dim * sizeof(float);
+    for (int64_t l = 0; l < n_layers && start < stop; l++)
+        for (int64_t h = 0; h < kv_heads && start < stop; h++)
+            for (int which = 0; which < 2; which++) {
+                const float *x = (which ? a[l].values : a[l].keys) + h * a[l].head_stride + start * head_dim;
+                const float *y = (which ? b[l].values : b[l].keys) + h * b[l].head_stride + start * head_dim;
+                if (memcmp(x, y, (size_t)(stop - start) * row) == 0) continue;
+                for (int64_t j = 0; j < stop - start; j++)
+                    if (memcmp(x + j * head_dim, y + j * head_dim, row)) {
+                        stop = start + j;
+                        break;
+                    }
+            }
+    return stop;
+}
+
 /* Runs `n_layers` layers over x [m, hidden] (overwritten with the last layer's output): the rows of `segments`
    requests one after the other, segment s `rows[s]` rows at positions starts[s] .. starts[s] + rows[s] - 1 over its
    own cache (caches[s * n_layers + l] in layer l), each layer's

@@ -395,13 +395,15 @@ class OneCallForward:
         n_layers = len(self._layers)
         buffers = (_Cache * (len(segments) * n_layers))()
         like = torch.empty(1, cfg.num_key_value_heads, 0, head_dim, dtype=torch.float32)
+        arrays = []
         for s, (cache, rows) in enumerate(segments):
             # the buffers grown by `rows` positions, whose real values the C call writes
+            arrays.append(self._grown(cache, n_layers, rows, like))
             ctypes.memmove(ctypes.addressof(buffers) + s * n_layers * ctypes.sizeof(_Cache),
-                           ctypes.addressof(self._grown(cache, n_layers, rows, like)), n_layers * ctypes.sizeof(_Cache))
+                           ctypes.addressof(arrays[-1]), n_layers * ctypes.sizeof(_Cache))
         rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
         first = (ctypes.c_int64 * len(segments))(*starts)
-        lead, shared = self._leads([cache for cache, _ in segments], starts, n_layers)
+        lead, shared = self._leads([cache for cache, _ in segments], starts, n_layers, arrays)
         inter = inner.layers[0].mlp.gate_proj.out_features
         status = gguf_blocks.library().kvb_decoder_packed(
             ctypes.addressof(self._layers), n_layers, ctypes.addressof(buffers), len(segments),
@@ -420,21 +422,23 @@ class OneCallForward:
         return hidden
 
 
-    def _leads(self, caches: list[GrowingCache], starts: list[int], n_layers: int) -> tuple:
+    def _leads(self, caches: list[GrowingCache], starts: list[int], n_layers: int, arrays: list | None = None
+               ) -> tuple:
         """For each request of a step, an earlier one whose cache holds the very same bits in at least its first
         SHARE_FROM positions, and how many: (lead, shared) as the C call takes them, or (None, None) where no
         request has one. Requests that begin alike (a document asked about in several conversations, the system
         prompt of every client of a server) then read those keys and values where the request before them has
-        just read them, and not each its own copy from memory; the bits are the same, and so is every answer."""
+        just read them, and not each its own copy from memory; the bits are the same, and so is every answer. A
+        request is compared with the requests before it that read their own (theirs: the same bits again).
+        `arrays`: each cache's buffers as the C call takes them (None: found here)."""
+        if arrays is None:
+            arrays = [self._grown(c, n_layers, 0, c.layers[0].keys[:, :, :0]) for c in caches]
         lead, shared = [0] * len(caches), [0] * len(caches)
-        generations: list = [None] * len(caches)  # each cache's, read once a step
         for s in range(1, len(caches)):
             for r in range(s):
-                if min(starts[r], starts[s]) >= max(SHARE_FROM, shared[s] + 1):
-                    for i in (r, s):
-                        generations[i] = generations[i] or caches[i].generations(n_layers)
-                    alike = self._alike(caches[r], caches[s], (generations[r], generations[s]),
-                                        min(starts[r], starts[s]), n_layers)
+                limit = min(starts[r], starts[s])
+                if shared[r] == 0 and limit >= max(SHARE_FROM, shared[s] + 1):
+                    alike = self._alike(caches[r], caches[s], arrays[r], arrays[s], limit, n_layers)
                     if alike >= SHARE_FROM and alike > shared[s]:
                         lead[s], shared[s] = r, alike
         if not any(shared):
@@ -442,19 +446,26 @@ class OneCallForward:
         self.shared_forwards += 1
         return (ctypes.c_int64 * len(caches))(*lead), (ctypes.c_int64 * len(caches))(*shared)
 
-    def _alike(self, a: GrowingCache, b: GrowingCache, generations: tuple, limit: int, n_layers: int) -> int:
+    def _alike(self, a: GrowingCache, b: GrowingCache, a_array, b_array, limit: int, n_layers: int) -> int:
         """How many of their first `limit` positions caches `a` and `b` hold alike in every bit of every layer
-        (GrowingCache.same_until). Remembered for the pair while neither's layers change but by growing in place
-        (their `generations` stay): then only positions not compared before are compared, and a pair found to
-        differ is not compared again."""
+        (kvb_same_until over their buffers). Remembered for the pair while neither has rewritten a position
+        (GrowingCache.rewrites); a crop since lowers what was compared to where it cut (GrowingCache.crops). So a
+        pair is compared in full once, then only over positions it did not hold before."""
         memo = self._alike_memo.setdefault(b, {})
         known = memo.get(id(a))
         alike = compared = 0
-        if known is not None and known[0]() is a and known[1] == generations:
-            alike, compared = known[2], known[3]
+        rewrites = (a.rewrites(n_layers), b.rewrites(n_layers))
+        if known is not None and known[0]() is a and known[1] == rewrites:
+            cut = min(a.crops[known[2]:] + b.crops[known[3]:], default=known[5])
+            compared = min(known[5], cut)
+            alike = min(known[4], compared)
         if alike == compared and limit > compared:
-            alike, compared = b.same_until(a, n_layers, compared, limit), limit
-            memo[id(a)] = (weakref.ref(a), generations, alike, compared)
+            layer = a.layers[0]
+            alike = gguf_blocks.library().kvb_same_until(ctypes.addressof(a_array), ctypes.addressof(b_array),
+                                                         n_layers, layer.keys.shape[1], layer.keys.shape[3],
+                                                         compared, limit)
+            compared = limit
+        memo[id(a)] = (weakref.ref(a), rewrites, len(a.crops), len(b.crops), alike, compared)
         return min(alike, limit)
 
     def _grown(self, cache: GrowingCache, n_layers: int, rows: int, like: torch.Tensor) -> ctypes.Array:

@@ -52,6 +52,7 @@ class GrowingLayer(DynamicLayer):
         self._length = 0  # positions filled in the buffers
         self._capacity = 0  # positions the buffers hold
         self.generation = 0
+        self.rewrites = 0  # times positions it held may have been given other values (not growth, not a crop)
         self._keys: torch.Tensor | None = None  # a tensor assigned from outside; None: the buffers' filled part
         self._values: torch.Tensor | None = None
         super().__init__()
@@ -66,6 +67,7 @@ class GrowingLayer(DynamicLayer):
     def keys(self, tensor: torch.Tensor | None) -> None:
         self._keys = tensor
         self.generation += 1
+        self.rewrites += 1
 
     @property
     def values(self) -> torch.Tensor | None:
@@ -77,6 +79,14 @@ class GrowingLayer(DynamicLayer):
     def values(self, tensor: torch.Tensor | None) -> None:
         self._values = tensor
         self.generation += 1
+        self.rewrites += 1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """DynamicLayer.crop, which leaves the positions it keeps as they were: not counted in `rewrites`
+        (GrowingCache.crops records where the cache was cut)."""
+        rewrites = self.rewrites
+        super().crop(tokens_to_remove)
+        self.rewrites = rewrites
 
     def _is_prefix_view(self) -> bool:
         """Whether keys and values are the buffers' first positions (the buffers can grow in place)."""
@@ -151,6 +161,7 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer = self._value_buffer = None
         self._length = self._capacity = 0
         self.generation += 1
+        self.rewrites += 1
         super().reset()
 
     def capacity_bytes(self) -> int:
@@ -166,6 +177,16 @@ class GrowingCache(DynamicCache):
     def __init__(self):
         super().__init__()
         self.layer_class_to_replicate = GrowingLayer
+        self.crops: list[int] = []  # the length after each crop, in order
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self.crops.append(self.get_seq_length())
+
+    def rewrites(self, num_layers: int) -> int:
+        """The first `num_layers` layers' `rewrites`: while it and `crops` stay the same, every position the
+        cache held keeps its bits (it grows, and may move to bigger buffers, by copying them)."""
+        return sum(layer.rewrites for layer in self.layers[:num_layers])
 
     def append(self, kv) -> None:
         """Layer i's keys and values kv[i] ([B, H_kv, T, D] each) appended to it, as update() would for every layer;
@@ -206,20 +227,3 @@ class GrowingCache(DynamicCache):
             layer._length += rows
         return True
 
-    def same_until(self, other: GrowingCache, num_layers: int, start: int, stop: int) -> int:
-        """The first position from `start` to `stop` (both caches hold it) where this cache's keys or values and
-        `other`'s differ in any bit, in any of the first `num_layers` layers; `stop` where none do. Positions are
-        compared bit for bit (as int32): 0.0 and -0.0 differ, and a NaN is equal only to the same NaN."""
-        for index in range(num_layers):
-            if stop <= start:
-                break
-            mine, theirs = self.layers[index], other.layers[index]
-            for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
-                if a.shape[0] != 1 or b.shape[0] != 1 or a.shape[1] != b.shape[1] or a.shape[3] != b.shape[3] \
-                        or a.dtype != b.dtype or a.dtype.itemsize != 4:
-                    return start
-                differ = (a[0, :, start:stop].view(torch.int32) != b[0, :, start:stop].view(torch.int32)).any(-1)
-                first = differ.any(0).nonzero()
-                if len(first):
-                    stop = start + int(first[0])
-        return stop

@@ -418,7 +418,6 @@ def test_requests_that_begin_alike_read_one_copy_of_their_beginning_with_the_log
     changed = layer.values.clone()
     changed[0, 0, 70, 5] = torch.nextafter(changed[0, 0, 70, 5], torch.tensor(float("inf")))
     layer.values = changed  # one bit of position 70, second layer's values
-    assert deep.same_until(caches[0], len(model.model.layers), 0, 80) == 70
     assert list(forward._leads([caches[0], deep], [83, 81], len(model.model.layers))[1]) == [0, 70]
 
 
@@ -447,3 +446,21 @@ def test_a_request_reads_its_beginning_where_the_request_before_it_holds_it(file
     caches[0].layers[0].keys = keys  # a new generation: compared again, found to differ from position 0
     assert torch.equal(packed_step(forward, caches, [101, 201])[1],
                        packed_step(forward, [prefilled(forward, prompts[1] + [200])], [201])[0])
+
+
+def test_a_request_cut_back_and_grown_otherwise_is_read_alike_only_up_to_the_cut(files, one_thread):
+    """A crop (rejected drafts) and other tokens after it: the pair compared before is compared again from the
+    cut, and the follower reads the lead's copy only as far as both still hold the same bits."""
+    model = blocks_model(files("Q4_1"))
+    assert use_block_forward(model)
+    forward = model.forward
+    n_layers = len(model.model.layers)
+    caches = [prefilled(forward, p) for p in (PREFIX + [11], PREFIX + [40])]
+    packed_step(forward, caches, [100, 200])
+    assert list(forward._leads(caches, [82, 82], n_layers)[1]) == [0, 80]
+    caches[1].crop(-10)  # back to 72 positions, then grown with tokens the lead does not have there
+    with torch.inference_mode():
+        forward(input_ids=torch.tensor([[300, 301]]), past_key_values=caches[1], use_cache=True)
+    assert list(forward._leads(caches, [82, 74], n_layers)[1]) == [0, 72]
+    alone = prefilled(forward, PREFIX[:72] + [300, 301])
+    assert torch.equal(packed_step(forward, caches, [101, 302])[1], packed_step(forward, [alone], [302])[0])
