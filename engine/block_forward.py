@@ -434,11 +434,15 @@ class OneCallForward:
         if arrays is None:
             arrays = [self._grown(c, n_layers, 0, c.layers[0].keys[:, :, :0]) for c in caches]
         lead, shared = [0] * len(caches), [0] * len(caches)
+        rewrites: list = [None] * len(caches)  # each cache's, counted once a step
         for s in range(1, len(caches)):
             for r in range(s):
                 limit = min(starts[r], starts[s])
                 if shared[r] == 0 and limit >= max(SHARE_FROM, shared[s] + 1):
-                    alike = self._alike(caches[r], caches[s], arrays[r], arrays[s], limit, n_layers)
+                    for i in (r, s):
+                        rewrites[i] = caches[i].rewrites(n_layers) if rewrites[i] is None else rewrites[i]
+                    alike = self._alike(caches[r], caches[s], arrays[r], arrays[s], (rewrites[r], rewrites[s]),
+                                        limit, n_layers)
                     if alike >= SHARE_FROM and alike > shared[s]:
                         lead[s], shared[s] = r, alike
         if not any(shared):
@@ -446,15 +450,15 @@ class OneCallForward:
         self.shared_forwards += 1
         return (ctypes.c_int64 * len(caches))(*lead), (ctypes.c_int64 * len(caches))(*shared)
 
-    def _alike(self, a: GrowingCache, b: GrowingCache, a_array, b_array, limit: int, n_layers: int) -> int:
+    def _alike(self, a: GrowingCache, b: GrowingCache, a_array, b_array, rewrites: tuple, limit: int,
+               n_layers: int) -> int:
         """How many of their first `limit` positions caches `a` and `b` hold alike in every bit of every layer
         (kvb_same_until over their buffers). Remembered for the pair while neither has rewritten a position
-        (GrowingCache.rewrites); a crop since lowers what was compared to where it cut (GrowingCache.crops). So a
-        pair is compared in full once, then only over positions it did not hold before."""
+        (`rewrites`: GrowingCache.rewrites of both); a crop since lowers what was compared to where it cut
+        (GrowingCache.crops). So a pair is compared in full once, then only over positions it did not hold."""
         memo = self._alike_memo.setdefault(b, {})
         known = memo.get(id(a))
         alike = compared = 0
-        rewrites = (a.rewrites(n_layers), b.rewrites(n_layers))
         if known is not None and known[0]() is a and known[1] == rewrites:
             cut = min(a.crops[known[2]:] + b.crops[known[3]:], default=known[5])
             compared = min(known[5], cut)
