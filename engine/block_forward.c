@@ -290,7 +290,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                        const int64_t *rows, const int64_t *starts, float *x, int64_t m, int64_t hidden, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t intermediate, const float *cos, const float *sin,
                        float eps, float scale, int threads, const int64_t *lead, const int64_t *shared) {
-    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0 || segments <= 0 || (!lead != !shared)) return -3;
+    if (head_dim > 512 || head_dim % 2 || heads % kv_heads || m <= 0 || segments <= 0 || (!lead != !shared))
+        return -3;
     int64_t total = 0;
     for (int64_t s = 0; s < segments; s++) {
         if (rows[s] <= 0 || starts[s] < 0) return -3;
@@ -337,7 +338,8 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[0].block = slots[1].block = 0;
         const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {q, k, v};
-        if (l == 0 && m >= FETCH_FROM) list_cached(&plan, caches, n_layers, 0, segments, starts, shared, kv_heads, head_dim);
+        if (l == 0 && m >= FETCH_FROM)
+            list_cached(&plan, caches, n_layers, 0, segments, starts, shared, kv_heads, head_dim);
         if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads, &plan, 0, l == 0 ? plan.lines : 0))) break;
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);

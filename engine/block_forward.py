@@ -231,7 +231,8 @@ class OneCallForward:
         self.shared_forwards = 0  # of those, forwards where a request read its beginning in another's cache
         # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
         self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # a cache -> {id of another: (that cache, both caches' generations, positions alike, positions compared)}
+        # a cache b -> {id of another, a: (a weak reference to a, both caches' rewrites, how many crops each had,
+        # positions alike, positions compared)} (OneCallForward._alike)
         self._alike_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __deepcopy__(self, memo):  # a copied model gets its own arrays (they point into its own tensors)
@@ -420,7 +421,6 @@ class OneCallForward:
                 RuntimeError(f"the one-call forward failed ({status})")
         self.one_call_forwards += 1
         return hidden
-
 
     def _leads(self, caches: list[GrowingCache], starts: list[int], n_layers: int, arrays: list | None = None
                ) -> tuple:
