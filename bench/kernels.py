@@ -14,6 +14,8 @@ tokens or a batch of streams costs against one token, before any Python.
   model's heads (9 query heads, 3 kv heads of 64): the median microseconds of one layer's call over a cache's
   buffer, its keys and values rotated past L3 as a decode step finds them, and the cost against one position; with
   `--against`, side by side with the other build, the outputs compared bit for bit.
+- With `--requests N`: a batched step's attention for N requests whose first cached tokens (the first `--context`)
+  are alike, each reading its own copy against all reading the first one's (engine/block_forward.py's leads).
 
 Medians of alternating calls (the machine's noise hits every row alike); the threads are the engine's
 (`--threads`). The numbers compare row counts within one run: a row that costs 2x one row makes a check of that
@@ -164,6 +166,59 @@ def attention(positions: Sequence[int], context: int, calls: int, threads: int, 
     return rows
 
 
+def shared_beginnings(requests: int, context: int, calls: int, threads: int) -> dict:
+    """One layer's attention of a batched decode step (kvb_attention_segments) for `requests` requests whose first
+    `context` keys and values hold the same bits (one document in several conversations): median us with each
+    request reading its own copy, and with the later ones reading the first one's (block_forward.py's leads), their
+    buffers rotated past the caches; and whether the outputs are the same bits."""
+    lib = gguf_blocks.library()
+    room = context + 64
+    copies = max(2, PAST_CACHES // (2 * requests * KV_HEADS * room * HEAD_DIM * 4))
+    keys = [[torch.randn(KV_HEADS, room, HEAD_DIM) for _ in range(requests)] for _ in range(copies)]
+    values = [[torch.randn(KV_HEADS, room, HEAD_DIM) for _ in range(requests)] for _ in range(copies)]
+    for c in range(copies):
+        for s in range(1, requests):
+            keys[c][s][:, :context] = keys[c][0][:, :context]
+            values[c][s][:, :context] = values[c][0][:, :context]
+    queries = [torch.randn(HEADS, 1, HEAD_DIM) for _ in range(requests)]
+    outs = [torch.empty(1, HEADS, HEAD_DIM) for _ in range(requests)]
+
+    def numbers(kind, items):
+        return (kind * len(items))(*items)
+
+    pointers = ctypes.c_void_p
+    nq, nk = numbers(ctypes.c_int64, [1] * requests), numbers(ctypes.c_int64, [context + 1] * requests)
+    stride = numbers(ctypes.c_int64, [room * HEAD_DIM] * requests)
+    q = numbers(pointers, [t.data_ptr() for t in queries])
+    out = numbers(pointers, [t.data_ptr() for t in outs])
+
+    def attend(copy: int, one: bool) -> float:
+        k = numbers(pointers, [t.data_ptr() for t in keys[copy]])
+        v = numbers(pointers, [t.data_ptr() for t in values[copy]])
+        lead_k = numbers(pointers, [keys[copy][0].data_ptr()] * requests)
+        lead_v = numbers(pointers, [values[copy][0].data_ptr()] * requests)
+        shared = numbers(ctypes.c_int64, [0] + [context] * (requests - 1))
+        leads = [ctypes.addressof(a) for a in (lead_k, lead_v, stride, shared)] if one else [None] * 4
+        start = time.perf_counter()
+        status = lib.kvb_attention_segments(requests, *[ctypes.addressof(a) for a in (q, k, v, stride, nq, nk, out)],
+                                            HEADS, KV_HEADS, HEAD_DIM, ctypes.c_float(HEAD_DIM ** -0.5), threads,
+                                            *leads)
+        if status != 0:
+            raise MemoryError("no scratch memory for attention")
+        return time.perf_counter() - start
+
+    spent: dict[bool, list[float]] = {False: [], True: []}
+    for call in range(calls):
+        for one in (False, True):
+            spent[one].append(attend(call % copies, one))
+    results = []
+    for one in (False, True):
+        attend(0, one)
+        results.append([t.clone() for t in outs])
+    return {"own": 1e6 * statistics.median(spent[False]), "one": 1e6 * statistics.median(spent[True]),
+            "same": all(torch.equal(a, b) for a, b in zip(*results))}
+
+
 # The instructions the tiles multiply with on AVX-512 VNNI: vpdpwssd for the 32-value types (gguf_dots.c, tile32:
 # int16 pairs multiplied and added into 16 int32 lanes) and vpdpbusd for the K-quants (ktiles.c: four u8 x s8
 # products a lane). Each timed alone, in independent chains on every thread, and with the other operations of a
@@ -291,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=None,
                         help="weight copies rotated (default: 110 MB of them, past L3)")
     parser.add_argument("--context", default="150,1700", help="cached tokens for attention, comma-separated")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="also time a batched step's attention for this many requests whose first --context "
+                             "tokens (the first value) are alike: each reading its own copy, and one copy")
     parser.add_argument("--ceiling", action="store_true",
                         help="also time this CPU's vpdpwssd and vpdpbusd, the tiles' instructions, alone and with a "
                              "block's other steps (needs cc and AVX-512 VNNI)")
@@ -307,6 +365,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--ceiling: its probe runs 1 to 64 threads")
     if min(args.threads, args.calls, copies) < 1 or not contexts or min(contexts) < 1:
         parser.error("--threads, --calls, --copies and every --context must be at least 1")
+    if not 0 <= args.requests <= 64:
+        parser.error("--requests: 0 (off) to 64")
     if reason := gguf_blocks.unavailable("cpu"):
         raise SystemExit(f"bench kernels: no block kernel here: {reason}")
     torch.set_num_threads(args.threads)
@@ -351,6 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("| positions | us | cost / one position |\n|---|---|---|")
             for a in found:
                 print(f"| {a['positions']} | {a['us']:.1f} | {a['cost']:.2f}x |")
+    if args.requests:
+        found = shared_beginnings(args.requests, contexts[0], args.calls, args.threads)
+        print(f"\na batched step's attention, one layer, {args.requests} requests whose first {contexts[0]} cached "
+              f"tokens are alike, buffers rotated past L3, medians of {args.calls} calls alternating\n"
+              "| each reads its own copy | all read the first one's | one copy / own copies | same bits |\n"
+              f"|---|---|---|---|\n| {found['own']:.1f} us | {found['one']:.1f} us | "
+              f"{found['one'] / found['own']:.2f}x | {'yes' if found['same'] else 'NO'} |")
     return 0
 
 

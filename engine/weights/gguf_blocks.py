@@ -179,6 +179,8 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_decoder_packed.argtypes = [p, i64, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, p, p, f32, f32, i32, p,
                                        p]
     lib.kvb_decoder_packed.restype = i32
+    lib.kvb_attention_segments.argtypes = [i64, p, p, p, p, p, p, p, i64, i64, i64, f32, i32, p, p, p, p]
+    lib.kvb_attention_segments.restype = i32
     lib.kvb_same_until.argtypes = [p, p, i64, i64, i64, i64, i64]
     lib.kvb_same_until.restype = i64
     lib.kvb_supports.argtypes = [i32]

@@ -109,6 +109,18 @@ def test_the_kernels_bench_times_two_builds_side_by_side():
     assert all(a["us"] > 0 and a["other"] > 0 and a["same"] is True for a in found)
 
 
+def test_the_kernels_bench_times_requests_that_begin_alike_with_the_same_bits_either_way():
+    """`bench kernels --requests N`: a batched step's attention for requests whose beginnings are alike, each
+    reading its own copy and all reading the first one's: both timed, the outputs the same bits."""
+    from bench.kernels import shared_beginnings
+    from engine.weights import gguf_blocks
+
+    if gguf_blocks.unavailable("cpu"):
+        pytest.skip(gguf_blocks.unavailable("cpu"))
+    found = shared_beginnings(3, context=70, calls=2, threads=1)
+    assert found["own"] > 0 and found["one"] > 0 and found["same"] is True
+
+
 def test_the_rounding_benchmark_rounds_each_run_of_32_to_its_codes_ties_to_even():
     from bench.rounding import rounded
 
