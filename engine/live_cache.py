@@ -226,4 +226,3 @@ class GrowingCache(DynamicCache):
         for layer in layers:
             layer._length += rows
         return True
-
