@@ -32,21 +32,10 @@ from PySide6.QtWidgets import (
 from . import document_worker, rag
 from .answers import CANCELLED, INTERRUPTED, Answer, ChatRequest, WarmReport, WarmRequest
 from .chat_view import ChatView
-from .db import DEFAULT_TITLE, DatabaseError
+from .db import DatabaseError
 from .document_ingest import Ingest
 
 log = logging.getLogger(__name__)
-
-TITLE_CHARS = 48
-
-
-def title_from_question(question: str) -> str:
-    """The opening words of a question, at most TITLE_CHARS characters, cut at a word."""
-    words = " ".join(question.split())
-    if len(words) <= TITLE_CHARS:
-        return words or DEFAULT_TITLE
-    cut = words[:TITLE_CHARS + 1].rsplit(" ", 1)[0] if " " in words[:TITLE_CHARS + 1] else words[:TITLE_CHARS]
-    return cut.rstrip(" ,.;:!?-") + "…"
 
 
 class Composer(QPlainTextEdit):
@@ -178,14 +167,12 @@ class ConversationTab(QWidget):
     def _title_from(self, question: str) -> None:
         """A conversation still called by the default name takes its first question's opening words (a rename
         replaces them; a renamed conversation keeps its name)."""
-        if self.db.conversation(self.conversation_id)["title"] != DEFAULT_TITLE:
-            return
-        title = title_from_question(question)
         try:
-            self.db.update_conversation(self.conversation_id, title=title)
+            title = self.db.title_if_untitled(self.conversation_id, question)
         except DatabaseError:  # the answer matters more; the default title stays
             return
-        self.title_changed.emit(title)
+        if title is not None:
+            self.title_changed.emit(title)
 
     def _ask(self, user: dict) -> None:
         """Requests an answer to `user` (already stored, last message) from the history before it."""

@@ -28,6 +28,7 @@ from .db_documents import DocumentTables
 from .db_schema import MIGRATIONS
 from .db_values import (  # noqa: F401
     DEFAULT_SAMPLING,
+    DEFAULT_TITLE,
     ROLES,
     STATUSES,
     check_role,
@@ -36,12 +37,12 @@ from .db_values import (  # noqa: F401
     encode_json,
     fts_string,
     merged_sampling,
+    title_from_question,
 )
 
 __all__ = ["Database", "DatabaseError", "DatabaseLocked", "DEFAULT_BUSY_TIMEOUT"]
 
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-DEFAULT_TITLE = "New chat"  # a conversation named so takes its first question's words (app.conversation_tab)
 _UPDATABLE_CONVERSATION_FIELDS = ("title", "system_prompt", "sampling", "is_open", "tab_order")
 
 MATCH_START, MATCH_END = "\x02", "\x03"  # around each match in a search snippet (search_messages)
@@ -181,6 +182,16 @@ class Database(DocumentTables):
             updates["updated_at"] = self._clock()
             self._db["conversations"].update(cid, updates)
         return self.conversation(cid)
+
+    def title_if_untitled(self, cid: int, question: str) -> str | None:
+        """A conversation still called DEFAULT_TITLE takes `question`'s opening words; returns the new title, or
+        None where the conversation has a name (a rename sticks)."""
+        with self._db.atomic():
+            if self.conversation(cid)["title"] != DEFAULT_TITLE:
+                return None
+            title = title_from_question(question)
+            self._db["conversations"].update(cid, {"title": title, "updated_at": self._clock()})
+        return title
 
     def set_tab_order(self, cids: Iterable[int]) -> None:
         """tab_order = index in `cids`, all or nothing."""

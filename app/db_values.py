@@ -15,12 +15,24 @@ ROLES = ("system", "user", "assistant")
 # "streaming": being written right now; a streaming row found at start-up means the app died mid-answer.
 STATUSES = ("done", "streaming", "interrupted", "cancelled", "error")
 
+DEFAULT_TITLE = "New chat"  # a conversation named so takes its first question's words (Database.title_if_untitled)
+TITLE_CHARS = 48
+
 _JSON_COLUMNS = ("sampling", "stats", "sources")
 
 
 def fts_string(word: str) -> str:
     """`word` as an FTS5 string literal, so no character in it is read as query syntax."""
     return '"' + word.replace('"', '""') + '"'
+
+
+def title_from_question(question: str) -> str:
+    """The opening words of a question, at most TITLE_CHARS characters, cut at a word."""
+    words = " ".join(question.split())
+    if len(words) <= TITLE_CHARS:
+        return words or DEFAULT_TITLE
+    cut = words[:TITLE_CHARS + 1].rsplit(" ", 1)[0] if " " in words[:TITLE_CHARS + 1] else words[:TITLE_CHARS]
+    return cut.rstrip(" ,.;:!?-") + "…"
 
 
 def encode_json(value: Any) -> str:

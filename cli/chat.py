@@ -1,8 +1,9 @@
-"""`kvboost chat`: the terminal chat, the app's face where there is no display. Its conversation is the desktop
-app's: kept in the app's database (a temporary one, gone when the chat ends), documents added with /file read the
-way the app reads dropped files (a worker process with time and memory limits: app/document_ingest.py) and laid
-out in prompts the way the app lays them out (whole in the system message while they fit, else each question's
-best passages: app/rag.py), so the cache does for these answers what it does for the app's."""
+"""`kvboost chat`: the terminal chat, the app's face where there is no display. Its conversations are the desktop
+app's: kept in the app's database (its data folder: $KVBOOST_HOME, else the per-user one; --temporary keeps
+nothing), listed in the window's sidebar and back with /history and /open; documents added with /file read the way
+the app reads dropped files (a worker process with time and memory limits: app/document_ingest.py) and laid out in
+prompts the way the app lays them out (whole in the system message while they fit, else each question's best
+passages: app/rag.py), so the cache does for these answers what it does for the app's."""
 
 from __future__ import annotations
 
@@ -11,18 +12,22 @@ import json
 import sys
 import tempfile
 import threading
+import time
+from contextlib import ExitStack
 from pathlib import Path
 
 HELP = """commands:
   /file PATH   add a document (.md, .txt, .pdf, .docx or code) or a folder of them to the conversation, read
                now; the answers use them, naming the passages they were given under each answer
   /files       the conversation's documents
-  /reset       a new conversation (without documents)
+  /history     the kept conversations, the latest first
+  /open N      go on with conversation N of /history
+  /new         a new conversation (also /reset; the one before stays in /history)
   /stats       the cache in a few lines (/stats json: all of it)
   /help        these commands
   /quit        leave (also /exit or Ctrl+D); Ctrl+C stops an answer
 A message that starts with / is sent when it starts with // (the first / is dropped)."""
-
+HISTORY_SHOWN = 20
 
 def command_of(text: str) -> str | None:
     """The command a typed line is (its first word), None for a message."""
@@ -32,17 +37,34 @@ def command_of(text: str) -> str | None:
 
 
 class Conversation:
-    """One conversation in the app's database: its messages, its documents and the prompt of each question."""
+    """The conversation going on, in the app's database: its messages, its documents and the prompt of each
+    question. A new one is not one of the window's open tabs; it is listed with the others."""
 
-    def __init__(self, folder: Path, system: str | None, max_context: int):
-        from app.db import Database
+    def __init__(self, db, system: str | None, max_context: int):
+        self.db, self.system, self.max_context = db, system, max_context
+        self.id = self._new()
 
-        self.db, self.system, self.max_context = Database(folder / "chat.db"), system, max_context
-        self.id = self.db.create_conversation(system_prompt=system)["id"]
+    def _new(self) -> int:
+        cid = self.db.create_conversation(system_prompt=self.system)["id"]
+        self.db.update_conversation(cid, is_open=False)
+        return cid
 
-    def reset(self) -> None:
-        self.db.delete_conversation(self.id)
-        self.id = self.db.create_conversation(system_prompt=self.system)["id"]
+    def leave(self) -> None:
+        """Done with this conversation: one where nothing was asked or added is not kept."""
+        if not self.db.messages(self.id) and not self.documents():
+            self.db.delete_conversation(self.id)
+
+    def new(self) -> None:
+        self.leave()
+        self.id = self._new()
+
+    def open(self, cid: int) -> dict:
+        """Goes on with conversation `cid` (KeyError: there is none); returns its row."""
+        row = self.db.conversation(cid)
+        if cid != self.id:
+            self.leave()
+            self.id = cid
+        return row
 
     def documents(self) -> list[dict]:
         return self.db.conversation_documents(self.id)
@@ -52,6 +74,7 @@ class Conversation:
         from app import rag
 
         user = self.db.add_message(self.id, "user", question)
+        self.db.title_if_untitled(self.id, question)
         layout = rag.prompt_for(self.db, self.id, question, max_context=self.max_context,
                                 before_position=user["position"])
         if layout.user_prompt != question:  # later turns resend it byte for byte
@@ -80,20 +103,46 @@ class Conversation:
         return rag.warm_for(self.db, self.id, max_context=self.max_context, approximate=approximate)
 
 
-def run_chat(eng, system: str | None, sampling: dict, stream_to, badge, stats_summary) -> int:
+def run_chat(eng, system: str | None, sampling: dict, stream_to, badge, stats_summary, *,
+             temporary: bool = False) -> int:
     """The loop over typed lines until /quit or the end of input. `stream_to(out, eng, messages, sampling, cancel)`
-    writes an answer and returns its Result; `badge(stats)` and `stats_summary(cache_stats)` are its lines."""
-    print("KVBoost chat. /file PATH adds a document, /reset clears the conversation, /stats shows the cache, /help "
-          "lists the commands, /quit or Ctrl+D leaves.\nCtrl+C stops an answer.", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="kvboost-chat-") as folder:
-        conversation = Conversation(Path(folder), system, eng.max_context)
+    writes an answer and returns its Result; `badge(stats)` and `stats_summary(cache_stats)` are its lines.
+    `temporary`: the conversations go to a database removed at the end (so does a chat whose data folder cannot
+    be used, saying why)."""
+    print("KVBoost chat. /file PATH adds a document, /history lists the kept conversations, /stats shows the cache, "
+          "/help lists the commands, /quit or Ctrl+D leaves.\nCtrl+C stops an answer.", file=sys.stderr)
+    with ExitStack() as stack:
+        db = _database(temporary, stack)
+        conversation = Conversation(db, system, eng.max_context)
         try:
             return _loop(eng, conversation, sampling, stream_to, badge, stats_summary)
         finally:
-            conversation.db.close()
+            try:
+                conversation.leave()
+            finally:
+                db.close()
+
+
+def _database(temporary: bool, stack: ExitStack):
+    """The app's database, or a temporary one (`temporary`, or the app's cannot be used: the reason is said)."""
+    from app.db import Database, DatabaseError
+    from app.paths import FolderError, app_paths
+
+    if not temporary:
+        try:
+            path = app_paths().ensure().database
+            db = Database(path)
+            print(f"Conversations are kept in {path} (the desktop app lists them; --temporary keeps nothing).",
+                  file=sys.stderr)
+            return db
+        except (FolderError, DatabaseError) as exc:
+            print(f"warning: this chat is not kept: {exc}", file=sys.stderr)
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-chat-"))
+    return Database(Path(folder) / "chat.db")
 
 
 def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, stats_summary) -> int:
+    from app.db import DatabaseError
     from app.rag import passage_label
 
     while True:
@@ -113,7 +162,11 @@ def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, sta
         if command is not None:
             _command(eng, conversation, command, text[len(command):].strip(), stats_summary)
             continue
-        messages, sources, user = conversation.ask(line.lstrip()[1:] if text.startswith("//") else line)
+        try:
+            messages, sources, user = conversation.ask(line.lstrip()[1:] if text.startswith("//") else line)
+        except DatabaseError as exc:  # locked past the timeout, disk full, read-only: nothing was sent
+            print(f"error: the message was not sent: it could not be saved ({exc})", file=sys.stderr)
+            continue
         sys.stdout.write("bot> ")
         try:
             result = stream_to(sys.stdout, eng, messages, sampling, threading.Event())
@@ -131,15 +184,23 @@ def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, sta
             labels = dict.fromkeys(passage_label(s) for s in sources)  # passages of one section: named once
             print("[from: " + "; ".join(labels) + "]", file=sys.stderr)
         print(badge(result.stats), file=sys.stderr)
-        conversation.answered(result.text, sources)
+        try:
+            conversation.answered(result.text, sources)
+        except DatabaseError as exc:
+            print(f"error: the answer could not be saved ({exc}); the next question is sent without it",
+                  file=sys.stderr)
 
 
 def _command(eng, conversation: Conversation, command: str, argument: str, stats_summary) -> None:
     if command == "/help":
         print(HELP)
-    elif command == "/reset":
-        conversation.reset()
+    elif command in ("/new", "/reset"):
+        conversation.new()
         print("[a new conversation]")
+    elif command == "/history":
+        _history(conversation)
+    elif command == "/open":
+        _open(conversation, argument)
     elif command == "/stats":
         stats = eng.cache_stats()
         print(json.dumps(stats.to_dict(), indent=2) if argument == "json" else stats_summary(stats))
@@ -153,6 +214,36 @@ def _command(eng, conversation: Conversation, command: str, argument: str, stats
         _add_file(eng, conversation, argument)
     else:
         print(f"unknown command {command}: /help lists the commands (// starts a message with /)", file=sys.stderr)
+
+
+def _history(conversation: Conversation) -> None:
+    rows = [row for row in conversation.db.conversations() if row["id"] != conversation.id
+            or conversation.db.messages(row["id"]) or conversation.documents()][:HISTORY_SHOWN]
+    if not rows:
+        print("[no conversations kept yet]")
+    for row in rows:
+        count = len(conversation.db.messages(row["id"]))
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(row["updated_at"]))
+        mark = "*" if row["id"] == conversation.id else " "
+        print(f"{mark} {row['id']:>4}  {row['title']}  ({count} message{'' if count == 1 else 's'}, {when})")
+
+
+def _open(conversation: Conversation, argument: str) -> None:
+    if not argument.isdigit():
+        print("/open needs the number /history shows: /open 12", file=sys.stderr)
+        return
+    try:
+        row = conversation.open(int(argument))
+    except KeyError:
+        print(f"error: there is no conversation {argument}: /history lists them", file=sys.stderr)
+        return
+    messages = conversation.db.messages(row["id"])
+    print(f"[conversation {row['id']}: {row['title']}, {len(messages)} messages, "
+          f"{len(conversation.documents())} documents]")
+    for message in messages[-2:]:  # where it stopped: the last question and its answer
+        who = "you" if message["role"] == "user" else "bot"
+        text = " ".join(message["content"].split())
+        print(f"  {who}> {text[:300]}{'…' if len(text) > 300 else ''}")
 
 
 def _add_file(eng, conversation: Conversation, argument: str) -> None:

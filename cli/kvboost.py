@@ -147,7 +147,8 @@ def cmd_run(args) -> int:
 def cmd_chat(args) -> int:
     from .chat import run_chat
 
-    return run_chat(load_engine(args), args.system, _sampling(args), _stream_to, _badge, stats_summary)
+    return run_chat(load_engine(args), args.system, _sampling(args), _stream_to, _badge, stats_summary,
+                    temporary=args.temporary)
 
 
 def stats_summary(stats: CacheStats) -> str:
@@ -315,6 +316,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(p)
     _add_sampling_options(p)
     p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--temporary", action="store_true", help="keep nothing: the conversations are otherwise kept "
+                   "in the desktop app's database (its data folder: $KVBOOST_HOME/data, else the per-user one)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("run", help="one prompt, streamed to stdout")

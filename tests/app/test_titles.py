@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from qt_helpers import send
 
-from app.conversation_tab import TITLE_CHARS, title_from_question
+from app.db_values import TITLE_CHARS, title_from_question
 
 
 @pytest.mark.parametrize("question, title", [

@@ -1,4 +1,4 @@
-"""`kvboost chat` with documents: the conversation the terminal keeps (the app's database and prompt layouts), and
+"""`kvboost chat` with documents: the conversations the terminal keeps (the app's database and prompt layouts), and
 the real command as a user types into it."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from app.db import Database
 from cli.chat import Conversation, command_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +38,7 @@ def long_document(path: Path) -> Path:
 def test_a_short_document_is_kept_whole_in_the_system_message(tmp_path):
     note = tmp_path / "note.md"
     note.write_text(NOTE, encoding="utf-8")
-    conversation = Conversation(tmp_path, None, max_context=8192)
+    conversation = Conversation(Database(tmp_path / "chat.db"), None, max_context=8192)
     try:
         report = conversation.add(str(note))
         assert report == {"added": 1, "unchanged": 0, "problems": []}
@@ -52,7 +53,7 @@ def test_a_short_document_is_kept_whole_in_the_system_message(tmp_path):
 
 
 def test_a_long_document_sends_each_question_its_passages(tmp_path):
-    conversation = Conversation(tmp_path, None, max_context=8192)
+    conversation = Conversation(Database(tmp_path / "chat.db"), None, max_context=8192)
     try:
         assert conversation.add(str(long_document(tmp_path / "harbour.md")))["added"] == 1
         messages, sources, user = conversation.ask("What is the lighthouse keeper's code?")
@@ -73,7 +74,7 @@ def test_unreadable_files_are_named_and_the_conversation_keeps_the_rest(tmp_path
     folder.mkdir()
     (folder / "note.md").write_text(NOTE, encoding="utf-8")
     (folder / "blob.txt").write_bytes(b"\x00\x01\x02binary" * 100)
-    conversation = Conversation(tmp_path, None, max_context=8192)
+    conversation = Conversation(Database(tmp_path / "chat.db"), None, max_context=8192)
     try:
         report = conversation.add(str(folder))
         assert report["added"] == 1
@@ -85,15 +86,94 @@ def test_unreadable_files_are_named_and_the_conversation_keeps_the_rest(tmp_path
         conversation.db.close()
 
 
+def test_a_conversation_is_kept_once_something_was_asked_or_added(tmp_path):
+    db = Database(tmp_path / "chat.db")
+    try:
+        conversation = Conversation(db, None, max_context=8192)
+        conversation.leave()
+        assert db.conversations() == []  # nothing asked, nothing added: not kept
+        conversation = Conversation(db, None, max_context=8192)
+        conversation.ask("What is the capital of France?")
+        conversation.answered("Paris.", [])
+        conversation.leave()
+        kept = db.conversations()
+        assert [(c["title"], c["is_open"]) for c in kept] == [("What is the capital of France?", 0)]  # not a tab
+        assert [m["content"] for m in db.messages(kept[0]["id"])] == ["What is the capital of France?", "Paris."]
+        note = tmp_path / "note.md"
+        note.write_text(NOTE, encoding="utf-8")
+        conversation = Conversation(db, None, max_context=8192)
+        conversation.add(str(note))
+        conversation.leave()
+        assert len(db.conversations()) == 2  # a document but no question yet: kept
+    finally:
+        db.close()
+
+
+def test_open_goes_on_with_a_kept_conversation(tmp_path):
+    db = Database(tmp_path / "chat.db")
+    try:
+        conversation = Conversation(db, None, max_context=8192)
+        first = conversation.id
+        conversation.ask("What is the capital of France?")
+        conversation.answered("Paris.", [])
+        conversation.new()
+        second = conversation.id
+        assert conversation.open(first)["id"] == first
+        assert second not in [c["id"] for c in db.conversations()]  # left empty: gone
+        messages, _, _ = conversation.ask("And of Spain?")
+        assert [m["content"] for m in messages[1:]] == ["What is the capital of France?", "Paris.", "And of Spain?"]
+        with pytest.raises(KeyError):
+            conversation.open(second)
+        assert conversation.id == first
+    finally:
+        db.close()
+
+
+def chat(args, lines, home, timeout=300):
+    """`kvboost chat` as a user runs it, typing `lines`, with `home` as the app's home folder."""
+    return subprocess.run([sys.executable, "-m", "cli.kvboost", "chat", "--max-new-tokens", "24", "--threads", "2",
+                           "--disk-cache-bytes", "0", *args], input="\n".join(lines) + "\n", capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", KVBOOST_HOME=str(home)))
+
+
+@pytest.mark.slow
+def test_conversations_are_kept_and_go_on_in_a_later_chat(tmp_path):
+    first = chat([], ["What is the capital of France?", "/quit"], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "Conversations are kept in" in first.stderr
+    with Database(tmp_path / "data" / "kvboost.sqlite3") as db:
+        [kept] = db.conversations()
+        assert kept["title"] == "What is the capital of France?"
+        assert [m["role"] for m in db.messages(kept["id"])] == ["user", "assistant"]
+        answer = db.messages(kept["id"])[1]["content"]
+        assert "Paris" in answer
+    second = chat([], ["/history", f"/open {kept['id']}", "And what language do people speak there?", "/open 999",
+                       "/quit"], tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert f"  {kept['id']:>4}  What is the capital of France?  (2 messages," in second.stdout
+    assert f"[conversation {kept['id']}: What is the capital of France?, 2 messages, 0 documents]" in second.stdout
+    assert "error: there is no conversation 999" in second.stderr
+    with Database(tmp_path / "data" / "kvboost.sqlite3") as db:
+        assert [c["id"] for c in db.conversations()] == [kept["id"]]  # the second chat's own, empty: not kept
+        assert [m["content"] for m in db.messages(kept["id"])][:3] == [
+            "What is the capital of France?", answer, "And what language do people speak there?"]
+        assert len(db.messages(kept["id"])) == 4
+    third = chat(["--temporary"], ["What is the capital of Spain?", "/quit"], tmp_path)
+    assert third.returncode == 0, third.stderr
+    assert "kept in" not in third.stderr
+    with Database(tmp_path / "data" / "kvboost.sqlite3") as db:
+        assert len(db.conversations()) == 1 and len(db.messages(kept["id"])) == 4
+    assert "Traceback" not in first.stderr + second.stderr + third.stderr
+
+
 @pytest.mark.slow
 def test_chat_with_a_document_as_a_user_types_it(tmp_path):
     note = tmp_path / "note.md"
     note.write_text(NOTE, encoding="utf-8")
     lines = ["/help", "/files", f"/file {note}", f"/file {tmp_path / 'missing.md'}", "/files",
              "When does the ferry leave?", "/frobnicate", "/reset", "/files", "/quit"]
-    proc = subprocess.run([sys.executable, "-m", "cli.kvboost", "chat", "--max-new-tokens", "24", "--threads", "2",
-                           "--disk-cache-bytes", "0"], input="\n".join(lines) + "\n", capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = chat([], lines, tmp_path / "home")
     assert proc.returncode == 0, proc.stderr
     assert "/file PATH" in proc.stdout  # /help lists the commands
     assert proc.stdout.count("[no documents: /file PATH adds one]") == 2  # before /file and after /reset

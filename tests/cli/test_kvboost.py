@@ -14,17 +14,17 @@ KVBOOST = [sys.executable, "-m", "cli.kvboost"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run(args, stdin=None, timeout=300):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def run(args, stdin=None, timeout=300, home=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **({"KVBOOST_HOME": str(home)} if home else {}))
     return subprocess.run(KVBOOST + args, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)
 
 
 @pytest.mark.slow
-def test_chat_answers_and_reuses_the_conversation():
+def test_chat_answers_and_reuses_the_conversation(tmp_path):
     proc = run(["chat", "--max-new-tokens", "24", "--threads", "2"],
                stdin="What is the capital of France?\nAnd what language do people speak there?\n/stats\n"
-                     "/stats json\n/quit\n")
+                     "/stats json\n/quit\n", home=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     # piped, nothing echoes the question: the chat does, so each answer starts a line of its own
