@@ -70,23 +70,38 @@ class Conversation:
         return self.db.conversation_documents(self.id)
 
     def ask(self, question: str):
-        """(messages for the engine, the passages they carry, the stored question's row)"""
+        """(messages for the engine, the passages they carry, the stored question's row). DatabaseError: the
+        question could not be stored as it is sent, and is not in the conversation."""
         from app import rag
+        from app.db import DatabaseError
 
         user = self.db.add_message(self.id, "user", question)
-        self.db.title_if_untitled(self.id, question)
+        try:
+            self.db.title_if_untitled(self.id, question)
+        except DatabaseError:  # the answer matters more; the default title stays
+            pass
         layout = rag.prompt_for(self.db, self.id, question, max_context=self.max_context,
                                 before_position=user["position"])
         if layout.user_prompt != question:  # later turns resend it byte for byte
-            self.db.update_message(user["id"], prompt=layout.user_prompt)
+            try:
+                self.db.update_message(user["id"], prompt=layout.user_prompt)
+            except DatabaseError:
+                self.unasked(user)
+                raise
         return layout.messages, layout.sources, user
 
     def answered(self, text: str, sources: list[dict]) -> None:
         self.db.add_message(self.id, "assistant", text, sources=sources or None)
 
     def unasked(self, user: dict) -> None:
-        """The question `user` got no answer: it leaves the conversation."""
-        self.db.delete_messages_from(self.id, user["position"])
+        """The question `user` got no answer: it leaves the conversation (where the database lets it: else it stays,
+        unanswered, and the next question is asked after it)."""
+        from app.db import DatabaseError
+
+        try:
+            self.db.delete_messages_from(self.id, user["position"])
+        except DatabaseError as exc:
+            print(f"error: the unanswered question stays in the conversation: {exc}", file=sys.stderr)
 
     def add(self, path: str) -> dict:
         """Reads the file or folder at `path` into the conversation as the app reads a drop: {"added",
@@ -112,33 +127,45 @@ def run_chat(eng, system: str | None, sampling: dict, stream_to, badge, stats_su
     print("KVBoost chat. /file PATH adds a document, /history lists the kept conversations, /stats shows the cache, "
           "/help lists the commands, /quit or Ctrl+D leaves.\nCtrl+C stops an answer.", file=sys.stderr)
     with ExitStack() as stack:
-        db = _database(temporary, stack)
-        conversation = Conversation(db, system, eng.max_context)
+        conversation = _conversation(temporary, system, eng.max_context, stack)
         try:
             return _loop(eng, conversation, sampling, stream_to, badge, stats_summary)
         finally:
-            try:
-                conversation.leave()
-            finally:
-                db.close()
+            _leave(conversation)
 
 
-def _database(temporary: bool, stack: ExitStack):
-    """The app's database, or a temporary one (`temporary`, or the app's cannot be used: the reason is said)."""
+def _conversation(temporary: bool, system: str | None, max_context: int, stack: ExitStack) -> Conversation:
+    """A new conversation in the app's database, or in a temporary one (`temporary`, or the app's cannot be used
+    now: the reason is said)."""
     from app.db import Database, DatabaseError
     from app.paths import FolderError, app_paths
 
     if not temporary:
+        db = None
         try:
             path = app_paths().ensure().database
             db = Database(path)
+            conversation = Conversation(db, system, max_context)
             print(f"Conversations are kept in {path} (the desktop app lists them; --temporary keeps nothing).",
                   file=sys.stderr)
-            return db
+            return conversation
         except (FolderError, DatabaseError) as exc:
+            if db is not None:
+                db.close()
             print(f"warning: this chat is not kept: {exc}", file=sys.stderr)
     folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvboost-chat-"))
-    return Database(Path(folder) / "chat.db")
+    return Conversation(Database(Path(folder) / "chat.db"), system, max_context)
+
+
+def _leave(conversation: Conversation) -> None:
+    from app.db import DatabaseError
+
+    try:
+        conversation.leave()
+    except DatabaseError:  # an empty conversation stays behind: harmless
+        pass
+    finally:
+        conversation.db.close()
 
 
 def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, stats_summary) -> int:
@@ -160,7 +187,10 @@ def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, sta
         if command in ("/quit", "/exit"):
             return 0
         if command is not None:
-            _command(eng, conversation, command, text[len(command):].strip(), stats_summary)
+            try:
+                _command(eng, conversation, command, text[len(command):].strip(), stats_summary)
+            except DatabaseError as exc:  # locked past the timeout, disk full, read-only
+                print(f"error: {command} could not be done: {exc}", file=sys.stderr)
             continue
         try:
             messages, sources, user = conversation.ask(line.lstrip()[1:] if text.startswith("//") else line)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from app.db import Database
+from app.db import Database, DatabaseLocked
 from cli.chat import Conversation, command_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -129,6 +130,23 @@ def test_open_goes_on_with_a_kept_conversation(tmp_path):
         db.close()
 
 
+def test_a_question_that_cannot_be_saved_is_not_in_the_conversation(tmp_path):
+    db = Database(tmp_path / "chat.db", timeout=0.2)
+    other = sqlite3.connect(tmp_path / "chat.db", isolation_level=None)
+    try:
+        conversation = Conversation(db, None, max_context=8192)
+        other.execute("BEGIN IMMEDIATE")  # another process writing, past the timeout
+        with pytest.raises(DatabaseLocked):
+            conversation.ask("What is the capital of France?")
+        other.execute("ROLLBACK")
+        assert db.messages(conversation.id) == []
+        messages, _, _ = conversation.ask("What is the capital of France?")
+        assert messages[-1]["content"] == "What is the capital of France?"
+    finally:
+        other.close()
+        db.close()
+
+
 def chat(args, lines, home, timeout=300):
     """`kvboost chat` as a user runs it, typing `lines`, with `home` as the app's home folder."""
     return subprocess.run([sys.executable, "-m", "cli.kvboost", "chat", "--max-new-tokens", "24", "--threads", "2",
@@ -165,6 +183,26 @@ def test_conversations_are_kept_and_go_on_in_a_later_chat(tmp_path):
     with Database(tmp_path / "data" / "kvboost.sqlite3") as db:
         assert len(db.conversations()) == 1 and len(db.messages(kept["id"])) == 4
     assert "Traceback" not in first.stderr + second.stderr + third.stderr
+
+
+@pytest.mark.slow
+def test_a_chat_whose_database_is_locked_answers_and_says_it_is_not_kept(tmp_path):
+    (tmp_path / "data").mkdir()
+    Database(tmp_path / "data" / "kvboost.sqlite3").close()  # the app's database, as the window made it
+    other = sqlite3.connect(tmp_path / "data" / "kvboost.sqlite3", isolation_level=None)
+    try:
+        other.execute("BEGIN IMMEDIATE")  # the window (or another chat) writing for longer than the busy timeout
+        proc = chat([], ["What is the capital of France?", "/history", "/quit"], tmp_path)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: this chat is not kept:" in proc.stderr and "locked" in proc.stderr
+    assert "Paris" in proc.stdout
+    assert "  What is the capital of France?  (2 messages," in proc.stdout  # kept for the chat's run
+    assert "Traceback" not in proc.stderr
+    with Database(tmp_path / "data" / "kvboost.sqlite3") as db:
+        assert db.conversations() == []
 
 
 @pytest.mark.slow
