@@ -1,4 +1,4 @@
-"""`python -m bench shapes --shape 1.5b|7b`: a model of a real model's shape, side by side with llama.cpp.
+"""`python -m bench shapes --shape 1.5b|7b|14b`: a model of a real model's shape, side by side with llama.cpp.
 
 Writes a llama-architecture GGUF of a real model's body with random weights (no download: the text it writes is
 noise, its speed and memory are real) into a cache folder, once per shape:
@@ -35,6 +35,8 @@ SHAPES = {
     "1.5b": dict(layers=28, hidden=1536, ffn=8960, heads=12, kv_heads=2, vocab=151936, tied=True, context=32768),
     # Mistral-7B: 32 x 4096, ffn 14336, 32 heads, 8 KV heads, vocabulary 32000, an output head of its own.
     "7b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, tied=False, context=32768),
+    # Qwen2.5-14B: 48 x 5120, ffn 13824, 40 heads, 8 KV heads, vocabulary 152064, an output head of its own.
+    "14b": dict(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False, context=32768),
 }
 # A shape small enough to try the benchmark itself quickly (`--shape tiny`).
 SHAPES["tiny"] = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=49152, tied=True, context=4096)
