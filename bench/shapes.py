@@ -37,6 +37,8 @@ SHAPES = {
     "7b": dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=32000, tied=False, context=32768),
     # Qwen2.5-14B: 48 x 5120, ffn 13824, 40 heads, 8 KV heads, vocabulary 152064, an output head of its own.
     "14b": dict(layers=48, hidden=5120, ffn=13824, heads=40, kv_heads=8, vocab=152064, tied=False, context=32768),
+    # Qwen2.5-32B: 64 x 5120, ffn 27648, 40 heads, 8 KV heads, vocabulary 152064, an output head of its own.
+    "32b": dict(layers=64, hidden=5120, ffn=27648, heads=40, kv_heads=8, vocab=152064, tied=False, context=32768),
 }
 # A shape small enough to try the benchmark itself quickly (`--shape tiny`).
 SHAPES["tiny"] = dict(layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=49152, tied=True, context=4096)
@@ -187,21 +189,23 @@ sys.exit(rc)
 """
 
 
-def model_file(shape_name: str, threads: int) -> Path:
+def model_file(shape_name: str, threads: int, own_blocks: bool = False) -> Path:
     """The shape's Q4_K_M file, written on first use: by llama.cpp's quantizer from a Q8_0 file where llama.cpp is
-    installed, else laid out as llama.cpp lays one out with the project's own random blocks (said on stderr)."""
+    installed, else (or with `own_blocks`: no Q8_0 file, for a shape whose Q8_0 file would not fit the disk) laid
+    out as llama.cpp lays one out with the project's own random blocks (said on stderr)."""
     folder = cache_folder()
     q4 = folder / f"llama-{shape_name}.Q4_K_M.gguf"
-    if q4.is_file():
-        return q4
-    if llama_python() is None:
-        own = folder / f"llama-{shape_name}.Q4_K_M-own.gguf"
+    own = folder / f"llama-{shape_name}.Q4_K_M-own.gguf"
+    if own_blocks or llama_python() is None:
         if not own.is_file():
             t0 = time.perf_counter()
-            print(f"llama.cpp is not installed: writing {own.name} with our own K-quant blocks ...", file=sys.stderr)
+            why = "asked for" if own_blocks else "llama.cpp is not installed"
+            print(f"{why}: writing {own.name} with our own K-quant blocks ...", file=sys.stderr)
             write_q8_gguf(SHAPES[shape_name], own, own_q4_k_m=True)
             print(f"  {own.stat().st_size / 2**20:.0f} MiB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         return own
+    if q4.is_file():
+        return q4
     q8 = folder / f"llama-{shape_name}.Q8_0.gguf"
     if not q8.is_file():
         t0 = time.perf_counter()
@@ -330,8 +334,8 @@ def weights_read(path: Path) -> int:
 
 
 def run(shape_name: str, rounds: int, threads: int, prompt: int, new: int, weights: str,
-        kernel: str = "auto") -> dict:
-    path = model_file(shape_name, threads)
+        kernel: str = "auto", own_blocks: bool = False) -> dict:
+    path = model_file(shape_name, threads, own_blocks)
     job = {"gguf": str(path), "threads": threads, "prompt": prompt, "new": new, "weights": weights,
            "kernel": kernel, "weights_read": weights_read(path)}
     results = {"ours": [], "llama.cpp": []}
@@ -419,8 +423,11 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", default="int4", help="our weights= option (int4, auto, float)")
     parser.add_argument("--kernel", default="auto", help="our kernel= option (auto, gguf_blocks, cpu_int4pack)")
     parser.add_argument("--json", type=Path, help="also write the summary here")
+    parser.add_argument("--own-blocks", action="store_true", help="the Q4_K_M file written with our own random "
+                        "K-quant blocks even where llama.cpp is installed (no Q8_0 file: 32b's is 35 GB)")
     args = parser.parse_args(argv)
-    summary = run(args.shape, args.rounds, args.threads, args.prompt, args.new, args.weights, args.kernel)
+    summary = run(args.shape, args.rounds, args.threads, args.prompt, args.new, args.weights, args.kernel,
+                  args.own_blocks)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=2))
     print(table(summary))
