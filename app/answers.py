@@ -118,10 +118,12 @@ class _Request(QObject):
 
 
 class ChatRequest(_Request):
-    """One answer being made. Signals (on the thread that made it): started, token(text delta), then either
-    finished(Answer) or failed(message)."""
+    """One answer being made. Signals (on the thread that made it): started, prompt_read(tokens read, tokens in
+    all) while a long prompt is read (the local engine only), token(text delta), then either finished(Answer) or
+    failed(message)."""
 
     started = Signal()
+    prompt_read = Signal(int, int)
     token = Signal(str)
     finished = Signal(object)  # Answer
     failed = Signal(str)
@@ -134,6 +136,9 @@ class ChatRequest(_Request):
     def post_started(self) -> None:
         self._post("started")
 
+    def post_prompt_read(self, done: int, total: int) -> None:
+        self._post("prompt_read", (done, total))
+
     def post_token(self, text: str) -> None:
         self._post("token", text)
 
@@ -143,6 +148,8 @@ class ChatRequest(_Request):
     def _deliver_own(self, what: str, value) -> None:
         if what == "started":
             self.started.emit()
+        elif what == "prompt_read":
+            self.prompt_read.emit(*value)
         elif what == "token":
             self.token.emit(value)
         else:

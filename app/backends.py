@@ -152,12 +152,14 @@ class LocalBackend:
             engine = self._require_engine()
             running["engine"], running["ids"] = engine, engine.encode(messages)
             request.post_started()
-            return engine.stream(running["ids"], cancel=request.cancel_event, **sampling)
+            return engine.stream(running["ids"], cancel=request.cancel_event, progress=True, **sampling)
 
         def event(item) -> None:
-            from engine import Result
+            from engine import PromptProgress, Result
 
-            if not isinstance(item, Result):
+            if isinstance(item, PromptProgress):
+                request.post_prompt_read(item.done, item.total)
+            elif not isinstance(item, Result):
                 if item.text:
                     request.post_token(item.text)
             else:

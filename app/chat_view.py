@@ -190,6 +190,7 @@ class MessageWidget(QFrame):
         self._render_timer = QTimer(self, singleShot=True, interval=RENDER_INTERVAL_MS)
         self._render_timer.timeout.connect(self._render)
         self._answer: dict | None = None
+        self._reading = False  # the badge says how much of the prompt has been read (show_prompt_read)
         is_user = message["role"] == "user"
         self.edit_button.setVisible(is_user)
         self.regenerate_button.setVisible(not is_user)
@@ -215,12 +216,24 @@ class MessageWidget(QFrame):
     def text(self) -> str:
         return self._text
 
+    def show_prompt_read(self, done: int, total: int) -> None:
+        """Before the first token of a long prompt's answer: how much of the prompt the model has read."""
+        self._reading = True
+        self.badge.setText(f"reading the prompt: {done:,} of {total:,} tokens ({100 * done // max(total, 1)}%)")
+
+    def _done_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self.badge.setText("")
+
     def append_text(self, delta: str) -> None:
+        self._done_reading()
         self._text += delta
         if not self._render_timer.isActive():
             self._render_timer.start()
 
     def set_text(self, text: str) -> None:
+        self._done_reading()
         self._text = text
         self._render()
 
@@ -237,6 +250,7 @@ class MessageWidget(QFrame):
         self.shown_text = self._text
 
     def set_status(self, status: str) -> None:
+        self._done_reading()
         self.message["status"] = status
         self._render()
         self._show_status(status)
@@ -249,6 +263,7 @@ class MessageWidget(QFrame):
 
     def set_answer(self, answer: dict) -> None:
         """Stats, segments and the time-saved estimate of a finished answer."""
+        self._reading = False
         self._answer = answer
         self.badge.setText(badge_text(answer.get("stats"), answer.get("finish_reason")))
         self.badge.setToolTip(badge_details(answer.get("stats")))

@@ -194,6 +194,7 @@ class ConversationTab(QWidget):
         widget.set_sources(layout.sources)
         widget.rendered.connect(self.on_answer_rendered)
         self.request = self.client.chat(layout.messages, self.db.conversation(self.conversation_id)["sampling"])
+        self.request.prompt_read.connect(self.on_prompt_read)
         self.request.token.connect(self.on_token)
         self.request.finished.connect(self.on_answer_finished)
         self.request.failed.connect(self.on_answer_failed)
@@ -221,6 +222,11 @@ class ConversationTab(QWidget):
         if widget is not None and self._stopped_text is None:
             self._stopped_text = widget.text
             widget.set_text(self._stopped_text)  # what had arrived, rendered now rather than at the next tick
+
+    def on_prompt_read(self, done: int, total: int) -> None:
+        widget = self.chat_view.widget_for(self._answer_id) if self._answer_id is not None else None
+        if widget is not None and self._stopped_text is None:
+            widget.show_prompt_read(done, total)
 
     def on_token(self, text: str) -> None:
         if self._stopped_text is not None:

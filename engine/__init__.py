@@ -18,6 +18,7 @@ _EXPORTS = {
     "CacheStats": "reports", "EngineInfo": "reports", "MemoryReport": "reports",  # info(), memory(), cache_stats()
     "WeightsReport": "reports",  # info().weights
     "ModelLoadError": "weights.loader",
+    "PromptProgress": "prefill",  # stream(progress=True)
     # the engine thread, its queue, its one job type
     "MAX_BATCH": "worker", "EngineWorker": "worker", "Job": "worker", "WorkerStopped": "worker",
 }

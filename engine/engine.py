@@ -262,19 +262,21 @@ class KVBoost:
 
     # -- generation ------------------------------------------------------------------------------------
     def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None, return_logits: bool = False,
-               **sampling) -> Iterator[TokenEvent | Result]:
+               progress: bool = False, **sampling) -> Iterator[TokenEvent | Result]:
         """Token deltas as TokenEvent, then the Result as the last event. `cancel` (optional) stops the
         generation at the next token with finish_reason "cancelled"; `return_logits` keeps the next-token
-        logits at the end of the prompt in Result.first_logits."""
+        logits at the end of the prompt in Result.first_logits; `progress`: a prompt computed in more than one
+        piece (DecodeConfig.prefill_piece_tokens) also gives a PromptProgress after each piece but the last,
+        before the first TokenEvent (a front end's "reading the prompt" while a big model reads a long one)."""
         t_enter = time.perf_counter()
         params = SamplingConfig.from_kwargs(**sampling)
         ids = self.encode(prompt)
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt is {len(ids)} tokens; {self.name} holds at most {self.max_context} "
                              "(prompt and answer together)")
-        return RequestStream(self, self._events(ids, params, t_enter, cancel, return_logits))
+        return RequestStream(self, self._events(ids, params, t_enter, cancel, return_logits, progress))
 
-    def _events(self, ids, params, t_enter, cancel, return_logits=False):
+    def _events(self, ids, params, t_enter, cancel, return_logits=False, progress=False):
         """The request as a coroutine (engine.batching): its events, and a Forward for each prefill piece and each
         decode step, whose logits the runner sends back. Run by RequestStream (alone, holding
         the engine's lock) or by a batching.Batch (which holds it for its requests)."""
@@ -295,7 +297,7 @@ class KVBoost:
             timing: list[tuple[int, float]] = []
             logits, stats.repaired_tokens = yield from prefill_steps(
                 self.model, plan, self.store, cache, self.device, self._rope, repair, self._batch_repair,
-                decode.prefill_piece_tokens, timing)
+                decode.prefill_piece_tokens, timing, progress)
             stats.prefill_ms = 1000 * sum(seconds for _, seconds in timing)
             # 3) decode. The new chunks are stored once the first token is out (time to first token does
             # not wait for them), the tail in `finally`: however the loop ends, the store stays consistent.

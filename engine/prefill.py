@@ -10,6 +10,7 @@ one CacheBlend pass instead, and with "selective" one batched pass over every co
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -22,6 +23,15 @@ from .live_cache import GrowingCache
 from .paged import KV, spilling
 from .plan import APPROXIMATE, MISS, Plan, Segment
 from .rope import rerotate_kv
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """A long prompt being read (KVBoost.stream(progress=True)): `done` of its `total` tokens are in the cache, reused
+    or computed; one after each computed piece but the last, before the first TokenEvent."""
+
+    done: int
+    total: int
 
 
 def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
@@ -42,14 +52,16 @@ def prefill(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, de
 
 @torch.inference_mode()
 def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCache, device, rope=None, repair=None,
-                  batch_repair: bool = True, piece_tokens: int | None = None, timing: list | None = None):
+                  batch_repair: bool = True, piece_tokens: int | None = None, timing: list | None = None,
+                  progress: bool = False):
     """prefill() as a coroutine that yields each computed piece as a batching.Forward (prompt=True) for whoever
     runs the request (alone, or a Batch, which takes one piece per step) and gets its logits back; returns
     (logits, repaired). Computed runs are forwarded in pieces that end at multiples of `piece_tokens` (None: each
     run in one pass): the same cuts whether the request runs alone or batched, so its KV is the same either way.
     `timing`, when given, receives (tokens, seconds) of each computed piece (the work itself: no fetch, no
     overhead; on CUDA up to a synchronize; in a batch's pass, the piece's share of it), from which a front end
-    learns what a token of prefill costs on this machine."""
+    learns what a token of prefill costs on this machine. `progress`: a PromptProgress after each computed piece
+    but the last (whoever runs the request hands it on and sends nothing back)."""
     segments = plan.segments
     assert segments and segments[-1].kind == MISS, "a plan ends with a computed token"
     batched = repair is not None and (repair.mode == "cacheblend" or (repair.mode == "selective" and batch_repair))
@@ -79,6 +91,8 @@ def prefill_steps(model, plan: Plan, store: ChunkStore | None, cache: DynamicCac
                     timing.append((piece_end - piece_start, piece.seconds))
                 if final:
                     logits = out[-1]
+                elif progress:
+                    yield PromptProgress(piece_end, len(plan.ids))
         if i < len(segments):
             rest = segments[i:]
             pieces = [None if seg.kind == MISS else _segment_kv(seg, store, rope, device) for seg in rest]

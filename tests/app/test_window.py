@@ -1,4 +1,5 @@
-"""The main window over the real model: sending, streaming, stop, tabs, search, export/import, errors."""
+"""The main window over the real model: sending, streaming (a long prompt's reading too), stop, tabs, search,
+export/import, errors."""
 
 from __future__ import annotations
 
@@ -343,3 +344,22 @@ def test_two_tabs_answer_at_once_in_one_batch_with_the_answers_each_gives_alone(
         assert saved["content"] == want and saved["status"] == "done"
         assert "".join(pieces) == want  # each tab heard its own answer's pieces, none of the other's
         assert saved["stats"]["batched_forwards"] > 0  # their decode steps shared forward passes
+
+
+def test_a_long_question_shows_how_much_of_its_prompt_was_read_until_the_answer_starts(qtbot, window, db):
+    tab = window.current_tab()
+    db.update_conversation(tab.conversation_id, sampling={"temperature": 0.0, "top_p": 1.0, "max_new_tokens": 4})
+    question = " ".join(f"Line {i}: the ferry leaves pier {i % 7} at {i % 12} o'clock." for i in range(60))
+    read, first_token = [], []
+    tab.composer.setPlainText(question + "\nWhich pier is line 3 about?")
+    qtbot.keyClick(tab.composer, Qt.Key_Return)
+    widget = tab.chat_view.widget_for(tab._answer_id)
+    tab.request.prompt_read.connect(lambda done, total: read.append((done, total, widget.badge.text())))
+    tab.request.token.connect(lambda text: first_token.append(widget.badge.text()) if not first_token else None)
+    with qtbot.waitSignal(tab.request.finished, timeout=WAIT_MS):
+        pass
+    total = read[0][1] if read else 0
+    assert total > 512 and [done for done, _, _ in read] == list(range(256, total, 256))  # a piece at a time
+    assert read[0][2] == f"reading the prompt: 256 of {total:,} tokens ({100 * 256 // total}%)"
+    assert first_token and not first_token[0].startswith("reading")  # gone with the first token
+    assert not widget.badge.text().startswith("reading") and "tokens" in widget.badge.text()  # the stats line

@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import ARCHS, build_model, build_tokenizer, random_ids
 
-from engine import EngineConfig, EngineWorker, KVBoost, Result, TokenEvent
+from engine import EngineConfig, EngineWorker, KVBoost, PromptProgress, Result, TokenEvent
 from engine.batching import Batch, Forward, packed_forward
 from engine.generate import run_forward
 from engine.live_cache import GrowingCache
@@ -189,6 +189,30 @@ def test_a_newcomers_prefill_runs_one_piece_per_step_between_the_others_decode_s
     # Between joining and its first token the newcomer took 7 steps; the old request decoded in each.
     assert rec.tokens_of("old", first_new) - rec.tokens_of("old", joined_at) >= 6
     assert rec.result("new").token_ids == want.token_ids
+    assert rec.ends == {"old": None, "new": None}
+
+
+def test_a_long_prompt_says_how_far_it_was_read_alone_and_in_a_batch(one_thread):
+    engine = KVBoost(build_model("llama"), build_tokenizer(),
+                     EngineConfig.of(disk_cache_bytes=0, reuse="off", speculative=None, prefill_piece_tokens=16))
+    long_prompt = random_ids(100, 8)  # 7 pieces: 6 of 16 tokens without logits, then the last 4
+    plain = list(engine.stream(long_prompt, max_new_tokens=5))
+    assert not any(isinstance(e, PromptProgress) for e in plain)  # only for those who ask
+    alone = list(engine.stream(long_prompt, max_new_tokens=5, progress=True))
+    batch, rec = Batch(), Recorder()
+    rec.admit(batch, engine, "old", random_ids(20, 9), max_new_tokens=40)
+    batch.step()
+    rec.admit(batch, engine, "new", long_prompt, max_new_tokens=5, progress=True)
+    while len(batch):
+        batch.step()
+    batched = [e for n, e in rec.log if n == "new"]
+    for events in (alone, batched):
+        read = [(e.done, e.total) for e in events if isinstance(e, PromptProgress)]
+        assert read == [(16 * k, 100) for k in range(1, 7)]
+        first_token = next(i for i, e in enumerate(events) if isinstance(e, TokenEvent))
+        assert first_token == len(read)  # all of it before the first token
+        assert events[-1].token_ids == plain[-1].token_ids
+    assert not any(isinstance(e, PromptProgress) for n, e in rec.log if n == "old")
     assert rec.ends == {"old": None, "new": None}
 
 
