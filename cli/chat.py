@@ -29,6 +29,7 @@ HELP = """commands:
 A message that starts with / is sent when it starts with // (the first / is dropped)."""
 HISTORY_SHOWN = 20
 
+
 def command_of(text: str) -> str | None:
     """The command a typed line is (its first word), None for a message."""
     if not text.startswith("/") or text.startswith("//"):
@@ -52,7 +53,10 @@ class Conversation:
     def leave(self) -> None:
         """Done with this conversation: one where nothing was asked or added is not kept."""
         if not self.db.messages(self.id) and not self.documents():
-            self.db.delete_conversation(self.id)
+            try:
+                self.db.delete_conversation(self.id)
+            except KeyError:  # deleted meanwhile (in the window)
+                pass
 
     def new(self) -> None:
         self.leave()
@@ -259,7 +263,7 @@ def _history(conversation: Conversation) -> None:
 
 
 def _open(conversation: Conversation, argument: str) -> None:
-    if not argument.isdigit():
+    if not (argument.isascii() and argument.isdigit() and len(argument) <= 18):  # "²" and 10**30 are not ids
         print("/open needs the number /history shows: /open 12", file=sys.stderr)
         return
     try:

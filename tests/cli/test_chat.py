@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from app.db import Database, DatabaseLocked
-from cli.chat import Conversation, command_of
+from cli.chat import Conversation, _open, command_of
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTE = "# Harbour note\n\nThe ferry to the island leaves at 7:40 every morning from pier 3. A ticket costs 12 crowns.\n"
@@ -106,11 +106,15 @@ def test_a_conversation_is_kept_once_something_was_asked_or_added(tmp_path):
         conversation.add(str(note))
         conversation.leave()
         assert len(db.conversations()) == 2  # a document but no question yet: kept
+        conversation = Conversation(db, None, max_context=8192)
+        db.delete_conversation(conversation.id)  # by the window, while the terminal is in it
+        conversation.leave()
+        assert len(db.conversations()) == 2
     finally:
         db.close()
 
 
-def test_open_goes_on_with_a_kept_conversation(tmp_path):
+def test_open_goes_on_with_a_kept_conversation(tmp_path, capsys):
     db = Database(tmp_path / "chat.db")
     try:
         conversation = Conversation(db, None, max_context=8192)
@@ -125,6 +129,10 @@ def test_open_goes_on_with_a_kept_conversation(tmp_path):
         assert [m["content"] for m in messages[1:]] == ["What is the capital of France?", "Paris.", "And of Spain?"]
         with pytest.raises(KeyError):
             conversation.open(second)
+        assert conversation.id == first
+        for typed in ("²", "9" * 30, "-1", "one"):  # what /open refuses before it reaches the database
+            _open(conversation, typed)
+        assert "/open needs the number /history shows" in capsys.readouterr().err
         assert conversation.id == first
     finally:
         db.close()
