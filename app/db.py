@@ -186,8 +186,10 @@ class Database(DocumentTables):
     def title_if_untitled(self, cid: int, question: str) -> str | None:
         """A conversation still called DEFAULT_TITLE takes `question`'s opening words; returns the new title, or
         None where the conversation has a name (a rename sticks)."""
+        if self.conversation(cid)["title"] != DEFAULT_TITLE:  # most questions: no write lock taken
+            return None
         with self._db.atomic():
-            if self.conversation(cid)["title"] != DEFAULT_TITLE:
+            if self.conversation(cid)["title"] != DEFAULT_TITLE:  # renamed by another process meanwhile
                 return None
             title = title_from_question(question)
             self._db["conversations"].update(cid, {"title": title, "updated_at": self._clock()})
