@@ -1,4 +1,4 @@
-"""`python -m bench shapes --shape 1.5b|7b|14b`: a model of a real model's shape, side by side with llama.cpp.
+"""`python -m bench shapes --shape 1.5b|7b|14b|32b`: a model of a real model's shape, side by side with llama.cpp.
 
 Writes a llama-architecture GGUF of a real model's body with random weights (no download: the text it writes is
 noise, its speed and memory are real) into a cache folder, once per shape:

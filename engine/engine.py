@@ -30,7 +30,7 @@ from .graph_decode import GraphDecode, graph_decode_unavailable
 from .keys import root_key
 from .kv.tiered_store import build_store
 from .paged import make_cache, spill_unsupported
-from .prefill import prefill_steps
+from .prefill import PromptProgress, prefill_steps
 from .prompt import Messages, encode
 from .reports import CacheStats, ChunkingStats, EngineInfo, MemoryReport, RemoteTierStats, TierStats, WeightsReport
 from .reuse import KVReuse
@@ -262,7 +262,7 @@ class KVBoost:
 
     # -- generation ------------------------------------------------------------------------------------
     def stream(self, prompt: str | Messages, *, cancel: threading.Event | None = None, return_logits: bool = False,
-               progress: bool = False, **sampling) -> Iterator[TokenEvent | Result]:
+               progress: bool = False, **sampling) -> Iterator[TokenEvent | PromptProgress | Result]:
         """Token deltas as TokenEvent, then the Result as the last event. `cancel` (optional) stops the
         generation at the next token with finish_reason "cancelled"; `return_logits` keeps the next-token
         logits at the end of the prompt in Result.first_logits; `progress`: a prompt computed in more than one
