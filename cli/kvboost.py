@@ -117,16 +117,35 @@ def _badge(stats) -> str:
             f"TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tokens_per_s:.1f} tok/s]")
 
 
-def _stream_to(out, eng, prompt, sampling, cancel=None):
-    from engine.generate import Result
+def _stream_to(out, eng, prompt, sampling, cancel=None, status=None):
+    """Writes the answer to `out` as it comes and returns the Result. A long prompt is read in pieces: on a terminal
+    (`status`, by default stderr where it is one) one line says how far, rewritten after each piece and erased
+    before the first token, so the answer starts where it would have."""
+    from engine import PromptProgress, Result
 
-    result = None
-    for event in eng.stream(prompt, cancel=cancel, **sampling):
-        if isinstance(event, Result):
-            result = event
-        else:
-            out.write(event.text)
-            out.flush()
+    status = status if status is not None else (sys.stderr if sys.stderr.isatty() else None)
+    result, shown = None, False
+    try:
+        for event in eng.stream(prompt, cancel=cancel, progress=status is not None, **sampling):
+            if isinstance(event, PromptProgress):
+                status.write(f"\r  reading the prompt: {event.done} of {event.total} tokens "
+                             f"({event.done * 100 // event.total}%)\x1b[K")
+                status.flush()
+                shown = True
+                continue
+            if shown:  # the first token or the end: the line goes before anything else is written
+                status.write("\r\x1b[K")
+                status.flush()
+                shown = False
+            if isinstance(event, Result):
+                result = event
+            else:
+                out.write(event.text)
+                out.flush()
+    finally:
+        if shown:  # stopped (Ctrl-C) or failed while reading: what follows starts on a clean line
+            status.write("\r\x1b[K")
+            status.flush()
     return result
 
 

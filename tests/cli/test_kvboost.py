@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import pty
 import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,52 @@ def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
 
     form = "blocks" if expected_unavailable() is None else "int4"  # the file's blocks where the block kernel runs
     assert f"Q4_K->{form} x14" in loaded and " MiB" in loaded
+
+
+def on_a_terminal(args, timeout=300) -> tuple[int, str]:
+    """`kvboost ARGS` with its stdout and stderr on one pseudo-terminal, as in a terminal window: (exit code, all it
+    wrote there)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(KVBOOST + args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    os.close(slave)
+    written, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise AssertionError(f"kvboost {args[0]} did not end in {timeout} s: {b''.join(written)[-2000:]!r}")
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the process closed its end
+                break
+            if not data:
+                break
+            written.append(data)
+        return proc.wait(timeout=60), b"".join(written).decode()
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_a_long_prompt_says_how_far_it_has_been_read_on_a_terminal_only(tmp_path):
+    """On a terminal, a prompt read in pieces rewrites one line after each piece, and the line is erased before the
+    answer's first character; where stderr is not a terminal (a pipe, a log) nothing of it is written."""
+    from gguf_files import tiny_gguf
+
+    path = tiny_gguf(tmp_path / "tiny.gguf", "Q4_K")
+    args = ["run", "--model", str(path), "--max-new-tokens", "3", "--disk-cache-bytes", "0", "--temperature", "0",
+            "--prefill-piece-tokens", "16", "counting " * 60]
+    code, screen = on_a_terminal(args)
+    assert code == 0, screen
+    shown = [(int(m[1]), int(m[2])) for m in re.finditer(r"\r  reading the prompt: (\d+) of (\d+) tokens", screen)]
+    total = shown[-1][1] if shown else 0
+    assert total > 48 and [done for done, _ in shown] == list(range(16, total, 16))[:len(shown)] \
+        and len(shown) == (total - 1) // 16, screen
+    after = screen[screen.rindex("reading the prompt"):]
+    assert after.index("\r\x1b[K") < after.index("\n"), after  # erased before anything else, the answer included
+    piped = run(args[:-1] + ["counting " * 60])
+    assert piped.returncode == 0 and "reading the prompt" not in piped.stderr + piped.stdout, piped.stderr
 
 
 def run_without_model(args):
