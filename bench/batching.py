@@ -11,6 +11,11 @@ while 7 others are decoding, against its TTFT alone on the same server.
     python -m bench batching --weights int4 --tokens 32
     python -m bench batching --weights int4 --engine-only   # the same streams without HTTP and clients
     python -m bench batching --engine-only --streams 8 --model FILE.gguf   # a real model's size (bench shapes)
+    python -m bench batching --weights int4 --engine-only --streams 8 --by-step   # what a forward costs by requests
+
+`--by-step` also times every forward pass of both workers (decoding steps only, no prompt pieces) by the number of
+requests in it, one new token each: a pass of k requests against k passes of one is the most batching can gain
+at k requests, whatever the Python around the passes costs.
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -20,6 +25,7 @@ engine alone, against what reaches a client.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
@@ -154,8 +160,60 @@ def run(weights: str, max_tokens: int, counts: list[int], model: str | None = No
     return 0
 
 
+class ForwardTimes:
+    """While entered, the seconds of every forward pass of a request (engine.runner.ModelRunner.forward, one alone)
+    or of several (engine.batching.Batch._answer with more than one), wrapped: (requests, tokens, whether a prompt
+    piece was among them, seconds)."""
+
+    def __init__(self):
+        self.passes: list[tuple[int, int, bool, float]] = []
+
+    def __enter__(self):
+        from engine.batching import Batch
+        from engine.runner import ModelRunner
+
+        self._originals = answer, forward = Batch._answer, ModelRunner.forward
+        passes = self.passes
+
+        def timed(run, forwards):
+            tokens, prompt = sum(len(f.tokens) for f in forwards), any(f.prompt for f in forwards)
+            start = time.perf_counter()
+            out = run()
+            passes.append((len(forwards), tokens, prompt, time.perf_counter() - start))
+            return out
+
+        def answer_timed(batch, members, engine):
+            if len(members) == 1:  # its one forward is ModelRunner.forward's
+                return answer(batch, members, engine)
+            return timed(lambda: answer(batch, members, engine), [m.waiting for m in members])
+
+        Batch._answer = answer_timed
+        ModelRunner.forward = lambda runner, item: timed(lambda: forward(runner, item), [item])
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        from engine.batching import Batch
+        from engine.runner import ModelRunner
+
+        Batch._answer, ModelRunner.forward = self._originals
+
+    def table(self) -> list[str]:
+        """Decoding passes (one token a request) by requests: the median ms, and k one-request passes against it."""
+        by: dict[int, list[float]] = {}
+        for requests, tokens, prompt, seconds in self.passes:
+            if not prompt and tokens == requests:
+                by.setdefault(requests, []).append(seconds)
+        one = statistics.median(by[1]) if 1 in by else None
+        lines = ["| requests in a pass | passes | median ms | k passes of one / this one |", "|---|---|---|---|"]
+        for k in sorted(by):
+            ms = statistics.median(by[k])
+            gain = f"{k * one / ms:.2f}x" if one else "-"
+            lines.append(f"| {k} | {len(by[k])} | {1000 * ms:.2f} | {gain} |")
+        return lines
+
+
 def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 3, model: str | None = None,
-                document: int = 0, same_document: bool = False) -> int:
+                document: int = 0, same_document: bool = False, by_step: bool = False) -> int:
     """The streams of `run` through two engine workers, one at a time (max_batch 1) against batched (8): the
     median over `rounds` of the wall time until all finished. With `document` > 0 every stream asks about its own
     passage of ~that many tokens (chat tabs over dropped files), each prompt read once by both workers before the
@@ -191,6 +249,7 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
           + (f", every stream over {'one' if same_document else 'its own'} ~{document}-token passage, read before "
              "the rounds" if document else "")
           + ")\n")
+    steps: dict[int, list[str]] = {}
     print("| streams | all done, one at a time | all done, batched | sooner | same text |")
     print("|---|---|---|---|---|")
     for n in counts:
@@ -209,13 +268,19 @@ def engine_only(weights: str, max_tokens: int, counts: list[int], rounds: int = 
             all_done(name, prompts if document else prompts[:1])  # one-time start-up costs (and the passages)
         seconds = {name: [] for name in workers}
         texts = {}
-        for _ in range(rounds):  # alternating: the machine's noise hits both alike
-            for name in workers:
-                spent, texts[name] = all_done(name, prompts)
-                seconds[name].append(spent)
+        with ForwardTimes() if by_step else contextlib.nullcontext() as timed:
+            for _ in range(rounds):  # alternating: the machine's noise hits both alike
+                for name in workers:
+                    spent, texts[name] = all_done(name, prompts)
+                    seconds[name].append(spent)
         fifo, batched = statistics.median(seconds["fifo"]), statistics.median(seconds["batched"])
         same = sum(a == b for a, b in zip(texts["fifo"], texts["batched"]))
         print(f"| {n} | {fifo:.2f} s | {batched:.2f} s | {fifo / batched:.2f}x | {same}/{n} |")
+        if timed is not None:
+            steps[n] = timed.table()
+    for n, lines in steps.items():
+        print(f"\nThe forward passes of {n} streams' rounds (both ways), decoding steps only:\n")
+        print("\n".join(lines))
     for worker, _ in workers.values():
         worker.stop()
     return 0
@@ -234,6 +299,8 @@ def main(argv=None) -> int:
                         help="with --engine-only: every stream asks about its own passage of ~this many tokens")
     parser.add_argument("--same-document", action="store_true",
                         help="with --document: every stream asks about the same passage (its own question)")
+    parser.add_argument("--by-step", action="store_true",
+                        help="with --engine-only: also the forward passes' times by the requests in them")
     args = parser.parse_args(argv)
     try:
         counts = [int(n) for n in args.streams.split(",")]
@@ -244,9 +311,11 @@ def main(argv=None) -> int:
     if not 0 <= args.document <= 8000 or (args.document and not args.engine_only) or \
             (args.same_document and not args.document):
         parser.error("--document: 0 to 8000 tokens, with --engine-only; --same-document: with --document")
+    if args.by_step and not args.engine_only:
+        parser.error("--by-step: with --engine-only")
     if args.engine_only:
         return engine_only(args.weights, args.tokens, counts, args.rounds, args.model, args.document,
-                           args.same_document)
+                           args.same_document, args.by_step)
     return run(args.weights, args.tokens, counts, args.model)
 
 
