@@ -124,8 +124,9 @@ class Conversation:
 
 def run_chat(eng, system: str | None, sampling: dict, stream_to, badge, stats_summary, *,
              temporary: bool = False) -> int:
-    """The loop over typed lines until /quit or the end of input. `stream_to(out, eng, messages, sampling, cancel)`
-    writes an answer and returns its Result; `badge(stats)` and `stats_summary(cache_stats)` are its lines.
+    """The loop over typed lines until /quit or the end of input. `stream_to(out, eng, messages, sampling, cancel,
+    lead=...)` writes `lead` and an answer and returns its Result; `badge(stats)` and `stats_summary(cache_stats)`
+    are its lines.
     `temporary`: the conversations go to a database removed at the end (so does a chat whose data folder cannot
     be used, saying why)."""
     print("KVBoost chat. /file PATH adds a document, /history lists the kept conversations, /stats shows the cache, "
@@ -201,9 +202,8 @@ def _loop(eng, conversation: Conversation, sampling: dict, stream_to, badge, sta
         except DatabaseError as exc:  # locked past the timeout, disk full, read-only: nothing was sent
             print(f"error: the message was not sent: it could not be saved ({exc})", file=sys.stderr)
             continue
-        sys.stdout.write("bot> ")
         try:
-            result = stream_to(sys.stdout, eng, messages, sampling, threading.Event())
+            result = stream_to(sys.stdout, eng, messages, sampling, threading.Event(), lead="bot> ")
         except KeyboardInterrupt:
             # The stream object is gone with the interrupt; the engine stored what was computed.
             print("\n[stopped]")

@@ -117,14 +117,26 @@ def _badge(stats) -> str:
             f"TTFT {stats.ttft_ms:.0f} ms, {stats.decode_tokens_per_s:.1f} tok/s]")
 
 
-def _stream_to(out, eng, prompt, sampling, cancel=None, status=None):
-    """Writes the answer to `out` as it comes and returns the Result. A long prompt is read in pieces: on a terminal
-    (`status`, by default stderr where it is one) one line says how far, rewritten after each piece and erased
-    before the first token, so the answer starts where it would have."""
+def _stream_to(out, eng, prompt, sampling, cancel=None, status=None, lead: str = ""):
+    """Writes `lead`, then the answer, to `out` as it comes, and returns the Result. A long prompt is read in
+    pieces: on a terminal (`status`, by default stderr where it is one) one line says how far, rewritten after each
+    piece and erased before `lead` and the first token, so they start where they would have."""
     from engine import PromptProgress, Result
 
     status = status if status is not None else (sys.stderr if sys.stderr.isatty() else None)
     result, shown = None, False
+
+    def begin():
+        nonlocal shown, lead
+        if shown:  # the line goes before anything else is written
+            status.write("\r\x1b[K")
+            status.flush()
+            shown = False
+        if lead:
+            out.write(lead)
+            out.flush()
+            lead = ""
+
     try:
         for event in eng.stream(prompt, cancel=cancel, progress=status is not None, **sampling):
             if isinstance(event, PromptProgress):
@@ -133,19 +145,14 @@ def _stream_to(out, eng, prompt, sampling, cancel=None, status=None):
                 status.flush()
                 shown = True
                 continue
-            if shown:  # the first token or the end: the line goes before anything else is written
-                status.write("\r\x1b[K")
-                status.flush()
-                shown = False
+            begin()
             if isinstance(event, Result):
                 result = event
             else:
                 out.write(event.text)
                 out.flush()
-    finally:
-        if shown:  # stopped (Ctrl-C) or failed while reading: what follows starts on a clean line
-            status.write("\r\x1b[K")
-            status.flush()
+    finally:  # also stopped (Ctrl-C) or failed while reading: what follows starts on a clean line, after `lead`
+        begin()
     return result
 
 

@@ -73,13 +73,14 @@ def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
     assert f"Q4_K->{form} x14" in loaded and " MiB" in loaded
 
 
-def on_a_terminal(args, timeout=300) -> tuple[int, str]:
-    """`kvboost ARGS` with its stdout and stderr on one pseudo-terminal, as in a terminal window: (exit code, all it
-    wrote there)."""
+def on_a_terminal(args, typed: str = "", timeout=300) -> tuple[int, str]:
+    """`kvboost ARGS` with its stdin, stdout and stderr on one pseudo-terminal, as in a terminal window, `typed`
+    typed into it: (exit code, all it wrote there)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen(KVBOOST + args, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT,
+    proc = subprocess.Popen(KVBOOST + args, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     os.close(slave)
+    os.write(master, typed.encode())
     written, deadline = [], time.monotonic() + timeout
     try:
         while True:
@@ -99,15 +100,36 @@ def on_a_terminal(args, timeout=300) -> tuple[int, str]:
         os.close(master)
 
 
+def as_shown(screen: str) -> list[str]:
+    """The lines a terminal shows for `screen`: a carriage return goes back to the line's start, ESC [ K erases to
+    its end, characters overwrite."""
+    lines, line, column, i = [], [], 0, 0
+    while i < len(screen):
+        if screen.startswith("\x1b[K", i):
+            del line[column:]
+            i += 3
+            continue
+        char, i = screen[i], i + 1
+        if char == "\r":
+            column = 0
+        elif char == "\n":
+            lines.append("".join(line))
+            line, column = [], 0
+        else:
+            line[column:column + 1] = [char]
+            column += 1
+    return lines + ["".join(line)]
+
+
 def test_a_long_prompt_says_how_far_it_has_been_read_on_a_terminal_only(tmp_path):
     """On a terminal, a prompt read in pieces rewrites one line after each piece, and the line is erased before the
     answer's first character; where stderr is not a terminal (a pipe, a log) nothing of it is written."""
     from gguf_files import tiny_gguf
 
     path = tiny_gguf(tmp_path / "tiny.gguf", "Q4_K")
-    args = ["run", "--model", str(path), "--max-new-tokens", "3", "--disk-cache-bytes", "0", "--temperature", "0",
-            "--prefill-piece-tokens", "16", "counting " * 60]
-    code, screen = on_a_terminal(args)
+    options = ["--model", str(path), "--max-new-tokens", "3", "--disk-cache-bytes", "0", "--temperature", "0",
+               "--prefill-piece-tokens", "16"]
+    code, screen = on_a_terminal(["run", *options, "counting " * 60])
     assert code == 0, screen
     shown = [(int(m[1]), int(m[2])) for m in re.finditer(r"\r  reading the prompt: (\d+) of (\d+) tokens", screen)]
     total = shown[-1][1] if shown else 0
@@ -115,8 +137,16 @@ def test_a_long_prompt_says_how_far_it_has_been_read_on_a_terminal_only(tmp_path
         and len(shown) == (total - 1) // 16, screen
     after = screen[screen.rindex("reading the prompt"):]
     assert after.index("\r\x1b[K") < after.index("\n"), after  # erased before anything else, the answer included
-    piped = run(args[:-1] + ["counting " * 60])
+    assert not any("reading the prompt" in line for line in as_shown(screen))
+    piped = run(["run", *options, "counting " * 60])
     assert piped.returncode == 0 and "reading the prompt" not in piped.stderr + piped.stdout, piped.stderr
+
+    # the chat: the answer's line keeps its "bot> " (the progress line is drawn over it and erased)
+    code, screen = on_a_terminal(["chat", *options, "--temporary"], typed="counting " * 60 + "\n/quit\n")
+    assert code == 0 and "reading the prompt: 16 of" in screen, screen
+    answers = [line for line in as_shown(screen) if line.startswith("bot> ")]
+    assert len(answers) == 1 and len(answers[0]) > len("bot> "), as_shown(screen)
+    assert not any("reading the prompt" in line for line in as_shown(screen))
 
 
 def run_without_model(args):
