@@ -6,6 +6,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -73,17 +74,20 @@ def test_a_load_shows_its_progress_and_what_it_holds(tmp_path):
     assert f"Q4_K->{form} x14" in loaded and " MiB" in loaded
 
 
-def on_a_terminal(args, typed: str = "", timeout=300) -> tuple[int, str]:
+def on_a_terminal(args, typed: str = "", timeout=300, then=()) -> tuple[int, str]:
     """`kvboost ARGS` with its stdin, stdout and stderr on one pseudo-terminal, as in a terminal window, `typed`
-    typed into it: (exit code, all it wrote there)."""
+    typed into it: (exit code, all it wrote there). `then`: (text, action) pairs in order, each action(process,
+    type) called once the output shows its text (type(str) types more)."""
     master, slave = pty.openpty()
     proc = subprocess.Popen(KVBOOST + args, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     os.close(slave)
     os.write(master, typed.encode())
-    written, deadline = [], time.monotonic() + timeout
+    written, deadline, then = [], time.monotonic() + timeout, list(then)
     try:
         while True:
+            if then and then[0][0].encode() in b"".join(written):
+                then.pop(0)[1](proc, lambda text: os.write(master, text.encode()))
             ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 raise AssertionError(f"kvboost {args[0]} did not end in {timeout} s: {b''.join(written)[-2000:]!r}")
@@ -147,6 +151,23 @@ def test_a_long_prompt_says_how_far_it_has_been_read_on_a_terminal_only(tmp_path
     answers = [line for line in as_shown(screen) if line.startswith("bot> ")]
     assert len(answers) == 1 and len(answers[0]) > len("bot> "), as_shown(screen)
     assert not any("reading the prompt" in line for line in as_shown(screen))
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_prompt_is_read_stops_it_and_clears_its_line(tmp_path):
+    """Ctrl+C while the real model reads a long question: the progress line goes, the answer's line says it
+    stopped, and the chat goes on to the next question."""
+    question = "Summarize: " + "the harbour opens at dawn and closes at dusk. " * 150
+    code, screen = on_a_terminal(["chat", "--prefill-piece-tokens", "16", "--max-new-tokens", "8", "--temporary"],
+                                 typed=question + "\n", timeout=600,
+                                 then=[("reading the prompt: 32 of", lambda proc, _: proc.send_signal(signal.SIGINT)),
+                                       ("[stopped]", lambda _, type_: type_("What is the capital of France?\n")),
+                                       ("tok/s]", lambda _, type_: type_("/quit\n"))])
+    shown = as_shown(screen)
+    assert code == 0, shown
+    at = shown.index("[stopped]")
+    assert shown[at - 1] == "bot> " and not any("reading the prompt" in line for line in shown), shown
+    assert any(line.startswith("bot> ") and "Paris" in line for line in shown[at:]), shown
 
 
 def run_without_model(args):
