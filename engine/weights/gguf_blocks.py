@@ -120,7 +120,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 
-def _cannot_build() -> str | None:
+def cannot_build() -> str | None:
     """Why neither a build nor the shipped library can be had here, or None."""
     if platform.system() == "Windows":
         return "the block kernel is built with a Unix C compiler; Windows keeps torch's kernels"
@@ -130,7 +130,7 @@ def _cannot_build() -> str | None:
 
 
 def _build(folder: Path) -> ctypes.CDLL:
-    why = _cannot_build()
+    why = cannot_build()
     if why is not None:
         raise BlockKernelUnavailable(why)
     compiler = _compiler()
@@ -230,7 +230,7 @@ def expected_unavailable(device: torch.device | str = "cpu") -> str | None:
             return None
         if "error" in _state:
             return _state["error"]
-    return _cannot_build()
+    return cannot_build()
 
 
 def vector_path() -> str:
