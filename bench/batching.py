@@ -15,7 +15,9 @@ while 7 others are decoding, against its TTFT alone on the same server.
 
 `--by-step` also times every forward pass of both workers (decoding steps only, no prompt pieces) by the number of
 requests in it, one new token each: a pass of k requests against k passes of one is the most batching can gain
-at k requests, whatever the Python around the passes costs.
+at k requests, whatever the Python around the passes costs. Each pass is also taken apart: the layers' one C call
+(with the Python that prepares it), the head, and the rest (the Python around them: splitting the logits, the
+requests' caches' bookkeeping).
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -163,24 +165,38 @@ def run(weights: str, max_tokens: int, counts: list[int], model: str | None = No
 class ForwardTimes:
     """While entered, the seconds of every forward pass of a request (engine.runner.ModelRunner.forward, one alone)
     or of several (engine.batching.Batch._answer with more than one), wrapped: (requests, tokens, whether a prompt
-    piece was among them, seconds)."""
+    piece was among them, seconds, of those the one-call forward's layers (OneCallForward._layers_over: the C call
+    and the Python that prepares it), and the linears run from Python (BlockLinear.forward: the head, where the
+    layers run in one C call))."""
 
     def __init__(self):
-        self.passes: list[tuple[int, int, bool, float]] = []
+        self.passes: list[tuple[int, int, bool, float, float, float]] = []
+        self._parts = [0.0, 0.0]  # the pass running: its layers' and its Python-run linears' seconds so far
 
     def __enter__(self):
         from engine.batching import Batch
+        from engine.block_forward import OneCallForward
         from engine.runner import ModelRunner
+        from engine.weights.gguf_blocks import BlockLinear
 
-        self._originals = answer, forward = Batch._answer, ModelRunner.forward
-        passes = self.passes
+        self._originals = answer, forward, layers, linear = (Batch._answer, ModelRunner.forward,
+                                                             OneCallForward._layers_over, BlockLinear.forward)
+        passes, parts = self.passes, self._parts
 
         def timed(run, forwards):
             tokens, prompt = sum(len(f.tokens) for f in forwards), any(f.prompt for f in forwards)
+            parts[:] = [0.0, 0.0]
             start = time.perf_counter()
             out = run()
-            passes.append((len(forwards), tokens, prompt, time.perf_counter() - start))
+            passes.append((len(forwards), tokens, prompt, time.perf_counter() - start, *parts))
             return out
+
+        def part(index, run):
+            start = time.perf_counter()
+            try:
+                return run()
+            finally:
+                parts[index] += time.perf_counter() - start
 
         def answer_timed(batch, members, engine):
             if len(members) == 1:  # its one forward is ModelRunner.forward's
@@ -189,26 +205,32 @@ class ForwardTimes:
 
         Batch._answer = answer_timed
         ModelRunner.forward = lambda runner, item: timed(lambda: forward(runner, item), [item])
+        OneCallForward._layers_over = lambda self, ids, segments: part(0, lambda: layers(self, ids, segments))
+        BlockLinear.forward = lambda self, x: part(1, lambda: linear(self, x))
         return self
 
     def __exit__(self, *exc_info) -> None:
         from engine.batching import Batch
+        from engine.block_forward import OneCallForward
         from engine.runner import ModelRunner
+        from engine.weights.gguf_blocks import BlockLinear
 
-        Batch._answer, ModelRunner.forward = self._originals
+        Batch._answer, ModelRunner.forward, OneCallForward._layers_over, BlockLinear.forward = self._originals
 
     def table(self) -> list[str]:
-        """Decoding passes (one token a request) by requests: the median ms, and k one-request passes against it."""
-        by: dict[int, list[float]] = {}
-        for requests, tokens, prompt, seconds in self.passes:
+        """Decoding passes (one token a request) by requests: the median ms, k one-request passes against it, and
+        the medians of its parts (the layers' call, the linears run from Python, the rest: Python around them)."""
+        by: dict[int, list[tuple[float, float, float, float]]] = {}
+        for requests, tokens, prompt, seconds, layers, linears in self.passes:
             if not prompt and tokens == requests:
-                by.setdefault(requests, []).append(seconds)
-        one = statistics.median(by[1]) if 1 in by else None
-        lines = ["| requests in a pass | passes | median ms | k passes of one / this one |", "|---|---|---|---|"]
+                by.setdefault(requests, []).append((seconds, layers, linears, seconds - layers - linears))
+        one = statistics.median(s for s, *_ in by[1]) if 1 in by else None
+        lines = ["| requests in a pass | passes | median ms | k passes of one / this one | layers (one C call) ms "
+                 "| head ms | the rest ms |", "|---|---|---|---|---|---|---|"]
         for k in sorted(by):
-            ms = statistics.median(by[k])
-            gain = f"{k * one / ms:.2f}x" if one else "-"
-            lines.append(f"| {k} | {len(by[k])} | {1000 * ms:.2f} | {gain} |")
+            ms, layers, linears, rest = (1000 * statistics.median(column) for column in zip(*by[k]))
+            gain = f"{k * one / (ms / 1000):.2f}x" if one else "-"
+            lines.append(f"| {k} | {len(by[k])} | {ms:.2f} | {gain} | {layers:.2f} | {linears:.2f} | {rest:.2f} |")
         return lines
 
 

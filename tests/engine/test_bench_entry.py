@@ -139,15 +139,18 @@ def test_the_rounding_benchmark_rounds_each_run_of_32_to_its_codes_ties_to_even(
 
 def test_the_batching_bench_times_each_forward_pass_by_its_requests_and_unwraps_after(smollm):
     """`bench batching --by-step`: passes of one request alone (ModelRunner.forward) and of several together
-    (Batch._answer) are each timed once, by their requests and tokens; leaving puts the engine's methods back."""
+    (Batch._answer) are each timed once, by their requests and tokens, with the parts of each (the layers' one C
+    call, the head); leaving puts the engine's methods back."""
     from bench.batching import ForwardTimes
     from engine import EngineWorker, Result
     from engine.batching import Batch
+    from engine.block_forward import OneCallForward
     from engine.runner import ModelRunner
+    from engine.weights.gguf_blocks import BlockLinear
 
     engine = smollm.with_options(reuse="off", speculative=None)
     prompts = [engine.encode([{"role": "user", "content": q}]) for q in ("Name a colour.", "Name a fruit.")]
-    originals = Batch._answer, ModelRunner.forward
+    originals = Batch._answer, ModelRunner.forward, OneCallForward._layers_over, BlockLinear.forward
     with ForwardTimes() as timed:
         alone = engine.generate(prompts[0], max_new_tokens=4, temperature=0.0)
         worker = EngineWorker(name="test-by-step", max_batch=2)
@@ -155,11 +158,12 @@ def test_the_batching_bench_times_each_forward_pass_by_its_requests_and_unwraps_
                 for p in prompts]
         together = [next(e for e in job if isinstance(e, Result)) for job in jobs]
         assert worker.stop(5)
-    assert (Batch._answer, ModelRunner.forward) == originals
+    assert (Batch._answer, ModelRunner.forward, OneCallForward._layers_over, BlockLinear.forward) == originals
     assert together[0].text == alone.text
-    decoding = [(requests, tokens) for requests, tokens, prompt, _ in timed.passes if not prompt]
+    decoding = [(requests, tokens) for requests, tokens, prompt, *_ in timed.passes if not prompt]
     assert decoding.count((1, 1)) >= len(alone.token_ids) - 1  # alone: a pass a token after the first
     assert (2, 2) in decoding  # both requests' next tokens in one pass
-    assert all(seconds > 0 for *_, seconds in timed.passes)
+    for *_, seconds, layers, head in timed.passes:  # every pass: its layers in one C call, its head from Python
+        assert 0 < layers and 0 < head and layers + head < seconds
     rows = {line.split("|")[1].strip() for line in timed.table()[2:]}
     assert {"1", "2"} <= rows
