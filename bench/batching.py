@@ -15,9 +15,10 @@ while 7 others are decoding, against its TTFT alone on the same server.
 
 `--by-step` also times every forward pass of both workers (decoding steps only, no prompt pieces) by the number of
 requests in it, one new token each: a pass of k requests against k passes of one is the most batching can gain
-at k requests, whatever the Python around the passes costs. Each pass is also taken apart: the layers' one C call
-(with the Python that prepares it), the head, and the rest (the Python around them: splitting the logits, the
-requests' caches' bookkeeping).
+at k requests, whatever the Python around the passes costs. Each pass is also taken apart: inside the layers' one C
+call its phases (the weights' products, the activations' rounding for them, attention, the row steps: norms,
+rotary, residual adds, gating), the Python before that call (the requests' caches' bookkeeping), the head, and the
+Python after it (the logits split between the requests).
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -33,6 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -162,33 +164,62 @@ def run(weights: str, max_tokens: int, counts: list[int], model: str | None = No
     return 0
 
 
+PHASES = ("products", "rounding", "attention", "row steps")  # block_forward.c's, in kvb_forward_phases' order
+
+
+class Pass(NamedTuple):
+    """One forward pass timed by ForwardTimes: its requests and tokens, whether a prompt piece was among them, its
+    seconds, and of those: the one-call forward's layers (OneCallForward._layers_over: the C call and the Python
+    that prepares it), the linears run from Python (BlockLinear.forward: the head, where the layers run in one C
+    call), and inside the layers' C call each of PHASES."""
+
+    requests: int
+    tokens: int
+    prompt: bool
+    seconds: float
+    layers: float
+    linears: float
+    phases: tuple[float, ...]
+
+
 class ForwardTimes:
-    """While entered, the seconds of every forward pass of a request (engine.runner.ModelRunner.forward, one alone)
-    or of several (engine.batching.Batch._answer with more than one), wrapped: (requests, tokens, whether a prompt
-    piece was among them, seconds, of those the one-call forward's layers (OneCallForward._layers_over: the C call
-    and the Python that prepares it), and the linears run from Python (BlockLinear.forward: the head, where the
-    layers run in one C call))."""
+    """While entered, every forward pass of a request (engine.runner.ModelRunner.forward, one alone) or of several
+    (engine.batching.Batch._answer with more than one) is timed and taken apart: `passes`, a Pass each."""
 
     def __init__(self):
-        self.passes: list[tuple[int, int, bool, float, float, float]] = []
+        self.passes: list[Pass] = []
         self._parts = [0.0, 0.0]  # the pass running: its layers' and its Python-run linears' seconds so far
 
     def __enter__(self):
+        import ctypes
+
         from engine.batching import Batch
         from engine.block_forward import OneCallForward
         from engine.runner import ModelRunner
+        from engine.weights import gguf_blocks
         from engine.weights.gguf_blocks import BlockLinear
 
         self._originals = answer, forward, layers, linear = (Batch._answer, ModelRunner.forward,
                                                              OneCallForward._layers_over, BlockLinear.forward)
         passes, parts = self.passes, self._parts
+        library = None if gguf_blocks.unavailable("cpu") else gguf_blocks.library()
+        sums = (ctypes.c_double * len(PHASES))()
+
+        def phases() -> tuple[float, ...]:
+            if library is None:
+                return (0.0,) * len(PHASES)
+            library.kvb_forward_phases(sums)
+            return tuple(sums)
 
         def timed(run, forwards):
             tokens, prompt = sum(len(f.tokens) for f in forwards), any(f.prompt for f in forwards)
             parts[:] = [0.0, 0.0]
+            before = phases()
             start = time.perf_counter()
             out = run()
-            passes.append((len(forwards), tokens, prompt, time.perf_counter() - start, *parts))
+            seconds = time.perf_counter() - start
+            spent = tuple(after - earlier for after, earlier in zip(phases(), before))
+            passes.append(Pass(len(forwards), tokens, prompt, seconds, *parts, spent))
             return out
 
         def part(index, run):
@@ -207,6 +238,9 @@ class ForwardTimes:
         ModelRunner.forward = lambda runner, item: timed(lambda: forward(runner, item), [item])
         OneCallForward._layers_over = lambda self, ids, segments: part(0, lambda: layers(self, ids, segments))
         BlockLinear.forward = lambda self, x: part(1, lambda: linear(self, x))
+        self._library = library
+        if library is not None:
+            library.kvb_forward_timing(1)
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -215,22 +249,27 @@ class ForwardTimes:
         from engine.runner import ModelRunner
         from engine.weights.gguf_blocks import BlockLinear
 
+        if self._library is not None:
+            self._library.kvb_forward_timing(0)
         Batch._answer, ModelRunner.forward, OneCallForward._layers_over, BlockLinear.forward = self._originals
 
     def table(self) -> list[str]:
         """Decoding passes (one token a request) by requests: the median ms, k one-request passes against it, and
-        the medians of its parts (the layers' call, the linears run from Python, the rest: Python around them)."""
-        by: dict[int, list[tuple[float, float, float, float]]] = {}
-        for requests, tokens, prompt, seconds, layers, linears in self.passes:
-            if not prompt and tokens == requests:
-                by.setdefault(requests, []).append((seconds, layers, linears, seconds - layers - linears))
-        one = statistics.median(s for s, *_ in by[1]) if 1 in by else None
-        lines = ["| requests in a pass | passes | median ms | k passes of one / this one | layers (one C call) ms "
-                 "| head ms | the rest ms |", "|---|---|---|---|---|---|---|"]
+        the medians of its parts: inside the layers' C call each of PHASES, then the rest of that call (the
+        Python that prepares it), the linears run from Python (the head), and the rest (Python around them)."""
+        by: dict[int, list[tuple[float, ...]]] = {}
+        for p in self.passes:
+            if not p.prompt and p.tokens == p.requests:
+                by.setdefault(p.requests, []).append((p.seconds, *p.phases, p.layers - sum(p.phases), p.linears,
+                                                      p.seconds - p.layers - p.linears))
+        one = statistics.median(row[0] for row in by[1]) if 1 in by else None
+        lines = ["| requests in a pass | passes | median ms | k passes of one / this one | "
+                 + " | ".join(PHASES) + " | Python before the layers' call | head | Python after |",
+                 "|---|---|---|---|" + "---|" * (len(PHASES) + 3)]
         for k in sorted(by):
-            ms, layers, linears, rest = (1000 * statistics.median(column) for column in zip(*by[k]))
+            ms, *parts = (1000 * statistics.median(column) for column in zip(*by[k]))
             gain = f"{k * one / (ms / 1000):.2f}x" if one else "-"
-            lines.append(f"| {k} | {len(by[k])} | {ms:.2f} | {gain} | {layers:.2f} | {linears:.2f} | {rest:.2f} |")
+            lines.append(f"| {k} | {len(by[k])} | {ms:.2f} | {gain} | " + " | ".join(f"{x:.2f}" for x in parts) + " |")
         return lines
 
 

@@ -10,6 +10,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "own_exp.h"
 
@@ -134,10 +135,44 @@ typedef struct { /* one activation matrix rounded for a weight's activation bloc
     void *sums;
 } rounded;
 
+/* Where a forward's time goes (`bench batching --by-step`): seconds in each phase, summed over the forwards run while
+   kvb_forward_timing(1) is on; one forward at a time (the sums are plain globals). Off, a phase's end is one test. */
+enum { PHASE_PRODUCTS, PHASE_ROUNDING, PHASE_ATTENTION, PHASE_ROWS, PHASES };
+static int timing;
+static double phase_seconds[PHASES];
+
+static double seconds_now(void) {
+    struct timespec t;
+    timespec_get(&t, TIME_UTC);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* on: phases timed from now, their sums cleared; off: not timed */
+void kvb_forward_timing(int on) {
+    timing = on;
+    memset(phase_seconds, 0, sizeof phase_seconds);
+}
+
+/* the sums so far, in seconds: the weights' products, the activations' rounding for them, attention (with the
+   queries laid out and the new keys and values written), the row steps (norms, rotary, residual adds, gating) */
+void kvb_forward_phases(double out[PHASES]) { memcpy(out, phase_seconds, sizeof phase_seconds); }
+
+#define PHASE_END(phase, mark)                                                                                     \
+    do {                                                                                                           \
+        if (timing) {                                                                                              \
+            const double now_ = seconds_now();                                                                     \
+            phase_seconds[phase] += now_ - (mark);                                                                 \
+            (mark) = now_;                                                                                         \
+        }                                                                                                          \
+    } while (0)
+
 static void round_for(rounded *slot, const float *x, int64_t m, int64_t k, int block, int threads) {
     if (slot->block != block) {
+        double mark = timing ? seconds_now() : 0.0;
         kvb_quantize(x, m, k, block, slot->q, slot->d, slot->sums, threads_for(m, k, threads));
         slot->block = block;
+        if (timing) phase_seconds[PHASE_PRODUCTS] -= seconds_now() - mark; /* inside a product's phase */
+        PHASE_END(PHASE_ROUNDING, mark);
     }
 }
 
@@ -332,17 +367,21 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         slots[s].sums = take(&at, 4 * m * (widest / 16 + 1)); /* 8 bytes per 32 (kvb_sum32), 2 per 16 */
     }
     int status = 0;
+    double mark = timing ? seconds_now() : 0.0;
     for (int64_t l = 0; l < n_layers && status == 0; l++) {
         const kvb_layer *L = &layers[l];
         rmsnorm_parallel(x, L->input_norm, m, hidden, eps, normed, threads);
+        PHASE_END(PHASE_ROWS, mark);
         slots[0].block = slots[1].block = 0;
         const kvb_weight *qkv[3] = {&L->q, &L->k, &L->v};
         float *qkv_out[3] = {q, k, v};
         if (l == 0 && m >= FETCH_FROM)
             list_cached(&plan, caches, n_layers, 0, segments, starts, shared, kv_heads, head_dim);
         if ((status = linears(3, qkv, normed, slots, m, qkv_out, threads, &plan, 0, l == 0 ? plan.lines : 0))) break;
+        PHASE_END(PHASE_PRODUCTS, mark);
         rotate(q, cos, sin, m, heads, head_dim);
         rotate(k, cos, sin, m, kv_heads, head_dim);
+        PHASE_END(PHASE_ROWS, mark);
         for (int64_t s = 0, r0 = 0; s < segments; r0 += rows[s], s++) {
             const int64_t ms = rows[s], start = starts[s];
             float *keys = caches[s * n_layers + l].keys, *values = caches[s * n_layers + l].values;
@@ -368,6 +407,7 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
                                         (const float *const *)seg_v, seg_stride, rows, seg_nk, seg_out, heads,
                                         kv_heads, head_dim, scale, threads, (const float *const *)lead_k,
                                         (const float *const *)lead_v, lead_stride, shared);
+        PHASE_END(PHASE_ATTENTION, mark);
         if (status) break;
         slots[0].block = slots[1].block = 0;
         /* the next layer's cached keys and values, asked for while this layer's o, gate, up and down products run
@@ -381,18 +421,24 @@ int kvb_decoder_packed(const kvb_layer *layers, int64_t n_layers, const kvb_cach
         const int64_t after_gate_up = (int64_t)(plan.lines * ((o_work + gate_up_work) / work));
         const kvb_weight *o = &L->o;
         if ((status = linears(1, &o, attended, slots, m, &normed, threads, &plan, 0, after_o))) break;
+        PHASE_END(PHASE_PRODUCTS, mark);
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
         rmsnorm_parallel(x, L->post_norm, m, hidden, eps, normed, threads);
+        PHASE_END(PHASE_ROWS, mark);
         slots[0].block = slots[1].block = 0;
         const kvb_weight *gate_up[2] = {&L->gate, &L->up};
         float *gate_up_out[2] = {gate, up};
         if ((status = linears(2, gate_up, normed, slots, m, gate_up_out, threads, &plan, after_o, after_gate_up)))
             break;
+        PHASE_END(PHASE_PRODUCTS, mark);
         gating_parallel(gate, up, m, intermediate, mixed, threads);
+        PHASE_END(PHASE_ROWS, mark);
         slots[0].block = slots[1].block = 0;
         const kvb_weight *down = &L->down;
         if ((status = linears(1, &down, mixed, slots, m, &normed, threads, &plan, after_gate_up, plan.lines))) break;
+        PHASE_END(PHASE_PRODUCTS, mark);
         for (int64_t i = 0; i < m * hidden; i++) x[i] = x[i] + normed[i];
+        PHASE_END(PHASE_ROWS, mark);
     }
     free(scratch);
     free(seg_q);

@@ -183,6 +183,10 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_attention_segments.restype = i32
     lib.kvb_same_until.argtypes = [p, p, i64, i64, i64, i64, i64]
     lib.kvb_same_until.restype = i64
+    lib.kvb_forward_timing.argtypes = [i32]
+    lib.kvb_forward_timing.restype = None
+    lib.kvb_forward_phases.argtypes = [p]
+    lib.kvb_forward_phases.restype = None
     lib.kvb_supports.argtypes = [i32]
     lib.kvb_vector_path.restype = i32
     lib.kvb_amx.restype = i32

@@ -137,6 +137,20 @@ def test_the_rounding_benchmark_rounds_each_run_of_32_to_its_codes_ties_to_even(
     assert torch.equal(fine[0, :32].max(), wide[0, :32].max()) and (fine - wide).abs().max() < 2e-4
 
 
+def engine_timing_is_off(engine) -> bool:
+    """No phase of a forward is timed once ForwardTimes has left: a forward leaves the C call's sums as they were."""
+    import ctypes
+
+    from engine.weights import gguf_blocks
+
+    library, sums = gguf_blocks.library(), (ctypes.c_double * 4)()
+    library.kvb_forward_phases(sums)
+    before = tuple(sums)
+    engine.generate(engine.encode([{"role": "user", "content": "Hi"}]), max_new_tokens=2, temperature=0.0)
+    library.kvb_forward_phases(sums)
+    return tuple(sums) == before
+
+
 def test_the_batching_bench_times_each_forward_pass_by_its_requests_and_unwraps_after(smollm):
     """`bench batching --by-step`: passes of one request alone (ModelRunner.forward) and of several together
     (Batch._answer) are each timed once, by their requests and tokens, with the parts of each (the layers' one C
@@ -160,10 +174,12 @@ def test_the_batching_bench_times_each_forward_pass_by_its_requests_and_unwraps_
         assert worker.stop(5)
     assert (Batch._answer, ModelRunner.forward, OneCallForward._layers_over, BlockLinear.forward) == originals
     assert together[0].text == alone.text
-    decoding = [(requests, tokens) for requests, tokens, prompt, *_ in timed.passes if not prompt]
+    decoding = [(p.requests, p.tokens) for p in timed.passes if not p.prompt]
     assert decoding.count((1, 1)) >= len(alone.token_ids) - 1  # alone: a pass a token after the first
     assert (2, 2) in decoding  # both requests' next tokens in one pass
-    for *_, seconds, layers, head in timed.passes:  # every pass: its layers in one C call, its head from Python
-        assert 0 < layers and 0 < head and layers + head < seconds
+    for p in timed.passes:  # every pass: its layers in one C call, taken apart there; its head from Python
+        assert 0 < p.layers and 0 < p.linears and p.layers + p.linears < p.seconds
+        assert len(p.phases) == 4 and all(0 < phase for phase in p.phases) and sum(p.phases) < p.layers
+    assert engine_timing_is_off(smollm)
     rows = {line.split("|")[1].strip() for line in timed.table()[2:]}
     assert {"1", "2"} <= rows
