@@ -17,8 +17,8 @@ while 7 others are decoding, against its TTFT alone on the same server.
 requests in it, one new token each: a pass of k requests against k passes of one is the most batching can gain
 at k requests, whatever the Python around the passes costs. Each pass is also taken apart: inside the layers' one C
 call its phases (the weights' products, the activations' rounding for them, attention, the row steps: norms,
-rotary, residual adds, gating), the Python before that call (the requests' caches' bookkeeping), the head, and the
-Python after it (the logits split between the requests).
+rotary, residual adds, gating), the rest of that call (mostly the Python that prepares it: the requests' caches'
+bookkeeping), the head, and the Python after it (the logits split between the requests).
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -255,7 +255,7 @@ class ForwardTimes:
 
     def table(self) -> list[str]:
         """Decoding passes (one token a request) by requests: the median ms, k one-request passes against it, and
-        the medians of its parts: inside the layers' C call each of PHASES, then the rest of that call (the
+        the medians of its parts: inside the layers' C call each of PHASES, then the rest of that call (mostly the
         Python that prepares it), the linears run from Python (the head), and the rest (Python around them)."""
         by: dict[int, list[tuple[float, ...]]] = {}
         for p in self.passes:
@@ -264,7 +264,7 @@ class ForwardTimes:
                                                       p.seconds - p.layers - p.linears))
         one = statistics.median(row[0] for row in by[1]) if 1 in by else None
         lines = ["| requests in a pass | passes | median ms | k passes of one / this one | "
-                 + " | ".join(PHASES) + " | Python before the layers' call | head | Python after |",
+                 + " | ".join(PHASES) + " | the rest of the layers' call | head | Python after |",
                  "|---|---|---|---|" + "---|" * (len(PHASES) + 3)]
         for k in sorted(by):
             ms, *parts = (1000 * statistics.median(column) for column in zip(*by[k]))
