@@ -18,7 +18,8 @@ requests in it, one new token each: a pass of k requests against k passes of one
 at k requests, whatever the Python around the passes costs. Each pass is also taken apart: inside the layers' one C
 call its phases (the weights' products, the activations' rounding for them, attention, the row steps: norms,
 rotary, residual adds, gating), the rest of that call (mostly the Python that prepares it: the requests' caches'
-bookkeeping), the head, and the Python after it (the logits split between the requests).
+bookkeeping), the head, and the Python around them (the checks before the call, the final norm's
+wrapper and the logits split between the requests after it).
 
 `--engine-only` sends the same questions straight to the engine's worker (engine.worker.EngineWorker, max_batch 1
 against 8; the chat template applied here), no server, no HTTP, no client threads: what batching gains in the
@@ -264,7 +265,7 @@ class ForwardTimes:
                                                       p.seconds - p.layers - p.linears))
         one = statistics.median(row[0] for row in by[1]) if 1 in by else None
         lines = ["| requests in a pass | passes | median ms | k passes of one / this one | "
-                 + " | ".join(PHASES) + " | the rest of the layers' call | head | Python after |",
+                 + " | ".join(PHASES) + " | the rest of the layers' call | head | Python around |",
                  "|---|---|---|---|" + "---|" * (len(PHASES) + 3)]
         for k in sorted(by):
             ms, *parts = (1000 * statistics.median(column) for column in zip(*by[k]))
