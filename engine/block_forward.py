@@ -30,6 +30,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .exact_attention import ROWS
 from .live_cache import GrowingCache, GrowingLayer
+from .rotary_table import RotaryTable
 from .weights import gguf_blocks
 from .weights.gguf_blocks import BlockLinear
 
@@ -223,9 +224,12 @@ class OneCallForward:
     def __init__(self, model, original):
         self.model, self.original = model, original
         self._layers = None  # ctypes array of _Layer, built on first use
+        # with it: (hidden size, heads, kv heads, head size, intermediate size, the first layer's attention module)
+        self._shape: tuple | None = None
         self._modules: tuple = ()  # what the array points into: rebuilt when any of them changed
         self._places: tuple = ()  # where each of those was read: (mapping, key)
-        self._unhooked: tuple = ()  # (place, object) of those a registration hook does not see replaced
+        # those a registration hook does not see replaced: their mappings, keys and objects, three tuples
+        self._unhooked: tuple = ((), (), ())
         self._registrations = -1  # _registrations when the places were last found to hold what the array read
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
         self.shared_forwards = 0  # of those, forwards where a request read its beginning in another's cache
@@ -296,6 +300,9 @@ class OneCallForward:
 
     def _build(self, modules: tuple) -> None:
         layers = self.model.model.layers
+        cfg, attention = _config(self.model), layers[0].self_attn
+        self._shape = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, attention.head_dim,
+                       layers[0].mlp.gate_proj.out_features, attention)
         array = (_Layer * len(layers))()
         for i, layer in enumerate(layers):
             entry = array[i]
@@ -318,7 +325,7 @@ class OneCallForward:
         every place the array's modules were read from (the parents first, so a replaced parent shows)."""
         registrations = _registrations[0]
         if registrations == self._registrations and \
-                all(mapping.get(key) is held for (mapping, key), held in self._unhooked):
+                all(map(operator.is_, map(dict.get, *self._unhooked[:2]), self._unhooked[2])):
             return True
         if not self._still_converted():
             return False
@@ -330,7 +337,8 @@ class OneCallForward:
                 return False
             self._build(modules)
             self._places = places
-            self._unhooked = tuple((places[i], modules[i]) for i in unhooked)
+            self._unhooked = (tuple(places[i][0] for i in unhooked), tuple(places[i][1] for i in unhooked),
+                              tuple(modules[i] for i in unhooked))
         self._registrations = registrations
         return True
 
@@ -382,20 +390,17 @@ class OneCallForward:
         """The last layer's hidden states [rows, hidden] of `ids` (the segments' rows one after the other), their
         keys and values written into each segment's cache; None (the caches as they were) where the rotary table
         does not match the heads."""
-        inner, cfg = self.model.model, _config(self.model)
+        inner, (hidden_size, heads, kv_heads, head_dim, inter, attention) = self.model.model, self._shape
         m = ids.shape[0]
-        starts = [cache.get_seq_length() if cache.layers else 0 for cache, _ in segments]
-        hidden = inner.embed_tokens(ids[None]).to(torch.float32).reshape(m, cfg.hidden_size).contiguous()
-        positions = torch.cat([torch.arange(rows) + start for (_, rows), start in zip(segments, starts)])[None]
-        cos, sin = inner.rotary_emb(hidden[None], position_ids=positions)
-        cos, sin = cos.reshape(m, -1).to(torch.float32).contiguous(), sin.reshape(m, -1).to(torch.float32).contiguous()
-        attention = inner.layers[0].self_attn
-        head_dim = attention.head_dim
+        starts = [cache.layers[0].get_seq_length() if cache.layers else 0 for cache, _ in segments]
+        hidden = inner.embed_tokens(ids[None]).to(torch.float32).reshape(m, hidden_size).contiguous()
+        cos, sin = _rotary(inner, hidden, [p for (_, rows), start in zip(segments, starts)
+                                           for p in range(start, start + rows)])
         if cos.shape[1] != head_dim:
             return None
         n_layers = len(self._layers)
         buffers = (_Cache * (len(segments) * n_layers))()
-        like = torch.empty(1, cfg.num_key_value_heads, 0, head_dim, dtype=torch.float32)
+        like = torch.empty(1, kv_heads, 0, head_dim, dtype=torch.float32)
         arrays = []
         for s, (cache, rows) in enumerate(segments):
             # the buffers grown by `rows` positions, whose real values the C call writes
@@ -405,11 +410,10 @@ class OneCallForward:
         rows = (ctypes.c_int64 * len(segments))(*[r for _, r in segments])
         first = (ctypes.c_int64 * len(segments))(*starts)
         lead, shared = self._leads([cache for cache, _ in segments], starts, n_layers, arrays)
-        inter = inner.layers[0].mlp.gate_proj.out_features
         status = gguf_blocks.library().kvb_decoder_packed(
             ctypes.addressof(self._layers), n_layers, ctypes.addressof(buffers), len(segments),
-            ctypes.addressof(rows), ctypes.addressof(first), hidden.data_ptr(), m, cfg.hidden_size,
-            cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, inter, cos.data_ptr(), sin.data_ptr(),
+            ctypes.addressof(rows), ctypes.addressof(first), hidden.data_ptr(), m, hidden_size,
+            heads, kv_heads, head_dim, inter, cos.data_ptr(), sin.data_ptr(),
             ctypes.c_float(inner.norm.variance_epsilon), ctypes.c_float(attention.scaling),
             max(1, torch.get_num_threads()), None if lead is None else ctypes.addressof(lead),
             None if shared is None else ctypes.addressof(shared))
@@ -486,4 +490,17 @@ class OneCallForward:
 
 
 def _growing(cache) -> bool:
-    return type(cache) is GrowingCache and all(type(layer) is GrowingLayer for layer in cache.layers)
+    return type(cache) is GrowingCache and set(map(type, cache.layers)) <= {GrowingLayer}
+
+
+def _rotary(inner, hidden: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [len(positions), head size] float32 at `positions`: the rows of the rotary module's table where it
+    looks them up (engine.rotary_table, without a tensor of positions to reduce), else what its forward returns;
+    the same bits either way."""
+    table = inner.rotary_emb.__dict__.get("forward")
+    found = table.rows(positions) if isinstance(table, RotaryTable) else None
+    if found is not None:
+        return found
+    m = len(positions)
+    cos, sin = inner.rotary_emb(hidden[None], position_ids=torch.tensor([positions], dtype=torch.int64))
+    return cos.reshape(m, -1).to(torch.float32).contiguous(), sin.reshape(m, -1).to(torch.float32).contiguous()

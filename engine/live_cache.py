@@ -81,6 +81,13 @@ class GrowingLayer(DynamicLayer):
         self.generation += 1
         self.rewrites += 1
 
+    def get_seq_length(self) -> int:
+        """DynamicLayer's: the positions filled (read from the count where keys and values are the buffers' filled
+        part, without making a view of them: every forward asks it of every request)."""
+        if self._keys is None and self._key_buffer is not None:
+            return self._length
+        return super().get_seq_length()
+
     def crop(self, tokens_to_remove: int) -> None:
         """DynamicLayer.crop, which leaves the positions it keeps as they were: not counted in `rewrites`
         (GrowingCache.crops records where the cache was cut)."""

@@ -53,6 +53,18 @@ class RotaryTable:
         cos, sin = table
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)  # [B, T, head_dim]
 
+    def rows(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin [len(positions), head_dim] float32 of non-negative `positions` (a Python list: no reduction
+        over a tensor to find their range), the rows __call__ returns for them; None past MAX_ROWS."""
+        high = max(positions)
+        if high >= MAX_ROWS or min(positions) < 0:
+            return None
+        table = self._table
+        if table is None or high >= table[0].shape[0]:
+            table = self._grow(high + 1)
+        at = torch.tensor(positions, dtype=torch.int64)
+        return table[0][at], table[1][at]
+
     def _grow(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = max(FIRST_ROWS, self.computed_positions)
         while rows < needed:

@@ -167,7 +167,7 @@ def _bind(target: Path) -> ctypes.CDLL:
     lib.kvb_matmul.restype = i32
     lib.kvb_linear.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
     lib.kvb_linear.restype = i32
-    lib.kvb_dequantize.argtypes = [i32, p, i64, i64, p, i64, p, i32]
+    lib.kvb_dequantize.argtypes = [i32, p, i64, i64, i64, p, i64, p, i32]
     lib.kvb_dequantize.restype = i32
     f32 = ctypes.c_float
     lib.kvb_attention.argtypes = [p, p, p, i64, i64, p, i64, i32, p, i64, i64, i64, i64, i64, i64, f32, i32]
@@ -389,12 +389,12 @@ def dequantize(blocks: torch.Tensor, type_name: str, columns: int, rows: torch.T
     type_id = _check_blocks(blocks, type_name, columns, tiled)
     if rows is None:
         rows = torch.arange(blocks.shape[0])
-    rows = rows.reshape(-1).to(torch.int64).contiguous()
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= blocks.shape[0]):
-        raise IndexError(f"row index out of range for a table of {blocks.shape[0]} rows")
+    rows = rows.reshape(-1).to("cpu", torch.int64).contiguous()
     out = torch.empty(rows.numel(), columns, dtype=torch.float32)
-    status = _library().kvb_dequantize(type_id, _ptr(blocks), columns, blocks.shape[1], _ptr(rows), rows.numel(),
-                                       _ptr(out), _threads())
+    status = _library().kvb_dequantize(type_id, _ptr(blocks), blocks.shape[0], columns, blocks.shape[1], _ptr(rows),
+                                       rows.numel(), _ptr(out), _threads())  # the kernel checks every index
+    if status == -3:
+        raise IndexError(f"row index out of range for a table of {blocks.shape[0]} rows")
     assert status == 0, type_name
     return out
 

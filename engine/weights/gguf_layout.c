@@ -196,10 +196,12 @@ int kvb_repack(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_byt
     return atomic_load(&failed) ? -2 : 0;
 }
 
-/* out[i, :] = row idx[i] of W, for n_idx rows (each index checked by the caller); type + KVB_TILED: W held as
-   tiles. Returns 0, or -1 for a type this file does not read. */
-int kvb_dequantize(int type, const uint8_t *w, int64_t k, int64_t row_bytes, const int64_t *idx, int64_t n_idx,
-                   float *out, int threads) {
+/* out[i, :] = row idx[i] of W (n rows), for n_idx rows; type + KVB_TILED: W held as tiles. Returns 0, -1 for a
+   type this file does not read, or -3 (nothing written) where an index is not a row of W. */
+int kvb_dequantize(int type, const uint8_t *w, int64_t n, int64_t k, int64_t row_bytes, const int64_t *idx,
+                   int64_t n_idx, float *out, int threads) {
+    for (int64_t i = 0; i < n_idx; i++)
+        if (idx[i] < 0 || idx[i] >= n) return -3;
     const int tiled = type >= KVB_TILED ? type - KVB_TILED : 0;
     if (tiled && !kvb_tiles(tiled)) return -1;
     type = tiled ? tiled : type;

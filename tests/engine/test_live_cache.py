@@ -192,3 +192,29 @@ def test_a_prefix_appended_at_once_decodes_as_one_updated_layer_by_layer(arch):
     assert torch.equal(appended.layers[0].keys[:, :, 41:], prefix[0][0])
     with pytest.raises(ValueError, match="empty layer"):
         appended.layers[0].fill(*prefix[0])
+
+
+def test_the_filled_length_is_the_views_length_in_every_state_a_layer_passes():
+    """get_seq_length reads a count where keys are the buffers' filled part: it must say what the view's length
+    says (DynamicLayer's answer) after updates, reservations, a crop, keys assigned from outside, a reset."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer = GrowingLayer()
+
+    def agrees():
+        return layer.get_seq_length() == DynamicLayer.get_seq_length(layer)
+
+    seen = [agrees()]
+    layer.update(*kv(5, 1.0))
+    seen.append(agrees())
+    layer.reserve(3, kv(1, 0.0)[0])
+    seen.append(agrees())
+    layer.crop(-2)
+    seen.append(agrees())
+    layer.keys, layer.values = kv(9, 3.0)  # from outside: its length, not the buffers' count
+    seen.append(agrees() and layer.get_seq_length() == 9)
+    layer.update(*kv(1, 4.0))
+    seen.append(agrees() and layer.get_seq_length() == 10)
+    layer.reset()
+    seen.append(agrees() and layer.get_seq_length() == 0)
+    assert all(seen), seen

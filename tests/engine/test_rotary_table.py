@@ -81,3 +81,17 @@ def test_a_model_with_the_table_gives_the_logits_it_gave_without_it():
         step = torch.tensor([[17, 18, 19]])
         assert torch.equal(tabled(step, past_key_values=got.past_key_values).logits,
                            plain(step, past_key_values=want.past_key_values).logits)
+
+
+def test_rows_for_a_list_of_positions_are_what_a_call_returns_for_them():
+    """The one-call forward asks the table for its positions as a list (RotaryTable.rows): the same rows, bit for
+    bit, as a call with them as a tensor; None where the module computes them instead."""
+    model = variant_model("yarn")
+    use_rotary_table(model)
+    table = rotary_of(model).forward
+    for positions in asked(torch.Generator().manual_seed(1)):
+        cos, sin = table.rows(positions.reshape(-1).tolist())
+        want_cos, want_sin = rotary_of(model)(torch.zeros(1, 1, 8), positions)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions
+        assert cos.dtype == torch.float32 and cos.is_contiguous()
+    assert table.rows([3, MAX_ROWS]) is None and table.rows([-1, 4]) is None
