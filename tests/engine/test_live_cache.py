@@ -137,8 +137,8 @@ def test_a_grow_copies_every_position_in_pieces_and_nothing_past_them():
 def test_advance_extends_in_place_only_where_reserve_would_need_nothing_new(monkeypatch):
     """advance() (a decode step's growth where the one-call forward holds the buffers' addresses) counts positions
     in the buffers the layers have, and refuses, changing nothing, where reserve() would have to do more: a layer
-    whose keys were assigned from outside (a crop), a buffer without room, a layer not made yet. The generations
-    change exactly where the buffers or what the keys are change."""
+    whose keys were assigned from outside (the CacheBlend pass does), a buffer without room, a layer not made yet.
+    The generations change exactly where the buffers or what the keys are change."""
     monkeypatch.setattr(live_cache, "BLOCK_TOKENS", 8)
     cache = GrowingCache()
     like = torch.empty(1, 2, 0, 4)
@@ -149,7 +149,8 @@ def test_advance_extends_in_place_only_where_reserve_would_need_nothing_new(monk
     assert [layer.keys.shape[-2] for layer in cache.layers] == [7, 7]
     assert all(layer.keys.data_ptr() == keys.data_ptr() for layer, (keys, _) in zip(cache.layers, buffers))
     assert not cache.advance(2, 2) and cache.get_seq_length() == 7  # 9 > 8: a new buffer is reserve's to make
-    cache.layers[1].crop(-1)  # layer 1's keys are now a view assigned from outside
+    cut = cache.layers[1]  # layer 1's keys are now a view assigned from outside, one position shorter
+    cut.keys, cut.values = cut.keys[:, :, :-1], cut.values[:, :, :-1]
     assert cache.generations(2)[1] != start[1] and cache.generations(2)[0] == start[0]
     assert not cache.advance(2, 1) and [layer.keys.shape[-2] for layer in cache.layers] == [7, 6]
     cache.reserve(2, 2, like)  # layer 0: 9 > 8, a grow; layer 1: back in its buffer, 8 (full)
@@ -218,3 +219,25 @@ def test_the_filled_length_is_the_views_length_in_every_state_a_layer_passes():
     layer.reset()
     seen.append(agrees() and layer.get_seq_length() == 0)
     assert all(seen), seen
+
+
+def test_a_crop_of_the_buffers_filled_part_lowers_the_count_and_keeps_the_buffers():
+    """Cutting back rejected drafts: where keys are the buffers' filled part, a crop leaves the buffers (and their
+    generation: the one-call forward's arrays of their addresses stay good) and lowers the count; what is left,
+    and what the next update writes, are what a DynamicLayer holds after the same calls."""
+    from transformers.cache_utils import DynamicLayer
+
+    layer, plain = GrowingLayer(), DynamicLayer()
+    for target in (layer, plain):
+        target.update(*kv(6, 1.0))
+        target.update(*kv(3, 2.0))
+    buffer, generation = layer._key_buffer, layer.generation
+    layer.crop(-2), plain.crop(-2)
+    assert layer._key_buffer is buffer and layer.generation == generation and layer.get_seq_length() == 7
+    for target in (layer, plain):
+        target.update(*kv(1, 5.0))
+    assert layer._key_buffer is buffer
+    assert torch.equal(layer.keys, plain.keys) and torch.equal(layer.values, plain.values)
+    layer.crop(-20), plain.crop(-20)  # more than it holds: nothing left, as a DynamicLayer
+    assert layer.get_seq_length() == plain.get_seq_length() == 0
+    assert torch.equal(layer.keys, plain.keys)
