@@ -8,6 +8,7 @@ the cache map; Markdown is rendered elsewhere (app.markdown_view)."""
 from __future__ import annotations
 
 import html
+import time
 from typing import Callable
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
@@ -30,6 +31,9 @@ from .empty_state import EmptyState
 from .theme import KIND_COLORS
 
 RENDER_INTERVAL_MS = 60  # re-render streaming Markdown at most this often (a full re-layout per token is slow)
+# and with at most this share of the UI thread's time: a render (and the save before it) grows with the answer, and
+# the engine decodes on the same cores
+RENDER_SHARE = 0.1
 KINDS = ("EXACT", "PREFIX", "QUANTIZED", "APPROXIMATE", "MISS")
 
 
@@ -238,8 +242,11 @@ class MessageWidget(QFrame):
         self._render()
 
     def _render(self) -> None:
+        began = time.perf_counter()
         self.rendered.emit(self._text)
         self._show()
+        spent_ms = (time.perf_counter() - began) * 1000
+        self._render_timer.setInterval(max(RENDER_INTERVAL_MS, round(spent_ms / RENDER_SHARE)))
 
     def _show(self) -> None:
         if self.message["role"] == "user":

@@ -103,3 +103,25 @@ def test_a_long_stats_line_is_cut_short_and_the_buttons_stay_inside_a_narrow_vie
     for button in (widget.map_button, widget.copy_button, widget.regenerate_button):
         assert button.mapTo(view.viewport(), button.rect().bottomRight()).x() <= right, button.text()
     assert widget.badge.is_elided() and widget.badge.text() in widget.badge.toolTip()
+
+
+def test_a_long_streaming_answer_is_rendered_less_often_and_shown_whole_at_last(qtbot):
+    """A render of the whole Markdown (and the save before it) grows with the answer; the engine decodes on the same
+    cores, so a long answer's renders come further apart than RENDER_INTERVAL_MS, in proportion to what one took,
+    and what streams in after still reaches the screen."""
+    from app.chat_view import RENDER_INTERVAL_MS
+
+    widget = MessageWidget({"id": 1, "role": "assistant", "content": ""}, "light")
+    qtbot.addWidget(widget)
+    saved = []
+    widget.rendered.connect(saved.append)
+    widget.append_text("A short start.")
+    qtbot.waitUntil(lambda: widget.shown_text == "A short start.", timeout=5000)
+    paragraph = "The keeper **climbed** the stairs, counted the ships and wrote `lamp lit` in the log.\n\n"
+    long_text = "A short start." + paragraph * 4000  # ~340k characters: a render takes tens of milliseconds
+    widget.append_text(long_text[len("A short start."):])
+    qtbot.waitUntil(lambda: widget.shown_text == long_text, timeout=20000)
+    assert widget._render_timer.interval() > RENDER_INTERVAL_MS
+    widget.append_text("The end.")  # comes later than RENDER_INTERVAL_MS now, but comes
+    qtbot.waitUntil(lambda: widget.shown_text == long_text + "The end.", timeout=20000)
+    assert saved[-1] == long_text + "The end."  # saved before it was shown, as every render is
