@@ -31,6 +31,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .exact_attention import ROWS
 from .live_cache import GrowingCache, GrowingLayer
 from .rotary_table import RotaryTable
+from .shared_beginnings import SharedBeginnings
 from .weights import gguf_blocks
 from .weights.gguf_blocks import BlockLinear
 
@@ -38,9 +39,6 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"), ("self_attn", "o_proj"),
                ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
 MAX_HEAD_DIM = 512
-# Positions two requests of a step must begin with alike before one reads the other's keys and values (a chat
-# template's first tokens are not worth the comparisons): OneCallForward._leads
-SHARE_FROM = 64
 
 
 class RowNorm(nn.Module):
@@ -232,12 +230,9 @@ class OneCallForward:
         self._unhooked: tuple = ((), (), ())
         self._registrations = -1  # _registrations when the places were last found to hold what the array read
         self.one_call_forwards = 0  # forwards the one-call path ran (for tests and stats)
-        self.shared_forwards = 0  # of those, forwards where a request read its beginning in another's cache
         # a cache -> (its layers' generations, the C call's entries for their buffers); gone with the cache
         self._buffer_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        # a cache b -> {id of another, a: (a weak reference to a, both caches' rewrites, how many crops each had,
-        # positions alike, positions compared)} (OneCallForward._alike)
-        self._alike_memo: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._shared = SharedBeginnings()  # where requests of a step begin alike
 
     def __deepcopy__(self, memo):  # a copied model gets its own arrays (they point into its own tensors)
         import copy
@@ -428,53 +423,16 @@ class OneCallForward:
 
     def _leads(self, caches: list[GrowingCache], starts: list[int], n_layers: int, arrays: list | None = None
                ) -> tuple:
-        """For each request of a step, an earlier one whose cache holds the very same bits in at least its first
-        SHARE_FROM positions, and how many: (lead, shared) as the C call takes them, or (None, None) where no
-        request has one. Requests that begin alike (a document asked about in several conversations, the system
-        prompt of every client of a server) then read those keys and values where the request before them has
-        just read them, and not each its own copy from memory; the bits are the same, and so is every answer. A
-        request is compared with the requests before it that read their own (theirs: the same bits again).
+        """(lead, shared) for the C call: where requests of the step begin alike (engine.shared_beginnings).
         `arrays`: each cache's buffers as the C call takes them (None: found here)."""
         if arrays is None:
             arrays = [self._grown(c, n_layers, 0, c.layers[0].keys[:, :, :0]) for c in caches]
-        lead, shared = [0] * len(caches), [0] * len(caches)
-        rewrites: list = [None] * len(caches)  # each cache's, counted once a step
-        for s in range(1, len(caches)):
-            for r in range(s):
-                limit = min(starts[r], starts[s])
-                if shared[r] == 0 and limit >= max(SHARE_FROM, shared[s] + 1):
-                    for i in (r, s):
-                        rewrites[i] = caches[i].rewrites(n_layers) if rewrites[i] is None else rewrites[i]
-                    alike = self._alike(caches[r], caches[s], arrays[r], arrays[s], (rewrites[r], rewrites[s]),
-                                        limit, n_layers)
-                    if alike >= SHARE_FROM and alike > shared[s]:
-                        lead[s], shared[s] = r, alike
-        if not any(shared):
-            return None, None
-        self.shared_forwards += 1
-        return (ctypes.c_int64 * len(caches))(*lead), (ctypes.c_int64 * len(caches))(*shared)
+        return self._shared.leads(caches, starts, n_layers, arrays)
 
-    def _alike(self, a: GrowingCache, b: GrowingCache, a_array, b_array, rewrites: tuple, limit: int,
-               n_layers: int) -> int:
-        """How many of their first `limit` positions caches `a` and `b` hold alike in every bit of every layer
-        (kvb_same_until over their buffers). Remembered for the pair while neither has rewritten a position
-        (`rewrites`: GrowingCache.rewrites of both); a crop since lowers what was compared to where it cut
-        (GrowingCache.crops). So a pair is compared in full once, then only over positions it did not hold."""
-        memo = self._alike_memo.setdefault(b, {})
-        known = memo.get(id(a))
-        alike = compared = 0
-        if known is not None and known[0]() is a and known[1] == rewrites:
-            cut = min(a.crops[known[2]:] + b.crops[known[3]:], default=known[5])
-            compared = min(known[5], cut)
-            alike = min(known[4], compared)
-        if alike == compared and limit > compared:
-            layer = a.layers[0]
-            alike = gguf_blocks.library().kvb_same_until(ctypes.addressof(a_array), ctypes.addressof(b_array),
-                                                         n_layers, layer.keys.shape[1], layer.keys.shape[3],
-                                                         compared, limit)
-            compared = limit
-        memo[id(a)] = (weakref.ref(a), rewrites, len(a.crops), len(b.crops), alike, compared)
-        return min(alike, limit)
+    @property
+    def shared_forwards(self) -> int:
+        """Forwards where a request read its beginning in another's cache."""
+        return self._shared.forwards
 
     def _grown(self, cache: GrowingCache, n_layers: int, rows: int, like: torch.Tensor) -> ctypes.Array:
         """`cache`'s first `n_layers` layers grown by `rows` positions: their buffers as the C call takes them. The

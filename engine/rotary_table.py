@@ -47,10 +47,7 @@ class RotaryTable:
         low, high = int(position_ids.min()), int(position_ids.max())
         if low < 0 or high >= MAX_ROWS:
             return self.original(x, position_ids)
-        table = self._table
-        if table is None or high >= table[0].shape[0]:
-            table = self._grow(high + 1)
-        cos, sin = table
+        cos, sin = self._reaching(high)
         return cos[position_ids].to(x.dtype), sin[position_ids].to(x.dtype)  # [B, T, head_dim]
 
     def rows(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -59,11 +56,14 @@ class RotaryTable:
         high = max(positions)
         if high >= MAX_ROWS or min(positions) < 0:
             return None
-        table = self._table
-        if table is None or high >= table[0].shape[0]:
-            table = self._grow(high + 1)
+        cos, sin = self._reaching(high)
         at = torch.tensor(positions, dtype=torch.int64)
-        return table[0][at], table[1][at]
+        return cos[at], sin[at]
+
+    def _reaching(self, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table, grown first where it does not hold position `high`."""
+        table = self._table
+        return table if table is not None and high < table[0].shape[0] else self._grow(high + 1)
 
     def _grow(self, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = max(FIRST_ROWS, self.computed_positions)
