@@ -94,7 +94,10 @@ def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str, kind:
     theirs, ours = gguf_blocks.other_build(other), gguf_blocks.library()
     columns = SHAPES[kind][1]
     tiled = gguf_blocks.tiles(kind)
-    weights = [random_weight(kind, seed) for seed in range(copies)]
+    weights = {}  # each build's tiles in its own layout, of the same bytes
+    for lib in (ours, theirs):
+        with gguf_blocks.build_in_use(lib):
+            weights[id(lib)] = [random_weight(kind, seed) for seed in range(copies)]
     inputs = {r: torch.randn(r, columns) for r in rows}
     spent: dict[tuple[str, int], list[float]] = {(name, r): [] for name in ("this", "other") for r in rows}
     for call in range(calls):
@@ -102,7 +105,7 @@ def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str, kind:
         for name, lib in order if call % 2 == 0 else order[::-1]:
             with gguf_blocks.build_in_use(lib):
                 for r in rows:
-                    weight = weights[(call * len(rows) + r) % copies]
+                    weight = weights[id(lib)][(call * len(rows) + r) % copies]
                     start = time.perf_counter()
                     gguf_blocks.matmul(weight, kind, columns, inputs[r], tiled=tiled)
                     spent[(name, r)].append(time.perf_counter() - start)
@@ -111,7 +114,7 @@ def side_by_side(rows: Sequence[int], calls: int, copies: int, other: str, kind:
         outputs = []
         for lib in (ours, theirs):
             with gguf_blocks.build_in_use(lib):
-                outputs.append(gguf_blocks.matmul(weights[0], kind, columns, inputs[r], tiled=tiled))
+                outputs.append(gguf_blocks.matmul(weights[id(lib)][0], kind, columns, inputs[r], tiled=tiled))
         apart[r] = float((outputs[0] - outputs[1]).abs().max() / outputs[1].abs().max())
         if not apart[r] <= 1e-5:  # a float32 sum over 18 blocks: a few 2^-24 of its largest term
             raise SystemExit(f"bench kernels: the two builds' products of {r} rows differ by {apart[r]:.2e}")

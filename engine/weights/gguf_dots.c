@@ -121,7 +121,7 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
     const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
     const int apart = type == KVB_Q4_1 && R >= OFFSETS_APART;
     const uint8_t *const first = w;
-    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi16(0x0f);
     __m512 acc[MAX_ROWS], offsets[MAX_ROWS];
     for (int r = 0; r < R; r++) acc[r] = offsets[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++, w += bytes) {
@@ -138,13 +138,10 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                 for (int r = 0; r < R; r++) dot[r] = dpwssd_from(dot[r], v, x0 + r * k / 2 + p);
             }
         } else {
-            for (int g = 0; g < 4; g++) {
+            for (int g = 0; g < 4; g++) { /* pair 4g + e: nibble e of each 16-bit word (gguf_layout.c) */
                 const __m512i raw = _mm512_loadu_si512((const void *)(w + start + 64 * g));
-                const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                const __m512i v[4] = {_mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo)),
-                                      _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
-                                      _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi)),
-                                      _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+                const __m512i v[4] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low),
+                                      _mm512_and_si512(_mm512_srli_epi16(raw, 8), low), _mm512_srli_epi16(raw, 12)};
                 for (int e = 0; e < 4; e++)
                     for (int r = 0; r < R; r++) dot[r] = dpwssd_from(dot[r], v[e], x0 + r * k / 2 + 4 * g + e);
             }
@@ -182,7 +179,7 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
     const int bytes = 16 * block_bytes(type), start = tile_codes_start(type);
     const int apart = type == KVB_Q4_1 && R >= OFFSETS_APART;
     const uint8_t *const first = w;
-    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m256i low = _mm256_set1_epi16(0x0f);
     __m256 acc[MAX_ROWS][2], offsets[MAX_ROWS][2];
     for (int r = 0; r < R; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = offsets[r][h] = _mm256_setzero_ps();
@@ -200,16 +197,14 @@ static inline __attribute__((always_inline)) void tile32(int type, int R, const 
                     for (int r = 0; r < R; r++) dot[r] = madd_add(dot[r], v, _mm256_set1_epi32(x0[r * k / 2 + p]));
                 }
             } else {
-                for (int g = 0; g < 4; g++)
-                    for (int e = 0; e < 2; e++) {
-                        const __m128i raw = _mm_loadu_si128((const __m128i *)(w + start + 64 * g + 32 * e + 16 * h));
-                        const __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(raw, low));
-                        const __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), low));
-                        for (int r = 0; r < R; r++) {
-                            dot[r] = madd_add(dot[r], lo, _mm256_set1_epi32(x0[r * k / 2 + 4 * g + e]));
-                            dot[r] = madd_add(dot[r], hi, _mm256_set1_epi32(x0[r * k / 2 + 4 * g + 2 + e]));
-                        }
-                    }
+                for (int g = 0; g < 4; g++) { /* pair 4g + e: nibble e of each 16-bit word, rows 8h .. 8h + 7 */
+                    const __m256i raw = load32(w + start + 64 * g + 32 * h);
+                    const __m256i v[4] = {_mm256_and_si256(raw, low), _mm256_and_si256(_mm256_srli_epi16(raw, 4), low),
+                                          _mm256_and_si256(_mm256_srli_epi16(raw, 8), low), _mm256_srli_epi16(raw, 12)};
+                    for (int e = 0; e < 4; e++)
+                        for (int r = 0; r < R; r++)
+                            dot[r] = madd_add(dot[r], v[e], _mm256_set1_epi32(x0[r * k / 2 + 4 * g + e]));
+                }
             }
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 16 * h)));
             for (int r = 0; r < R; r++) {

@@ -9,9 +9,10 @@
    the 16 rows' block b side by side, 16 * block_bytes bytes (the file's scales and codes, in another order):
      16 fp16 d (row c at 2c); Q4_1: 16 fp16 m; then the codes, pair by pair (pair p: values 2p and 2p + 1):
      Q8_0  pair p at 32 p: row c's two int8 codes at 2c, 2c + 1
-     Q4_*  four pairs in each 64 bytes (pairs 4g .. 4g + 3 at 64 g): pair 4g + e (e = 0, 1) in the low nibbles of
-           bytes 32 e + 2c, 32 e + 2c + 1; pair 4g + 2 + e in their high nibbles.
-   So a pair of all 16 rows widens to one vector of 16 int32 lanes, each two int16 codes of one row. */
+     Q4_*  four pairs in each 64 bytes (pairs 4g .. 4g + 3 at 64 g), as 32 16-bit words: word 2c + j holds value
+           j of row c's pairs 4g + s in its nibble s (bits 4s .. 4s + 3, little-endian).
+   So a pair of all 16 rows widens to one vector of 16 int32 lanes, each two int16 codes of one row: a Q4 pair is
+   the 64 bytes shifted right by 4s in 16-bit lanes, masked to 4 bits (no mask for s = 3). */
 
 
 /* where code i of row c lies in a tiled block's codes: the byte, and in a Q4 type which nibble (*high) */
@@ -21,8 +22,8 @@ static inline int tile_code_at(int type, int c, int i, int *high) {
         *high = 0;
         return 32 * p + 2 * c + j;
     }
-    *high = p % 4 >= 2;
-    return 64 * (p / 4) + 32 * (p % 2) + 2 * c + j;
+    *high = p % 2;
+    return 64 * (p / 4) + 2 * (2 * c + j) + p % 4 / 2;
 }
 
 /* code i of a file block of a 32-value type (Q4: 0-15, Q8_0: -128-127) */
