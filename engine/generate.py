@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Generator, Sequence
+from typing import Any, Callable, ClassVar, Generator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -112,13 +112,38 @@ def check_forward(model, tokens: list[int], cache: DynamicCache, device, rowwise
     return out.logits[0]
 
 
+def _history(ids: list[int], kept: Sequence[int], params: SamplingConfig) -> Sequence[int]:
+    """The tokens before a checked position, for the repetition penalty: `ids` as they are where no penalty
+    reads them (no copy of a long context for every checked position)."""
+    return [*ids, *kept] if kept and params.repetition_penalty != 1.0 else ids
+
+
 def _greedy_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
     """What greedy decoding would choose at checked position i, the `kept` drafts before it in the history."""
-    return lambda i, kept: sample(checked[i], params, [*ids, *kept], None)
+    return lambda i, kept: sample(checked[i], params, _history(ids, kept, params), None)
 
 
 def _probs_at(checked: torch.Tensor, params: SamplingConfig, ids: list[int]):
-    return lambda i, kept: sampling_probs(checked[i], params, [*ids, *kept])
+    return lambda i, kept: sampling_probs(checked[i], params, _history(ids, kept, params))
+
+
+def _text_of(tokenizer) -> Callable[[list[int]], str]:
+    """The text of token ids as `tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)`
+    says it. Where that call is transformers' own over a `tokenizers` backend, the backend's decode, which it
+    returns as is: each streamed token decodes twice, and transformers' wrapper around the backend took 10 of the
+    11 us a call took in a decode loop (the embedded model's tokenizer, int4 weights, a 2-vCPU Xeon)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers: its own decode
+        TokenizersBackend = None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    kind = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(backend, Tokenizer) and isinstance(tokenizer, TokenizersBackend)
+            and kind.decode is PreTrainedTokenizerBase.decode and kind._decode is TokenizersBackend._decode):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class Detokenizer:
@@ -127,6 +152,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer = tokenizer
+        self._decode = _text_of(tokenizer)
         self.stop = tuple(stop)
         self.ids: list[int] = []
         self.text = ""  # all text decoded so far
@@ -134,9 +160,6 @@ class Detokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
         self.stopped = False
-
-    def _decode(self, ids):
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
