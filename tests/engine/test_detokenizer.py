@@ -15,7 +15,9 @@ def _decoded(tokenizer, ids):
 
 def test_the_backends_text_is_the_tokenizers_decode_for_any_ids(smollm):
     tokenizer = smollm.tokenizer
-    text_of = _text_of(tokenizer)
+    unasked = copy.copy(tokenizer)
+    unasked.decode = None  # the real tokenizer's text comes from its backend: transformers' decode is not called
+    text_of = _text_of(unasked)
     special = list(tokenizer.all_special_ids)
     pieces = tokenizer("Grüße, 東京 🌊 — naïve café\n\tdef f(x):  return x\n", add_special_tokens=False)["input_ids"]
     rng = random.Random(5)
