@@ -52,8 +52,8 @@ class RotaryTable:
 
     def rows(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """cos and sin [len(positions), head_dim] float32 of non-negative `positions` (a Python list: no reduction
-        over a tensor to find their range), the rows __call__ returns for them; None past MAX_ROWS."""
-        high = max(positions)
+        over a tensor to find their range), the rows __call__ returns for them; None past MAX_ROWS or for none."""
+        high = max(positions, default=MAX_ROWS)
         if high >= MAX_ROWS or min(positions) < 0:
             return None
         cos, sin = self._reaching(high)

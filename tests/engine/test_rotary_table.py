@@ -94,4 +94,4 @@ def test_rows_for_a_list_of_positions_are_what_a_call_returns_for_them():
         want_cos, want_sin = rotary_of(model)(torch.zeros(1, 1, 8), positions)
         assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions
         assert cos.dtype == torch.float32 and cos.is_contiguous()
-    assert table.rows([3, MAX_ROWS]) is None and table.rows([-1, 4]) is None
+    assert table.rows([3, MAX_ROWS]) is None and table.rows([-1, 4]) is None and table.rows([]) is None
