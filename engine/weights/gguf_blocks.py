@@ -11,10 +11,11 @@ in an order fixed by the row's length, so an output does not depend on how many 
 or on the thread count (reuse then never changes an answer through this kernel).
 
 The kernel (with engine/exact_attention.c, in one library) is compiled on first use with the machine's C
-compiler (`cc`, or $CC) for this CPU (-march=native, or $KVBOOST_BLOCKS_MARCH) into <engine cache>/kernels, keyed
-by the sources, the flags and the CPU's feature flags (~2 s, once); without a compiler a shipped x86-64-v3 build
-is used where there is one; otherwise `unavailable()` says why and the loader keeps torch's kernels
-(engine.weights.int4, engine.weights.head).
+compiler (`cc`, or $CC) for this CPU (-march=native, or $KVBOOST_BLOCKS_MARCH, refused where it needs features
+this CPU lacks) into <engine cache>/kernels, keyed by the sources, the flags and the CPU's feature flags (~2 s,
+once), and loaded only after engine.weights.kernel_build's checks (owner, mode, digest); without a compiler a
+shipped x86-64-v3 build is used where the CPU runs it; otherwise `unavailable()` says why and the loader keeps
+torch's kernels (engine.weights.int4, engine.weights.head).
 
 Over 400 lines: the one binding of the C kernel, whose build, loading, tile layout and per-type calls must agree
 with each other and with gguf_blocks.c."""
@@ -29,7 +30,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..config import BLOCK_KERNEL
+from .kernel_build import COMPILE_TIMEOUT_S, BlockKernelUnavailable, load_or_build, missing_features
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,6 @@ KERNEL = BLOCK_KERNEL  # the name loaders and reports use for this kernel
 
 _lock = threading.Lock()
 _state: dict = {}
-
-
-class BlockKernelUnavailable(RuntimeError):
-    """The block kernel cannot be built or loaded here (the message says why)."""
 
 
 def kernel_dir(engine_cache_dir: Path | str | None = None) -> Path:
@@ -129,37 +126,44 @@ def cannot_build() -> str | None:
     return None
 
 
-def _build(folder: Path) -> ctypes.CDLL:
+def kernel_file(folder: Path, compiler: str, march: str) -> Path:
+    """Where `compiler`'s build for `march` lives in `folder`: named by a key of the sources, the flags, the march,
+    the compiler and this CPU's feature flags, so a change of any of them is another build."""
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
+                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
+    return folder / f"gguf_blocks-{key}.so"
+
+
+def build_into(folder: Path, timeout_s: float = COMPILE_TIMEOUT_S) -> ctypes.CDLL:
+    """The kernel for this CPU from `folder` (built there where missing or untrusted, see kernel_build), bound; or
+    the shipped build where there is no compiler. The process's library (`library()`) is neither read nor set.
+    BlockKernelUnavailable where it cannot be had. `timeout_s`: the most each compiler call may take."""
     why = cannot_build()
     if why is not None:
         raise BlockKernelUnavailable(why)
     compiler = _compiler()
     if compiler is None:
         return _bind(_prebuilt())
-    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     march = os.environ.get(MARCH_ENV_VAR) or "native"
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), march.encode(), compiler.encode(),
-                                     _cpu_flags().encode(), platform.machine().encode()])).hexdigest()[:16]
-    target = folder / f"gguf_blocks-{key}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as scratch:
-            built = Path(scratch) / target.name
-            result = subprocess.run(build_command(compiler, built, march), capture_output=True, text=True,
-                                    timeout=300)
-            if result.returncode != 0:
-                raise BlockKernelUnavailable(f"{compiler} could not build the block kernel: "
-                                             f"{result.stderr.strip()[-400:]}")
-            os.replace(built, target)  # whole or not at all: another process may be building it too
-        log.info("built the GGUF block kernel into %s", target)
-    return _bind(target)
+    missing = missing_features(compiler, march, _cpu_flags(), timeout_s)
+    if missing:  # built anyway, its first product would die with SIGILL
+        raise BlockKernelUnavailable(f"${MARCH_ENV_VAR}={march} builds for CPU features this CPU lacks "
+                                     f"({', '.join(missing)}): unset it to build for this CPU")
+    return load_or_build(kernel_file(folder, compiler, march), lambda out: build_command(compiler, out, march),
+                         _declare, timeout_s)
 
 
 def _bind(target: Path) -> ctypes.CDLL:
+    """A build not in the cache (the shipped one, another checkout's), loaded as it is and bound."""
     try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as exc:
-        raise BlockKernelUnavailable(f"the built block kernel does not load: {exc}") from exc
+        return _declare(ctypes.CDLL(str(target)))
+    except (OSError, AttributeError) as exc:
+        raise BlockKernelUnavailable(f"the block kernel {target} does not load: {exc}") from exc
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` with every function this module calls declared; AttributeError for one it lacks."""
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kvb_quantize.argtypes = [p, i64, i64, i32, p, p, p, i32]
     lib.kvb_quantize.restype = None
@@ -204,7 +208,7 @@ def _library(engine_cache_dir: Path | str | None = None) -> ctypes.CDLL:
     with _lock:
         if "lib" not in _state and "error" not in _state:
             try:
-                _state["lib"] = _build(kernel_dir(engine_cache_dir))
+                _state["lib"] = build_into(kernel_dir(engine_cache_dir))
             except (BlockKernelUnavailable, OSError, subprocess.SubprocessError) as exc:
                 _state["error"] = str(exc)
         if "error" in _state:
