@@ -4,6 +4,11 @@ The CLI, the server and the GUI all consume the same events: `TokenEvent` per vi
 `Result` as the last event. Tokenization happens in the caller, and so does building the prompt's cache
 (engine.prefill) and storing what it computed (engine.reuse): this module only samples, feeds tokens back and
 turns token ids into text deltas for streaming.
+
+Logits are checked for NaN and infinity before every choice (`check_finite`): a model whose weights are damaged
+answers with them, and no token can be chosen from them. Asked for (SamplingConfig.logprobs), each answer token's
+log-probability comes with its event: the log-softmax of the model's raw logits at the token's position, before the
+repetition penalty and the temperature, as OpenAI and vLLM report it by default.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Generator, Sequence
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -27,10 +33,24 @@ from .sampling import is_greedy, sample, sampling_probs
 from .speculative import DEFAULT_NUM_DRAFT, NgramIndex, draft_limit, verify
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw logits, and (for an answer token) the likeliest tokens at
+    its position, most likely first (ties: the lower id first)."""
+
+    token_id: int
+    text: str  # the token decoded by itself, special tokens spelled out (part of a multi-byte character: U+FFFD)
+    logprob: float
+    top: tuple["TokenLogprob", ...] = ()
+
+
 @dataclass
 class TokenEvent:
     text: str  # the visible text added by this step (may be "" while a multi-byte char or stop is pending)
     token_id: int
+    # With SamplingConfig.logprobs: the answer tokens handed out since the previous event, in order (a token whose
+    # text is held back, a piece of a character or of a possible stop string, comes with the event that shows it).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -76,11 +96,64 @@ class Result:
     stats: Stats
     # Next-token logits [V] at the end of the prompt (float32, CPU); only with stream(..., return_logits=True).
     first_logits: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] | None = None  # with SamplingConfig.logprobs: one per token of token_ids
 
 
 class Cancelled(Exception):
     """A cancel event was set: a generation ends at the next token (finish_reason "cancelled"), a model load
     (KVBoost.from_pretrained) before its next stage."""
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits hold NaN or infinity: its weights, or the file they came from, are damaged. Not the
+    request's fault: the same prompt on a sound model answers."""
+
+
+def check_finite(logits: torch.Tensor, where: str) -> None:
+    """Raises NonFiniteLogits where `logits` [..., V] hold NaN or an infinity. On the CPU in numpy, one thread:
+    torch's isfinite over a vocabulary wakes its OpenMP threads, which then spin against the block kernel's (9 ms a
+    call measured on 2 busy cores, numpy 0.04 ms). On a GPU where they are, before the step's synchronization."""
+    if logits.device.type == "cpu":
+        scores = logits.detach().float().numpy()
+        if np.isfinite(scores).all():
+            return
+        bad = int(np.count_nonzero(~np.isfinite(scores)))
+    else:
+        if bool(torch.isfinite(logits).all()):
+            return
+        bad = int((~torch.isfinite(logits)).sum())
+    raise NonFiniteLogits(f"the model produced NaN/infinite logits for this prompt: its weights or file are damaged "
+                          f"({bad} of {logits.numel()} logits {where} are NaN or infinite); load it again, or "
+                          "download it again")
+
+
+def token_logprob(logits: torch.Tensor, token: int, num_top: int, spell: Callable[[int], str]) -> TokenLogprob:
+    """`token`'s log-probability under `logits` [V] (the log-softmax of the raw logits, in float64), with the
+    `num_top` likeliest tokens there. `spell`: a token's text."""
+    scores = logits.detach().to("cpu", torch.float32).numpy()
+    top = float(scores.max())
+    norm = top + float(np.log(np.exp(scores.astype(np.float64) - top).sum()))
+    alternatives: tuple[TokenLogprob, ...] = ()
+    if num_top > 0:
+        k = min(num_top, scores.size)
+        kth = np.partition(scores, scores.size - k)[scores.size - k]
+        candidates = np.flatnonzero(scores >= kth)  # ties with the k-th included, in id order
+        order = candidates[np.argsort(-scores[candidates], kind="stable")][:k]
+        alternatives = tuple(TokenLogprob(int(i), spell(int(i)), float(scores[i]) - norm) for i in order)
+    return TokenLogprob(token, spell(token), float(scores[token]) - norm, alternatives)
+
+
+def _speller(tokenizer) -> Callable[[int], str]:
+    """A token id's text as the tokenizer decodes it alone, special tokens included (remembered per request)."""
+    known: dict[int, str] = {}
+
+    def spell(token: int) -> str:
+        text = known.get(token)
+        if text is None:
+            text = known[token] = tokenizer.decode([token], skip_special_tokens=False,
+                                                   clean_up_tokenization_spaces=False)
+        return text
+    return spell
 
 
 def decode_one_token(model, token_id: int, cache: DynamicCache, device) -> torch.Tensor:
@@ -256,17 +329,32 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
     finish = None  # why the loop ended, once it has
     batched = False  # whether the last forward served other requests too (engine.batching)
     t_first = None
+    # With logprobs asked for: every answer token's, and those not yet handed out with an event.
+    answer_logprobs = [] if params.logprobs is not None else None
+    pending: list[TokenLogprob] = []
+    spell = _speller(decoder.tokenizer) if answer_logprobs is not None else None
 
-    def emit(token: int):
-        """Hands `token` out (EOS is not); returns why generation ends after it, or None."""
+    def handed_out() -> list[TokenLogprob] | None:
+        if answer_logprobs is None:
+            return None
+        out = pending[:]
+        pending.clear()
+        return out
+
+    def emit(token: int, row: torch.Tensor):
+        """Hands `token` out (EOS is not), chosen from the logits `row` [V]; returns why generation ends after it,
+        or None."""
         if token in eos_ids:
             return "stop"
         ids.append(token)
         if drafts is not None:
             drafts.append(token)
+        if answer_logprobs is not None:
+            answer_logprobs.append(token_logprob(row, token, params.logprobs, spell))
+            pending.append(answer_logprobs[-1])
         delta = detok.add(token)
         if delta:
-            yield TokenEvent(delta, token)
+            yield TokenEvent(delta, token, handed_out())
         if detok.stopped:
             return "stop"
         if len(ids) - prompt_len >= params.max_new_tokens or len(ids) >= max_context:
@@ -275,6 +363,7 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
             return "cancelled"
         return None
 
+    check_finite(logits, "at the end of the prompt")
     first_logits = logits.float().cpu().clone() if return_logits else None
     chosen = None  # a token already chosen by a speculative check (its logits were in the checked forward)
     copying = False  # the last check kept every token it drafted from the context (speculative.draft_limit)
@@ -286,7 +375,7 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
         if t_first is None:
             t_first = time.perf_counter()
             stats.ttft_ms = (t_first - t_enter) * 1000
-        finish = yield from emit(token)
+        finish = yield from emit(token, logits)
         if finish is not None:
             break
         # Room for drafts: what max_new_tokens leaves, and the context (the cache then holds len(ids) + k).
@@ -298,6 +387,7 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
         stats.decode_forwards += 1
         step = Forward([token, *draft], cache, rowwise=rowwise and bool(draft))
         checked = yield step  # [k + 1, V]: whoever runs this coroutine runs the forward (alone or batched)
+        check_finite(checked, f"after answer token {len(ids) - prompt_len}")
         batched = step.shared > 1
         stats.batched_forwards += batched
         copying = False
@@ -311,23 +401,22 @@ def decode_tokens(decoder: Decoder, cache: DynamicCache, logits: torch.Tensor, i
         stats.accepted_tokens += kept
         if kept < len(draft):
             cache.crop(kept - len(draft))  # the rejected drafts' KV
-        for accepted in draft[:kept]:
-            finish = yield from emit(accepted)
+        for i, accepted in enumerate(draft[:kept]):
+            finish = yield from emit(accepted, checked[i])
             if finish is not None:
                 break
-        if chosen is None:
-            logits = checked[kept]
+        logits = checked[kept]  # what `chosen`, or the next token, is chosen from
     if drafts is not None and cache.get_seq_length() > len(ids):
         cache.crop(len(ids) - cache.get_seq_length())  # kept drafts past where the answer ended
     finish_reason = finish or "length"
     generated = ids[prompt_len:]
     tail = detok.finish()
-    if tail:
-        yield TokenEvent(tail, generated[-1])
+    if tail or pending:
+        yield TokenEvent(tail, generated[-1], handed_out())
     t_end = time.perf_counter()
     stats.spilled_tokens = spill_stats(cache)["spilled_tokens"]
     stats.generated_tokens = len(generated)
     stats.total_ms = (t_end - t_enter) * 1000
     if t_first is not None and len(generated) > 1:
         stats.decode_tokens_per_s = (len(generated) - 1) / max(t_end - t_first, 1e-9)
-    yield Result(detok.text, generated, finish_reason, stats, first_logits)
+    yield Result(detok.text, generated, finish_reason, stats, first_logits, answer_logprobs)

@@ -171,11 +171,58 @@ def sampling_kwargs(body: RequestBody, max_tokens: int) -> dict:
         raise APIError(400, "stop takes up to 4 non-empty strings", param="stop")
     kwargs = {"max_new_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
               "stop": stop or None, "seed": body.seed}
+    logprobs = _logprobs_asked(body)
+    if logprobs is not None:  # only then: an answer nobody asked logprobs of pays nothing for them
+        kwargs["logprobs"] = logprobs
     try:
         SamplingConfig.from_kwargs(**kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc)) from None
     return kwargs
+
+
+def _logprobs_asked(body: RequestBody) -> int | None:
+    """How many likeliest tokens each answer token's logprobs list, or None where logprobs are not asked for:
+    chat's `logprobs: true` with `top_logprobs`, the legacy completions' `logprobs` (an int)."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return getattr(body, "logprobs", None)
+
+
+def _token_bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(logprobs: list | None) -> dict | None:
+    """Chat's `logprobs` of a choice or a streamed chunk, from the engine's TokenLogprobs: {"content": [{token,
+    logprob, bytes, top_logprobs}]}; `bytes`: the token's text in UTF-8."""
+    if logprobs is None:
+        return None
+    return {"content": [{"token": lp.text, "logprob": lp.logprob, "bytes": _token_bytes(lp.text),
+                         "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": _token_bytes(t.text)}
+                                          for t in lp.top]}
+                        for lp in logprobs]}
+
+
+def completion_logprobs(logprobs: list | None, offset: int = 0) -> dict | None:
+    """The legacy completions' `logprobs`: tokens, token_logprobs, top_logprobs (token text -> logprob; two tokens
+    of one text keep the likelier) and text_offset, each token's start in the completion's text from `offset`."""
+    if logprobs is None:
+        return None
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.text)
+    tops = []
+    for lp in logprobs:
+        top: dict[str, float] = {}
+        for t in lp.top:
+            top.setdefault(t.text, t.logprob)
+        tops.append(top)
+    return {"tokens": [lp.text for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def _chat_messages(body: ChatBody) -> list[dict]:
@@ -284,15 +331,15 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
         result = await collect(job, queue, request)
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "logprobs": None, "finish_reason": _finish_reason(result)}],
+                             "logprobs": chat_logprobs(result.logprobs), "finish_reason": _finish_reason(result)}],
                 "usage": _usage(result), "kvboost": kvboost_stats(result, job)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await parse(request, CompletionBody)
         check_model(body.model)
-        if body.echo or body.logprobs is not None:
-            raise APIError(400, "echo and logprobs are not supported", param="echo" if body.echo else "logprobs")
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -307,7 +354,7 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
             return EventSourceResponse(stream_completion(job, queue, rid, _include_usage(body)), ping=15)
         result = await collect(job, queue, request)
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_id,
-                "choices": [{"index": 0, "text": result.text, "logprobs": None,
+                "choices": [{"index": 0, "text": result.text, "logprobs": completion_logprobs(result.logprobs),
                              "finish_reason": _finish_reason(result)}],
                 "usage": _usage(result), "kvboost": kvboost_stats(result, job)}
 
@@ -350,15 +397,18 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
     async def stream(job: Job, queue: asyncio.Queue, rid: str, obj: str, include_usage: bool, text_choice, end_choice,
                      opening=None):
         """SSE events of one streamed response: `opening` (a choice, chat's role announcement), a choice per
-        text delta, the final choice with the kvboost stats, a usage chunk if asked, then [DONE]."""
+        TokenEvent (`text_choice(event, text offset)`: its text delta, its tokens' logprobs where asked for), the
+        final choice with the kvboost stats, a usage chunk if asked, then [DONE]."""
         try:
             if opening is not None:
                 yield chunk(rid, obj, opening)
             try:
+                offset = 0  # of the event's tokens in the answer's text (the legacy logprobs' text_offset)
                 async for item in events(job, queue):
                     if isinstance(item, TokenEvent):
-                        if item.text:
-                            yield chunk(rid, obj, text_choice(item.text))
+                        if item.text or item.logprobs:
+                            yield chunk(rid, obj, text_choice(item, offset))
+                        offset += sum(len(lp.text) for lp in item.logprobs or ())
                     else:
                         yield chunk(rid, obj, end_choice(_finish_reason(item)), kvboost=kvboost_stats(item, job))
                         if include_usage:
@@ -373,13 +423,16 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
 
     def stream_chat(job: Job, queue: asyncio.Queue, rid: str, include_usage: bool):
         return stream(job, queue, rid, "chat.completion.chunk", include_usage,
-                      lambda text: {"index": 0, "delta": {"content": text}, "finish_reason": None},
+                      lambda event, _: {"index": 0, "delta": {"content": event.text},
+                                        "logprobs": chat_logprobs(event.logprobs), "finish_reason": None},
                       lambda reason: {"index": 0, "delta": {}, "finish_reason": reason},
                       opening={"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
 
     def stream_completion(job: Job, queue: asyncio.Queue, rid: str, include_usage: bool):
         return stream(job, queue, rid, "text_completion", include_usage,
-                      lambda text: {"index": 0, "text": text, "logprobs": None, "finish_reason": None},
+                      lambda event, offset: {"index": 0, "text": event.text,
+                                             "logprobs": completion_logprobs(event.logprobs, offset),
+                                             "finish_reason": None},
                       lambda reason: {"index": 0, "text": "", "logprobs": None, "finish_reason": reason})
 
     return app

@@ -80,13 +80,15 @@ class ChatBody(RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None  # each answer token's log-probability ...
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # ... with this many likeliest tokens (needs logprobs)
 
 
 class CompletionBody(RequestBody):
     prompt: Union[str, list[str], list[int]]
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # the legacy API's: each token's, and this many likeliest
 
 
 async def parse(request: Request, model: type[BaseModel]):
