@@ -440,7 +440,8 @@ class KVBoost:
             device=str(self.device), weights_bytes=self._weights().resident_bytes,
             streamed_weights_bytes=self.streaming.plan.streamed_bytes if self.streaming is not None else 0,
             kv_bytes=self.store.tier_bytes(), kv_budget_bytes=self.store.tier_budgets(),
-            kv_quant=self.store.tier_quants(), disk_error=self.disk_error or None,
+            kv_quant=self.store.tier_quants(), kv_entries=self.store.tier_entries(),
+            kv_budget_rules=self.store.tier_budget_rules(), disk_error=self.disk_error or None,
             remote=RemoteTierStats(**remote.stats()) if remote is not None else None,
             device_used_bytes=used, device_total_bytes=total)
 

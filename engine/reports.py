@@ -44,6 +44,7 @@ class MemoryTierStats(_Report):
     bytes: int
     budget_bytes: int
     kv_quant: str  # "none", "int8" or "int4"
+    budget_rule: str | None = _omitted_when_none()  # where the budget came from: "set by cache_bytes", "default: ..."
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +159,8 @@ class MemoryReport(_Report):
     kv_bytes: dict[str, int]
     kv_budget_bytes: dict[str, int]
     kv_quant: dict[str, str]
+    kv_entries: dict[str, int] = field(default_factory=dict)  # the memory tiers' (the disk's would need a query)
+    kv_budget_rules: dict[str, str] = field(default_factory=dict)  # the memory tiers': MemoryTierStats.budget_rule
     disk_error: str | None = _omitted_when_none()
     remote: RemoteTierStats | None = _omitted_when_none()
     device_used_bytes: int | None = _omitted_when_none()  # CUDA only, as the others below

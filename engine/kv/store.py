@@ -57,15 +57,15 @@ def _checked(stored, record: ChunkRecord, device: torch.device, layout: KVLayout
 class ChunkStore:
     def __init__(self, budget_bytes: int, policy: EvictionPolicy | None = None, *,
                  device: torch.device | str = "cpu", device_quant: str = "none", host: MemoryTier | None = None,
-                 disk=None, remote=None, layout: KVLayout | None = None):
-        """`budget_bytes`: the device tier's budget. Optional lower tiers: `host` (MemoryTier), `disk`
-        (engine.kv.disk.DiskTier), `remote` (engine.kv.remote_tier.RemoteTier: shared by machines, read by
-        engine.reuse). `layout`: the model's KV, which payloads read back must have (corrected by the first KV
-        stored)."""
+                 disk=None, remote=None, layout: KVLayout | None = None, budget_rule: str | None = None):
+        """`budget_bytes`: the device tier's budget (`budget_rule`: where it came from, as the reports show it).
+        Optional lower tiers: `host` (MemoryTier), `disk` (engine.kv.disk.DiskTier), `remote`
+        (engine.kv.remote_tier.RemoteTier: shared by machines, read by engine.reuse). `layout`: the model's KV,
+        which payloads read back must have (corrected by the first KV stored)."""
         self.device = torch.device(device)
         self.layout = layout
         self.policy = policy or LRU()
-        self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant)
+        self.device_tier = MemoryTier("device", budget_bytes, self.device, device_quant, budget_rule=budget_rule)
         self.host_tier = host
         self.memory_tiers = [t for t in (self.device_tier, host) if t is not None]
         self.disk = disk
@@ -443,12 +443,20 @@ class ChunkStore:
             budgets["disk"] = self.disk.budget_bytes
         return budgets
 
+    def tier_budget_rules(self) -> dict[str, str]:
+        """Where each memory tier's budget came from ("set by cache_bytes", "default: 10% of 23.4 GiB RAM")."""
+        return {t.name: t.budget_rule for t in self.memory_tiers if t.budget_rule is not None}
+
+    def tier_entries(self) -> dict[str, int]:
+        """Entries per memory tier (a dict's length: safe from another thread)."""
+        return {t.name: len(t) for t in self.memory_tiers}
+
     def stats(self) -> dict:
         num_chunks = sum(1 for r in self.records.values() if r.kind == "chunk")
         tiers = {}
         for tier in self.memory_tiers:
             tiers[tier.name] = {"entries": len(tier), "bytes": tier.num_bytes, "budget_bytes": tier.budget_bytes,
-                                "kv_quant": tier.quant}
+                                "kv_quant": tier.quant, "budget_rule": tier.budget_rule}
         if self.disk is not None:
             tiers["disk"] = {"entries": sum(1 for r in self.records.values() if r.on_disk),
                              "bytes": self.disk.num_bytes(), "budget_bytes": self.disk.budget_bytes,

@@ -1,5 +1,6 @@
 """The chunk store an engine runs with, built from its TierConfig: the device tier, host RAM and the disk
-tier, each budget from the config or, where not given, from the machine; the disk namespace its entries share;
+tier, each budget from the config or, where not given, from the machine (the memory tiers' RAM:
+engine.config.default_ram_budget), each memory tier knowing which; the disk namespace its entries share;
 the remote tier (Redis/Valkey) when the config names one, with its own namespace. Payloads read back from disk or
 from the remote store are checked against the model's KV layout (engine.kv.tiers.KVLayout); the remote tier refuses,
 unread, values longer than one chunk's KV and its header can be (remote_max_value_bytes to override).
@@ -12,7 +13,7 @@ import sqlite3
 
 import torch
 
-from ..config import ChunkingConfig, ReuseConfig, TierConfig
+from ..config import ChunkingConfig, ReuseConfig, TierConfig, machine_ram_budget
 from ..keys import chain_key
 from .disk import DiskTier, default_cache_dir
 from .eviction import POLICIES
@@ -38,11 +39,16 @@ def build_store(tiers: TierConfig, reuse: ReuseConfig, device: torch.device, roo
         layout = None
     chunking = reuse.chunking
     policy = POLICIES[tiers.eviction]()
-    budget = tiers.cache_bytes if tiers.cache_bytes is not None else default_device_budget(device)
+    # The RAM budget is read once, as the engine starts: what is free then is what the user's other programs left.
+    ram = machine_ram_budget() if None in (tiers.cache_bytes, tiers.cpu_cache_bytes) else None
+    budget, budget_rule = ((tiers.cache_bytes, "set by cache_bytes") if tiers.cache_bytes is not None
+                           else default_device_budget(device, ram))
     host = None
-    host_budget = tiers.cpu_cache_bytes if tiers.cpu_cache_bytes is not None else default_host_budget(device)
+    host_budget, host_rule = ((tiers.cpu_cache_bytes, "set by cpu_cache_bytes") if tiers.cpu_cache_bytes is not None
+                              else default_host_budget(device, ram))
     if host_budget > 0:
-        host = MemoryTier("host", host_budget, torch.device("cpu"), tiers.kv_quant.host, pin=device.type == "cuda")
+        host = MemoryTier("host", host_budget, torch.device("cpu"), tiers.kv_quant.host, pin=device.type == "cuda",
+                          budget_rule=host_rule)
     disk, disk_error = None, None
     if tiers.disk_cache_bytes != 0 and reuse.mode != "off":
         folder = tiers.disk_cache_dir or str(default_cache_dir())
@@ -69,7 +75,7 @@ def build_store(tiers: TierConfig, reuse: ReuseConfig, device: torch.device, roo
                                       "chunk_size": chunking.size, "kv_quant": quant,
                                       "device": device.type, "dtype": str(dtype)})
     store = ChunkStore(budget, policy, device=device, device_quant=tiers.kv_quant.device, host=host, disk=disk,
-                       remote=remote, layout=layout)
+                       remote=remote, layout=layout, budget_rule=budget_rule)
     return store, disk_error
 
 

@@ -16,12 +16,12 @@ on the way, not that whoever wrote them ran this model.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Union
 
 import torch
 
+from ..config import RamBudget
 from .kv_quant import QuantizedTensor, dequantize, quantize_kv
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -208,11 +208,14 @@ def _pin(part: Part) -> Part:
 class MemoryTier:
     """Payloads in memory on one device, within a byte budget (the store decides what to evict)."""
 
-    def __init__(self, name: str, budget_bytes: int, device: torch.device, quant: str = "none", pin: bool = False):
+    def __init__(self, name: str, budget_bytes: int, device: torch.device, quant: str = "none", pin: bool = False,
+                 budget_rule: str | None = None):
+        """`budget_rule`: where the budget came from, in the user's words ("default: 10% of 23.4 GiB RAM")."""
         if quant not in QUANT_MODES:
             raise ValueError(f"kv_quant for the {name} tier must be one of {QUANT_MODES}, got {quant!r}")
         self.name = name
         self.budget_bytes = budget_bytes
+        self.budget_rule = budget_rule
         self.device = device
         self.quant = quant
         self.pin = pin
@@ -245,23 +248,29 @@ class MemoryTier:
         return stored
 
 
-def physical_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 8 << 30
+# Without a GPU both memory tiers are RAM and share one budget (engine.config.default_ram_budget): the device tier,
+# read without a copy, two thirds of it; the overflow tier behind it the rest.
+CPU_DEVICE_SHARE = (2, 3)
 
 
-def default_device_budget(device: torch.device) -> int:
-    """A quarter of free device memory on CUDA; on CPU a quarter of physical RAM, capped at 4 GiB."""
+def _share_of(ram: RamBudget, share: tuple[int, int]) -> tuple[int, str]:
+    return ram.bytes * share[0] // share[1], (f"default: {share[0]}/{share[1]} of {ram.bytes / (1 << 30):.1f} GiB "
+                                              f"({ram.rule})")
+
+
+def default_device_budget(device: torch.device, ram: RamBudget) -> tuple[int, str]:
+    """(bytes, why): a quarter of free device memory on CUDA; on CPU the device tier's share of `ram`."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free * 0.25)
-    return min(physical_ram_bytes() // 4, 4 << 30)
+        return int(free * 0.25), f"default: 25% of the {free / (1 << 30):.1f} GiB free on {device}"
+    return _share_of(ram, CPU_DEVICE_SHARE)
 
 
-def default_host_budget(device: torch.device) -> int:
-    """Host RAM behind the device: a quarter of RAM up to 16 GiB under a GPU; on a CPU-only machine (where
-    the device tier is RAM already) an eighth, up to 4 GiB."""
-    ram = physical_ram_bytes()
-    return min(ram // 4, 16 << 30) if device.type == "cuda" else min(ram // 8, 4 << 30)
+def default_host_budget(device: torch.device, ram: RamBudget) -> tuple[int, str]:
+    """(bytes, why): host RAM behind the device: all of `ram` under a GPU; on a CPU-only machine (where the
+    device tier is RAM already) what the device tier leaves of it."""
+    if device.type == "cuda":
+        return ram.bytes, f"default: {ram.rule}"
+    device_bytes, _ = _share_of(ram, CPU_DEVICE_SHARE)
+    num, den = CPU_DEVICE_SHARE
+    return ram.bytes - device_bytes, _share_of(ram, (den - num, den))[1]

@@ -15,6 +15,7 @@ import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import Cancelled, EngineConfig, KVBoost, UnsupportedModelError
+from engine.config import machine_ram_budget
 from engine.kv.disk import default_disk_budget
 from engine.kv.tiers import default_device_budget, default_host_budget
 from engine.weights.fingerprint import fingerprint
@@ -159,9 +160,12 @@ def _mem_total_bytes() -> int:
 def test_default_budgets_follow_the_documented_fractions(tmp_path):
     ram = _mem_total_bytes()
     cpu = torch.device("cpu")
-    # device tier on a CPU-only machine: a quarter of RAM, at most 4 GiB; host: an eighth, at most 4 GiB
-    assert default_device_budget(cpu) == pytest.approx(min(ram / 4, 4 << 30), rel=0.01)
-    assert default_host_budget(cpu) == pytest.approx(min(ram / 8, 4 << 30), rel=0.01)
+    # on a CPU-only machine both memory tiers are RAM: together at most a tenth of it (or less: default_ram_budget),
+    # the device tier two thirds of that, the overflow tier the rest
+    budget = machine_ram_budget()
+    assert budget.bytes <= min(ram // 10, 4 << 30)
+    assert default_device_budget(cpu, budget)[0] + default_host_budget(cpu, budget)[0] == budget.bytes
+    assert default_device_budget(cpu, budget)[0] == budget.bytes * 2 // 3
     # disk: a fifth of the free space where the folder will be, at most 20 GiB
     free = shutil.disk_usage(tmp_path).free
     assert default_disk_budget(tmp_path / "not" / "there" / "yet") == pytest.approx(min(free / 5, 20 << 30),

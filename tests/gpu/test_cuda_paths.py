@@ -9,6 +9,7 @@ import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
 from engine import EngineConfig, KVBoost  # noqa: E402
+from engine.config import machine_ram_budget  # noqa: E402
 from engine.kv.tiers import default_device_budget  # noqa: E402
 from engine.weights.loader import pick_dtype  # noqa: E402
 
@@ -35,7 +36,8 @@ def test_auto_dtype_is_bf16_where_supported_else_fp16():
 
 def test_the_device_budget_is_a_quarter_of_free_vram():
     free, _ = torch.cuda.mem_get_info(CUDA)
-    assert default_device_budget(CUDA) == pytest.approx(free / 4, rel=0.05)
+    budget, rule = default_device_budget(CUDA, machine_ram_budget())
+    assert budget == pytest.approx(free / 4, rel=0.05) and rule.startswith("default: 25% of the ")
 
 
 def test_the_host_tier_is_pinned_and_its_hits_equal_device_hits(tiny_cuda):
