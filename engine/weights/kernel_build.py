@@ -211,8 +211,14 @@ def _unload(lib: ctypes.CDLL) -> None:
 
 
 def _move_aside(target: Path, why: str) -> None:
-    """`target` renamed to `<name>.bad-<time>` (kept to be looked at), its digest removed."""
-    aside = target.with_name(f"{target.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+    """`target` renamed to `<name>.bad-<time>[-n]` (kept to be looked at; under the lock, so the name is free), its
+    digest removed."""
+    stamp = f"{target.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = target.with_name(stamp)
+    for n in range(2, 100):
+        if not os.path.lexists(aside):
+            break
+        aside = target.with_name(f"{stamp}-{n}")
     try:
         os.replace(target, aside)
     except FileNotFoundError:
@@ -222,7 +228,7 @@ def _move_aside(target: Path, why: str) -> None:
                                      "remove it") from None
     with contextlib.suppress(FileNotFoundError):
         os.unlink(digest_path(target))
-    log.warning("not loading %s: %s; moved it to %s and building it again", target, why, aside.name)
+    log.warning("not loading %s: %s; moved it to %s", target, why, aside.name)
 
 
 def _compile(target: Path, command: Callable[[Path], list[str]], timeout_s: float) -> None:
