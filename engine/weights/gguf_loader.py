@@ -29,7 +29,9 @@ at a time; int4 ones take the file's codes when the tensor is Q4_0 / Q4_1 / Q4_K
 
 What was loaded in which form is `model.gguf_tensors` ({"Q4_K->int4": {"tensors", "file_bytes", "bytes"}}),
 which engine.weights.weights_report shows. A file that disagrees with its config (a missing tensor, a shape,
-a type no path reads) is a GGUFFormatError naming the tensor, raised before anything is allocated for it.
+a type no path reads, a 1-D tensor of a block type) is a GGUFFormatError naming the tensor, raised before anything
+is allocated for it. Every tensor's bytes are read through engine.weights.gguf_file.read_rows, which refuses a
+non-finite fp16 scale or float value (a NaN in one block is a model answering NaN logits) and a file cut short.
 
 Over 400 lines: one loader, every tensor type's form in one place (the reason a type lands where it does sits beside
 it)."""
@@ -47,7 +49,7 @@ from torch import nn
 from ..config import HEAD_CHOICES
 from . import gguf_blocks
 from .gguf_blocks import BLOCK_TYPES, BlockEmbedding, BlockLinear
-from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord
+from .gguf_file import GGUFFile, GGUFFormatError, TensorRecord, read_rows, row_layout
 from .gguf_int4 import INT4_TYPES, memoized_name_maps, processor_config, row_order, unmappable_architecture
 from .gguf_tensors import float_weight, int4_codes, int8_rows, rtn_rows
 from .head import (
@@ -216,6 +218,10 @@ def _records_by_parameter(file: GGUFFile, model, processor) -> dict[str, TensorR
         if record.type_name not in SUPPORTED_TYPES:
             raise GGUFFormatError(f"tensor {record.name!r} is {record.type_name}, which this loader does not read "
                                   f"(it reads {', '.join(SUPPORTED_TYPES)})")
+        if len(record.shape) == 1 and record.type_name not in FLOAT_TYPES:
+            raise GGUFFormatError(f"tensor {record.name!r} is {record.type_name}, but it is 1-D (a norm or a bias), "
+                                  f"which converters and quantizers always store as float: its type is not the one "
+                                  f"it was written with")
         if tuple(record.shape) != tuple(param.shape):
             raise GGUFFormatError(f"tensor {record.name!r} has shape {list(record.shape)}, but the config makes "
                                   f"{hf_name} {list(param.shape)}")
@@ -301,7 +307,9 @@ class _Loader:
         """The file's bytes of `record`, uint8 [rows, row bytes], rows in `order` (None: as stored), read straight
         into the tensor that keeps them (not through a memory map, whose pages would count in the process's
         memory next to the copy: the load holds the kept bytes and nothing of the file beside them), which lies
-        in memory advised for huge pages (huge_pages.py: a decode step reads it whole)."""
+        in memory advised for huge pages (huge_pages.py: a decode step reads it whole). Checked as it is read
+        (gguf_file.read_rows: finite scales, the file not cut short), in the file's row order, so a message names
+        the row as the file stores it."""
         try:
             row_bytes = gguf_blocks.row_bytes(record.type_name, record.shape[-1])
         except ValueError as exc:
@@ -311,16 +319,10 @@ class _Loader:
             raise GGUFFormatError(f"tensor {record.name!r}: {record.nbytes} bytes are not rows of {row_bytes}")
         kept = self.arena.empty(rows, row_bytes)
         held = kept if order is None else torch.empty(rows, row_bytes, dtype=torch.uint8)
-        target = memoryview(held.numpy()).cast("B")
-        with open(self.file.path, "rb") as handle:
-            handle.seek(record.offset)
-            filled = 0
-            while filled < record.nbytes:
-                got = handle.readinto(target[filled:])
-                if not got:
-                    raise GGUFFormatError(f"tensor {record.name!r}: the file ends {record.nbytes - filled} bytes "
-                                          "before its data does")
-                filled += got
+        if row_layout(record) != (rows, row_bytes):
+            raise GGUFFormatError(f"tensor {record.name!r}: {rows} rows of {row_bytes} bytes for the block kernel, "
+                                  f"{row_layout(record)} as stored")
+        read_rows(self.file, record, out=held.numpy())
         return held if order is None else torch.index_select(held, 0, torch.from_numpy(order), out=kept)
 
     def block_linear(self, record: TensorRecord, bias) -> BlockLinear | None:

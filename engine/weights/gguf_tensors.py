@@ -1,4 +1,4 @@
-"""One GGUF tensor, read from the memory-mapped file, in the form a layer holds: float, int8 rows or int4 groups.
+"""One GGUF tensor, read from the file, in the form a layer holds: float, int8 rows or int4 groups.
 
 Values are gguf-py's own dequantization (`gguf.quants.dequantize`, float32), the one transformers' GGUF loader
 uses, so a float tensor here equals the one transformers would load, bit for bit, after the same architecture
@@ -15,6 +15,9 @@ Roundings, per form:
   in bfloat16 (engine.weights.head.Int8Linear), a factor within 2^-8 of 1 on the whole row.
 - int4 codes (`int4_codes`, Q4_0 / Q4_1 / Q4_K): none; the codes are the file's (engine.weights.gguf_int4).
 - int4 RTN (`rtn_rows`): a second rounding, round-to-nearest per group (engine.weights.int4.quantize_rtn).
+
+Every byte is read through engine.weights.gguf_file.read_rows, which refuses a non-finite scale or float value
+and a file cut short, before any of it is converted.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .gguf_file import GGUFFile, TensorRecord, tensor_data
+from .gguf_file import GGUFFile, TensorRecord, read_rows, row_layout
 from .gguf_int4 import decode_blocks
 from .head import quantize_rows_int8
 from .int4 import padded_features, quantize_rtn
@@ -40,14 +43,29 @@ def dequantized(file: GGUFFile, record: TensorRecord, rows=None) -> np.ndarray:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    data = np.asarray(tensor_data(file, record))  # a plain view: numpy's memmap subclass is slow to slice
-    if rows is not None:
-        data = data[rows]
+    data = stored_rows(file, record, rows)
     fast = _TORCH_DEQUANTIZE.get(record.type_name)
     if fast is not None:
         return fast(data).numpy()
     values = dequantize(data, GGMLQuantizationType(record.ggml_type))
-    return values if values.flags.writeable else np.array(values)  # F32: a view of the read-only map
+    return values if values.flags.writeable else np.array(values)  # gguf may hand back a read-only view
+
+
+def stored_rows(file: GGUFFile, record: TensorRecord, rows=None) -> np.ndarray:
+    """The stored bytes of `record`'s `rows` (None: all; a slice of step 1; an index array), uint8 [rows, row
+    bytes], checked (read_rows). An index array reads the span from its smallest row to its largest: llama's q/k
+    order permutes rows within a head, so a slice of the order spans about as many rows as it holds."""
+    if rows is None:
+        return read_rows(file, record)
+    if isinstance(rows, slice):
+        assert rows.step in (None, 1), rows
+        start, stop, _ = rows.indices(row_layout(record)[0])
+        return read_rows(file, record, start, stop)
+    rows = np.asarray(rows)
+    if rows.size == 0:
+        return read_rows(file, record, 0, 0)
+    low, high = int(rows.min()), int(rows.max()) + 1
+    return read_rows(file, record, low, high)[rows - low]
 
 
 def _fp16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
@@ -59,7 +77,7 @@ def dequantize_q6_k(data: np.ndarray) -> torch.Tensor:
     6-bit code, as gguf's `quants.Q6_K.dequantize_blocks` forms it. Block of 256: 128 bytes of low nibbles, 64 of
     high 2-bit pairs, 16 int8 sub-scales, an fp16 d."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.array(data)).reshape(-1, 210)  # a copy of the bytes: the map is read-only
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, 210)  # the bytes read, not shared
     n = blocks.shape[0]
     d = _fp16_field(blocks, 208)[:, None] * blocks[:, 192:208].view(torch.int8).to(torch.float32)  # [n, 16]
     shifts_low = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
@@ -73,7 +91,7 @@ def dequantize_q6_k(data: np.ndarray) -> torch.Tensor:
 def dequantize_q8_0(data: np.ndarray) -> torch.Tensor:
     """Q8_0 bytes -> float32, code times the block's fp16 scale (gguf's `quants.Q8_0.dequantize_blocks`)."""
     rows = data.shape[0]
-    blocks = torch.from_numpy(np.array(data)).reshape(-1, 34)
+    blocks = torch.from_numpy(np.ascontiguousarray(data)).reshape(-1, 34)
     return (blocks[:, 2:].view(torch.int8).to(torch.float32) * _fp16_field(blocks, 0)[:, None]).reshape(rows, -1)
 
 
@@ -126,5 +144,5 @@ def rtn_rows(file: GGUFFile, record: TensorRecord, order: np.ndarray | None, gro
 def int4_codes(file: GGUFFile, record: TensorRecord, order: np.ndarray | None):
     """The canonical int4 codes of a Q4_0 / Q4_1 / Q4_K tensor as they are (engine.weights.gguf_int4.decode_blocks):
     (codes [out, in], scales [out, in/32], zeros, offsets or None), output row r from file row order[r]."""
-    data = tensor_data(file, record)
+    data = stored_rows(file, record)
     return decode_blocks(data if order is None else data[order], record.type_name)
