@@ -1,9 +1,12 @@
-"""Token ids of what a caller passes as a prompt: a plain string, a list of chat messages rendered by the model's
-chat template, or token ids taken as they are; each checked, with the reason when it is not usable."""
+"""Token ids of what a caller passes as a prompt: a plain string (the caller's own: its control strings are control
+tokens), a list of chat messages rendered by the model's chat template (their content is data: engine.chat_template),
+or token ids taken as they are; each checked, with the reason when it is not usable."""
 
 from __future__ import annotations
 
 from typing import Sequence
+
+from .chat_template import chat_ids
 
 Messages = Sequence[dict]
 
@@ -31,5 +34,4 @@ def encode(tokenizer, prompt: str | Messages | Sequence[int], *, vocab_size: int
             raise ValueError(f"message {i} content must be a string, got {type(m['content']).__name__}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{name} has no chat template; pass a plain string prompt")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_ids(tokenizer, messages, add_generation_prompt)
