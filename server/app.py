@@ -306,8 +306,17 @@ def create_app(engine, *, model_id: str, worker: EngineWorker | None = None, api
 
     @app.get("/health")
     async def health():
+        # The KV cache per tier: its budget, the bytes and chunks filling it, and where a memory tier's budget came
+        # from. memory() reads counters only, so a health check never waits for a generation.
+        memory = engine.memory()
+        kv_cache = {tier: {"bytes": num_bytes, "budget_bytes": memory.kv_budget_bytes.get(tier, 0),
+                           **({"entries": memory.kv_entries[tier]} if tier in memory.kv_entries else {}),
+                           **({"budget_rule": memory.kv_budget_rules[tier]} if tier in memory.kv_budget_rules
+                              else {})}
+                    for tier, num_bytes in memory.kv_bytes.items()}
         return {"status": "ok", "model": model_id, "waiting": scheduler.num_waiting,
-                "running": scheduler.num_running, "served": scheduler.num_served, "weights": weights}
+                "running": scheduler.num_running, "served": scheduler.num_served, "weights": weights,
+                "kv_cache": kv_cache}
 
     @app.get("/v1/models")
     async def models():
