@@ -188,7 +188,8 @@ def stats_summary(stats: CacheStats) -> str:
         if tier is None:
             continue
         of = f" of {_human(tier.budget_bytes)}" if tier.budget_bytes else ""
-        lines.append(f"  {name}: {tier.entries} entries, {_human(tier.bytes)}{of}"
+        rule = f" ({tier.budget_rule})" if getattr(tier, "budget_rule", None) else ""
+        lines.append(f"  {name}: {tier.entries} entries, {_human(tier.bytes)}{of}{rule}"
                      f"{', kv ' + tier.kv_quant if tier.kv_quant != 'none' else ''}")
     if stats.disk_error:
         lines.append(f"  disk: {stats.disk_error}")
@@ -256,6 +257,8 @@ def cmd_cache(args) -> int:
             print(json.dumps(stats, indent=2))
         else:
             _print_disk_stats(stats)
+        if not args.json:
+            _print_ram_budget()
         return 0
     if args.action != "clear" and not (folder / INDEX_FILENAME).exists():
         print(f"no disk KV cache in {folder}")
@@ -277,6 +280,16 @@ def cmd_cache(args) -> int:
     finally:
         disk.close()
     return 0
+
+
+def _print_ram_budget() -> None:
+    """The RAM tiers beside the disk tier: they live in the process that runs a model, so this says their default
+    budget on this machine (engine.config.default_ram_budget) and where their fill is shown."""
+    from engine.config import machine_ram_budget
+
+    ram = machine_ram_budget()
+    print(f"RAM tiers: {_human(ram.bytes)} budget (default: {ram.rule}; --cpu-cache-bytes and --cache-bytes set it), "
+          "filled only while a model runs: /stats in kvboost chat, GET /health on kvboost-server")
 
 
 def _print_disk_stats(stats: dict) -> None:

@@ -210,3 +210,28 @@ def test_every_option_of_every_command_says_what_it_does():
                for prog, parser in (("kvboost", build_parser()), ("kvboost-server", server_parser()))
                for path, action in _actions(parser) if not action.help]
     assert missing == []
+
+
+def test_cache_stats_names_the_ram_budget_and_where_it_came_from_beside_the_disk_tier(tmp_path):
+    from engine.config import machine_ram_budget
+
+    done = run_without_model(["cache", "stats", "--dir", str(tmp_path / "nothing")])
+    assert done.returncode == 0, done.stderr
+    ram = machine_ram_budget()
+    ram_line = next(line for line in done.stdout.splitlines() if line.startswith("RAM tiers:"))
+    # the rule read again here: it names the same bound unless the free memory moved by a lot meanwhile
+    assert f"{ram.bytes / (1 << 30):.1f} GB budget (default: {ram.rule};" in ram_line, ram_line
+    assert "no disk KV cache" in done.stdout and "torch imported: False" in done.stdout
+
+
+def test_chat_stats_show_each_ram_tier_filled_against_its_budget(smollm):
+    from cli.kvboost import stats_summary
+
+    eng = smollm.with_options(cache_bytes=24 << 20, cpu_cache_bytes=0)
+    empty = stats_summary(eng.cache_stats())
+    assert "  device: 0 entries, 0 B of 24.0 MB (set by cache_bytes)" in empty
+    eng.generate("The ferry to the island leaves at 7:40 every morning from pier 3. " * 12, max_new_tokens=2)
+    filled = stats_summary(eng.cache_stats())
+    device = next(line for line in filled.splitlines() if line.startswith("  device:"))
+    assert device != "  device: 0 entries, 0 B of 24.0 MB (set by cache_bytes)"
+    assert device.endswith(" of 24.0 MB (set by cache_bytes)"), device
