@@ -1,4 +1,5 @@
-"""The status-bar memory meter: VRAM (weights / KV) on CUDA, process RAM otherwise, and KV per tier.
+"""The status-bar memory meter: VRAM (weights / KV) on CUDA, process RAM otherwise, and KV per tier (a RAM tier
+against its budget; the tooltip says where each budget came from).
 
 Sampled on the UI thread every second from counters the engine keeps (no lock, no torch work)."""
 
@@ -47,11 +48,19 @@ def memory_text(rss: int, engine: dict | None) -> str:
     if engine:
         if "device_total_bytes" not in engine:
             parts[-1] += f" ({_model_bytes(engine)})"
-        tiers = ", ".join(f"{tier_label(tier, engine)} {human_bytes(n)}" for tier, n in engine["kv_bytes"].items())
+        tiers = ", ".join(f"{tier_label(tier, engine)} {_used_of_budget(tier, n, engine)}"
+                          for tier, n in engine["kv_bytes"].items())
         parts.append(f"KV cache: {tiers}")
         if engine.get("remote"):
             parts.append(remote_text(engine["remote"]))
     return " · ".join(parts)
+
+
+def _used_of_budget(tier: str, num_bytes: int, engine: dict) -> str:
+    """A RAM tier's KV against its budget, so the share the cache may still take shows; other tiers' bytes alone."""
+    budget = engine.get("kv_budget_bytes", {}).get(tier)
+    ram = tier == "host" or (tier == "device" and "device_total_bytes" not in engine)
+    return f"{human_bytes(num_bytes)} of {human_bytes(budget)}" if ram and budget else human_bytes(num_bytes)
 
 
 def remote_text(remote: dict) -> str:
@@ -77,7 +86,9 @@ def memory_tooltip(engine: dict | None) -> str:
     """Each KV tier against its budget (the status bar line keeps only what is used)."""
     if not engine:
         return "No model loaded"
+    rules = engine.get("kv_budget_rules", {})  # where each memory tier's budget came from
     lines = [f"{tier_label(tier, engine)}: {human_bytes(n)} of {human_bytes(engine['kv_budget_bytes'].get(tier, 0))}"
+             + (f" ({rules[tier]})" if tier in rules else "")
              for tier, n in engine["kv_bytes"].items()]
     if engine.get("disk_error"):
         lines.append(engine["disk_error"])
