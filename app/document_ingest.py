@@ -68,8 +68,11 @@ class Ingest:
         mtime, size = documents.file_signature(path)
         if known and known["mtime"] == mtime and known["size"] == size:
             return known, False
+        # Checked at every read, not only the first: a document that grew past the limit since it was added is
+        # refused here, before a byte of it is hashed or read (and both read at most the limit + 1 bytes).
+        documents.check_size(path, size, self.limits.max_bytes)
         if known:
-            digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path)
+            digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path, self.limits.max_bytes)
             if digest == known["sha256"]:
                 return self.db.upsert_document_signature(known["id"], mtime, size), False
         self._reading = cancelled = threading.Event()

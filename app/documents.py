@@ -173,12 +173,37 @@ def file_signature(path: str | Path) -> tuple[float, int]:
     return stat.st_mtime, stat.st_size
 
 
-def sha256_file(path: str | Path, *, block_bytes: int = 1024 * 1024) -> str:
+def sha256_file(path: str | Path, max_bytes: int = MAX_FILE_BYTES, *, block_bytes: int = 1024 * 1024) -> str:
+    """The file's sha256, reading at most `max_bytes` + 1 bytes: DocumentError when it is larger (it may have
+    grown since its size was checked)."""
     digest = hashlib.sha256()
+    num_bytes = 0
     with open(path, "rb") as stream:
-        while block := stream.read(block_bytes):
+        while block := stream.read(min(block_bytes, max_bytes + 1 - num_bytes)):
+            num_bytes += len(block)
+            if num_bytes > max_bytes:
+                raise _over_limit(display_name(Path(path)), max_bytes)
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_at_most(path: str | Path, max_bytes: int) -> bytes:
+    """The file's bytes, reading at most `max_bytes` + 1 of them: DocumentError when there are more (a file that
+    grows between its size check and this read is still read no further)."""
+    with open(path, "rb") as stream:
+        data = stream.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise _over_limit(display_name(Path(path)), max_bytes)
+    return data
+
+
+def check_size(path: str | Path, size: int, max_bytes: int) -> None:
+    """DocumentError when a file of `size` bytes cannot be a document: checked before every read of it."""
+    _check_size(display_name(Path(path)), size, max_bytes)
+
+
+def _over_limit(name: str, max_bytes: int) -> DocumentError:
+    return DocumentError(f"{name} is over the {human_size(max_bytes)} limit for documents")
 
 
 def extract(
@@ -249,10 +274,10 @@ def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
 
 def _read_bytes(path: Path, max_bytes: int) -> bytes:
     try:
-        data = path.read_bytes()
+        data = read_at_most(path, max_bytes)  # the file may have grown since it was checked
     except OSError as error:
         raise DocumentError(f"{display_name(path)} could not be read ({_os_reason(error)})") from None
-    _check_size(display_name(path), len(data), max_bytes)  # the file may have changed since it was checked
+    _check_size(display_name(path), len(data), max_bytes)  # or shrunk to nothing
     return data
 
 

@@ -87,6 +87,48 @@ def test_unreadable_files_are_named_and_the_conversation_keeps_the_rest(tmp_path
         conversation.db.close()
 
 
+def bytes_read_by_this_process() -> int:
+    """What this process has read through read() so far (Linux /proc: cached reads included)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read in /proc/self/io")
+def test_a_document_that_grew_past_the_limit_is_refused_before_it_is_read_again(tmp_path):
+    """Issue 64: a /file document that later grew to 40 GB was hashed whole (197 s) before it was refused."""
+    from app.documents import MAX_FILE_BYTES
+
+    note = tmp_path / "note.md"
+    note.write_text(NOTE, encoding="utf-8")
+    conversation = Conversation(Database(tmp_path / "chat.db"), None, max_context=8192)
+    try:
+        assert conversation.add(str(note))["added"] == 1
+        with open(note, "r+b") as f:
+            f.truncate(4 * MAX_FILE_BYTES)  # sparse: the disk holds none of it, a read returns every byte
+        before = bytes_read_by_this_process()
+        report = conversation.add(str(note))
+        read = bytes_read_by_this_process() - before
+        assert report["added"] == 0
+        assert report["problems"] == ["note.md is 200.0 MB, over the 50.0 MB limit for documents"]
+        assert read <= MAX_FILE_BYTES + 1, f"{read} bytes read to refuse it"
+        # what was read before stays in the conversation
+        assert [d["name"] for d in conversation.documents()] == ["note.md"]
+    finally:
+        conversation.db.close()
+
+
+def test_a_file_that_grows_while_it_is_read_is_read_no_further_than_the_limit(tmp_path):
+    from app.documents import DocumentError, read_at_most
+
+    grown = tmp_path / "grown.txt"
+    with open(grown, "wb") as f:
+        f.truncate(4096 + 1000)
+    with pytest.raises(DocumentError, match="grown.txt is over the 4.0 KB limit for documents"):
+        read_at_most(grown, 4096)
+    grown.write_bytes(b"x" * 4096)
+    assert read_at_most(grown, 4096) == b"x" * 4096
+
+
 def test_a_conversation_is_kept_once_something_was_asked_or_added(tmp_path):
     db = Database(tmp_path / "chat.db")
     try:
