@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "remote": ("bench.remote", "a second process restoring a warmed prompt from the shared KV tier (Redis/Valkey)"),
     "kv-tiers": ("bench.kv_tiers", "restart from the disk tier, eviction policies, memory and quality per kv_quant"),
     "server": ("bench.server", "TTFT through the OpenAI-compatible server, reuse on and off, concurrent streams"),
+    "memory-growth": ("bench.memory_growth", "resident memory over 500 distinct chats beside the RAM tiers' fill"),
     "approx-curve": ("bench.approx_curve", "needle accuracy and KL as approximate reuse recomputes more (0-100%)"),
     "rag-session": ("bench.rag_session", "a 5-question chat over dropped documents, as the app lays it out"),
     "gpu": ("bench.gpu_check", "on a CUDA device: int4 kernels, CUDA graphs, the engine's roofline, streaming"),
