@@ -202,7 +202,7 @@ def test_a_library_planted_at_the_keyed_name_never_runs_and_the_kernel_is_rebuil
     assert cache.moved_aside() == [planted]
 
 
-@pytest.mark.parametrize("mode", [0o770, 0o777])
+@pytest.mark.parametrize("mode", [0o770, 0o777], ids=["group-writable", "world-writable"])
 def test_a_folder_other_users_can_write_is_refused_and_nothing_there_runs(cache, tmp_path, mode):
     """Even a library whose digest matches: in such a folder another user could have put both."""
     marker = tmp_path / "planted-ran"
