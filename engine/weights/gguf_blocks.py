@@ -17,8 +17,9 @@ once), and loaded only after engine.weights.kernel_build's checks (owner, mode, 
 shipped x86-64-v3 build is used where the CPU runs it; otherwise `unavailable()` says why and the loader keeps
 torch's kernels (engine.weights.int4, engine.weights.head).
 
-Over 400 lines: the one binding of the C kernel, whose build, loading, tile layout and per-type calls must agree
-with each other and with gguf_blocks.c."""
+Over 400 lines: the one binding of the C kernel, whose declared functions, build key, tile layout and per-type
+calls must agree with each other and with gguf_blocks.c (how a build is made, checked and loaded:
+engine.weights.kernel_build)."""
 
 from __future__ import annotations
 
