@@ -323,8 +323,9 @@ def check_finite(record: TensorRecord, data: np.ndarray, first_row: int = 0) -> 
         per_row = data.shape[1] // block_bytes
         for field_name, at in fields:
             bits = blocks[:, at:at + 2].view("<u2")[:, 0]
-            bad = np.flatnonzero((bits & FP16_EXPONENT) == FP16_EXPONENT)
-            if bad.size:
+            bad = (bits & FP16_EXPONENT) == FP16_EXPONENT
+            if bad.any():
+                bad = np.flatnonzero(bad)
                 index = int(bad[0])
                 value = float(bits[index:index + 1].view("<f2")[0])
                 raise GGUFFormatError(
@@ -335,8 +336,9 @@ def check_finite(record: TensorRecord, data: np.ndarray, first_row: int = 0) -> 
     if record.type_name in FLOAT_BITS:
         code, mask = FLOAT_BITS[record.type_name]
         bits = data.reshape(-1).view(code)
-        bad = np.flatnonzero((bits & mask) == mask)
-        if bad.size:
+        bad = (bits & mask) == mask
+        if bad.any():
+            bad = np.flatnonzero(bad)
             index, columns = int(bad[0]), data.shape[1] // np.dtype(code).itemsize
             as_float = {"F16": "<f2", "F32": "<f4"}.get(record.type_name)
             value = float(bits[index:index + 1].view(as_float)[0]) if as_float else \
