@@ -7,9 +7,11 @@ handshake takes the answer to HELLO on trust. Here:
 - RESP2 only: HELLO is never sent, whatever `protocol=` the URL carries. The handshake is AUTH and SELECT, each
   answered +OK or the connection fails.
 - Every exchange has one deadline for the whole of it (connect, TLS handshake, AUTH/SELECT, sending, every
-  reply). A store that has not answered by then, or that stops for `silence_s`, is StoreSilent (failing); a
-  deadline that passes while bytes flow is DeadlinePassed (slow: this call took too long, the store is not
-  failing).
+  reply). A store that has not answered by then, or that stops for its silence limit, is StoreSilent (failing);
+  a deadline that passes while bytes flow is DeadlinePassed (slow: this call took too long, the store is not
+  failing). The silence limit is `silence_s` on a machine with a CPU to spare, and grows with the tasks waiting
+  for a CPU (`silence_limit`): on a machine loaded to 15 on two cores a healthy store on the same machine was seen
+  off the CPU for 274 ms, which a fixed 250 ms read as an outage.
 - A bulk string is allocated only after its announced length was checked against the caller's limit (a longer one
   is a "too large" reply, never kept); a line is at most MAX_LINE bytes; an aggregate (array, map, set, ...) is
   never read into: it is reported as what it is, and the connection, now out of step with its replies, is closed.
@@ -19,6 +21,7 @@ reply bounded."""
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import socket
@@ -35,6 +38,31 @@ MAX_LINE = 64 << 10  # a status, error or length line longer than this is not RE
 RECV_BYTES = 256 << 10
 _LENGTH = re.compile(rb"-?[0-9]{1,19}")
 _CERT_REQS = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}
+
+
+def cpu_load() -> float:
+    """Tasks that want a CPU, per CPU this process may run on: the larger of the running count now and the
+    1-minute load average (/proc/loadavg on Linux, os.getloadavg elsewhere); 0 where neither can be read."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        fields = open("/proc/loadavg", encoding="ascii").read().split()
+        waiting = max(float(fields[0]), float(fields[3].split("/")[0]))
+    except (OSError, ValueError, IndexError):
+        try:
+            waiting = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return 0.0
+    return waiting / max(1, cpus)
+
+
+def silence_limit(silence_s: float, load: float) -> float:
+    """How long a store may send nothing before it counts as failing, with `load` tasks per CPU wanting one: a
+    store sharing a machine with them gets the CPU about once in `load` turns, so a silence that long is its
+    wait, not an outage."""
+    return silence_s * max(1.0, load)
 
 
 class StoreError(Exception):
@@ -149,6 +177,7 @@ class Connection:
     def __init__(self, address: Address, silence_s: float):
         self.address = address
         self.silence_s = silence_s
+        self._silence_s = silence_s  # this exchange's limit: silence_s stretched by the machine's load at its start
         self.sock: socket.socket | None = None
         self.in_step = True  # False once a reply was not read to its end: what follows cannot be told apart
         self._buf = bytearray()
@@ -161,9 +190,9 @@ class Connection:
         """Seconds the next socket operation may block: up to the deadline or the silence limit, whichever is
         first; raises when that moment has passed."""
         now = time.monotonic()
-        left = min(deadline, self._progress + self.silence_s) - now
+        left = min(deadline, self._progress + self._silence_s) - now
         if left <= 0:
-            if not self._answered or now - self._progress >= self.silence_s:
+            if not self._answered or now - self._progress >= self._silence_s:
                 raise StoreSilent(f"the store sent nothing for {(now - self._progress) * 1000:.0f} ms")
             raise DeadlinePassed("the deadline passed while the store was answering")
         return left
@@ -172,6 +201,7 @@ class Connection:
         """Starts an exchange's clock: nothing was answered yet."""
         self._progress = time.monotonic()
         self._answered = False
+        self._silence_s = silence_limit(self.silence_s, cpu_load())
 
     # -- connecting ----------------------------------------------------------------------------------------
     def open(self, deadline: float) -> None:
