@@ -11,8 +11,8 @@ written to. C kernels are rebuilt by the library itself (keyed by their source's
     python scripts/mutate.py --only keys.chain_skips_first_token --only payload.checksum_first_4kb
 
 Not part of the test suite (a full run takes about half an hour on two cores); the suite only checks that every
-mutation still applies to the current sources (tests/engine/test_mutation_list.py). Survivors and why they survive:
-docs/contributing.md, "Mutation run".
+mutation still applies to the current sources (tests/engine/test_mutation_list.py). The last run's results, the
+survivors and why they survive: docs/mutation.md.
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 KEYS_TESTS = ("tests/engine/test_chunking_keys_store.py", "tests/engine/test_key_sensitivity.py")
-CHUNKING_TESTS = ("tests/engine/test_chunking_keys_store.py", "tests/engine/test_key_sensitivity.py")
+CHUNKING_TESTS = ("tests/engine/test_chunk_cuts.py", "tests/engine/test_chunking_keys_store.py",
+                  "tests/engine/test_key_sensitivity.py")
 PLAN_TESTS = ("tests/engine/test_chunking_keys_store.py", "tests/engine/test_key_sensitivity.py",
               "tests/engine/test_engine_promises.py")
 PAYLOAD_TESTS = ("tests/engine/test_disk_properties.py", "tests/engine/test_disk_payload_damage.py",
                  "tests/engine/test_kv_layout.py")
-ROWS_TESTS = ("tests/engine/test_disk_properties.py", "tests/engine/test_disk_hostile.py")
+ROWS_TESTS = ("tests/engine/test_disk_row_keys.py", "tests/engine/test_disk_properties.py",
+              "tests/engine/test_disk_hostile.py")
 ATTENTION_TESTS = ("tests/engine/test_exact_attention.py",)
 GGUF_TESTS = ("tests/engine/test_gguf_blocks.py",)
 
