@@ -15,6 +15,7 @@ _EXPORTS = {
     "KVBoost": "engine", "UnsupportedModelError": "engine", "awq_streaming_unavailable": "engine",
     "layer_streaming_unavailable": "engine",
     "Cancelled": "generate", "Result": "generate", "Stats": "generate", "TokenEvent": "generate",
+    "NonFiniteLogits": "generate",
     "CacheStats": "reports", "EngineInfo": "reports", "MemoryReport": "reports",  # info(), memory(), cache_stats()
     "WeightsReport": "reports",  # info().weights
     "ModelLoadError": "weights.loader",

@@ -99,7 +99,13 @@ def check(raw: bytes, model: type[BaseModel]) -> None:
     event("parsed")
     assert isinstance(body, model)
     sent = json.loads(raw)
-    for name in set(NUMBER_FIELDS) & set(model.model_fields):  # read strictly: no true for 1, no "0.5" for 0.5
+    # chat's logprobs is a switch or null (OpenAI's chat API); completions' is a count
+    numbers = set(NUMBER_FIELDS)
+    logprobs = model.model_fields.get("logprobs")
+    if logprobs is not None and logprobs.annotation in (bool, bool | None):
+        numbers.discard("logprobs")
+        assert sent.get("logprobs") is None or type(sent["logprobs"]) is bool, sent["logprobs"]
+    for name in numbers & set(model.model_fields):  # read strictly: no true for 1, no "0.5" for 0.5
         assert sent.get(name) is None or type(sent[name]) in (int, float), (name, sent[name])
     for name in set(BOOL_FIELDS) & set(model.model_fields):
         assert name not in sent or type(sent[name]) is bool, (name, sent[name])
