@@ -88,23 +88,34 @@ def missing_features(compiler: str, march: str, cpu_flags: str, timeout_s: float
     return sorted({flag for macro, flag in ISA_FLAGS.items() if macro in defined and flag not in have})
 
 
-def check_folder(folder: Path) -> None:
-    """Creates `folder` (mode 0o700, whatever the umask) where missing; BlockKernelUnavailable where another user
-    could put a library there or swap one of ours: the folder belongs to someone else, or group or others can
-    write it without the sticky bit."""
+def check_folder(folder: Path) -> bool:
+    """Creates `folder` (mode 0o700, whatever the umask) where missing. A folder of this user's that group or others
+    can write (without the sticky bit; one made under a umask of 002 by an earlier version) is closed to them
+    (chmod go-w): True, and what it holds may have been put or swapped there by them, so the caller trusts none
+    of it. BlockKernelUnavailable where the folder belongs to another user, or cannot be closed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         folder.mkdir(mode=0o700)
-    info = folder.stat()
+    info = folder.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise BlockKernelUnavailable(f"the kernel folder {folder} is not a folder")
     if info.st_uid not in (os.getuid(), 0):
         raise BlockKernelUnavailable(f"the kernel folder {folder} belongs to another user (uid {info.st_uid}), who "
                                      "could swap the library built there: not building or loading it there")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+    if not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or info.st_mode & stat.S_ISVTX:
+        return False
+    try:
+        if info.st_uid != os.getuid():
+            raise PermissionError(1, "not this user's folder")
+        os.chmod(folder, stat.S_IMODE(info.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH), follow_symlinks=False)
+    except OSError as exc:
         raise BlockKernelUnavailable(f"the kernel folder {folder} is writable by other users (mode "
-                                     f"{stat.S_IMODE(info.st_mode):o}), who could swap the library built there: "
-                                     f"not building or loading it there (fix: chmod go-w {folder})")
+                                     f"{stat.S_IMODE(info.st_mode):o}), who could swap the library built there, "
+                                     f"and cannot be closed to them ({exc.strerror}): not building or loading it "
+                                     f"there (fix: chmod go-w {folder})") from None
+    log.warning("the kernel folder %s was writable by other users (mode %o): closed to them, and its build "
+                "is made again", folder, stat.S_IMODE(info.st_mode))
+    return True
 
 
 def digest_path(target: Path) -> Path:
@@ -118,8 +129,10 @@ def load_or_build(target: Path, command: Callable[[Path], list[str]], bind: Call
     which declares the functions the caller uses (AttributeError for one the library lacks: moved aside too).
     BlockKernelUnavailable where it cannot be had, the rebuild's failure included."""
     try:
-        check_folder(target.parent)
+        was_open = check_folder(target.parent)
         with _lock(target, timeout_s):
+            if was_open and os.path.lexists(target):
+                _move_aside(target, "its folder was writable by other users")
             if os.path.lexists(target):
                 try:
                     return _load(target, bind)
