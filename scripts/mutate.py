@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 KEYS_TESTS = ("tests/engine/test_chunking_keys_store.py", "tests/engine/test_key_sensitivity.py")
 CHUNKING_TESTS = ("tests/engine/test_chunk_cuts.py", "tests/engine/test_chunking_keys_store.py",
                   "tests/engine/test_key_sensitivity.py")
-PLAN_TESTS = ("tests/engine/test_chunking_keys_store.py", "tests/engine/test_key_sensitivity.py",
-              "tests/engine/test_engine_promises.py")
+PLAN_TESTS = ("tests/engine/test_plan_rules.py", "tests/engine/test_chunking_keys_store.py",
+              "tests/engine/test_key_sensitivity.py", "tests/engine/test_engine_promises.py")
 PAYLOAD_TESTS = ("tests/engine/test_disk_properties.py", "tests/engine/test_disk_payload_damage.py",
                  "tests/engine/test_kv_layout.py")
 ROWS_TESTS = ("tests/engine/test_disk_row_keys.py", "tests/engine/test_disk_properties.py",
@@ -114,7 +114,7 @@ MUTATIONS = (
              "data_start + data_bytes != len(raw)", "data_start + data_bytes > len(raw)", PAYLOAD_TESTS),
     Mutation("payload.entry_not_checked", "engine/kv/payload_file.py",
              "for name, value in (expect or {}).items():", "for name, value in {}.items():",
-             PAYLOAD_TESTS + ROWS_TESTS),
+             tuple(dict.fromkeys(PAYLOAD_TESTS + ROWS_TESTS))),
     # -- engine/kv/disk_rows.py: a row is trusted only if it names its own key --------------------------------------
     Mutation("rows.key_not_recomputed", "engine/kv/disk_rows.py",
              "if key != expected_key(kind, parent, tokens, bool(exact)):", "if False:", ROWS_TESTS),

@@ -5,6 +5,7 @@ let damage further in through."""
 
 from __future__ import annotations
 
+import json
 import struct
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from engine import EngineConfig, KVBoost
 from engine.keys import chain_key, content_key
 from engine.kv.disk import DiskTier
 from engine.kv.disk_rows import entry_fields
-from engine.kv.payload_file import ALIGN, MAGIC, encode_file
+from engine.kv.payload_file import ALIGN, MAGIC, PayloadError, _checksum, decode_bytes, encode_file
 from engine.kv.records import ChunkRecord, kv_nbytes
 from engine.kv.tiers import decode_kv, encode_kv
 
@@ -149,3 +150,48 @@ def test_chunks_damaged_past_their_first_4_kb_are_computed_again_and_the_answer_
     damaged = engine_on(tiny, folder).generate(DOC + QUESTION, max_new_tokens=NEW_TOKENS)
     assert damaged.stats.reused_by_tier.get("disk", 0) == 0
     assert damaged.token_ids == expected
+
+
+# -- forged files: the checksum recomputed by whoever changed them ----------------------------------------------
+def forge(blob: bytes, header_change=None, append: bytes = b"") -> bytes:
+    """`blob` with its header JSON changed by `header_change(header)` and `append` after its data, the checksum
+    recomputed over the result (what a careful vandal, or another program's bug, could write)."""
+    head_end, start = layout(blob)
+    head_start = len(MAGIC) + 4 + 16
+    header = json.loads(blob[head_start:head_end])
+    if header_change is not None:
+        header_change(header)
+    data = blob[start:] + append
+    head = json.dumps(header, separators=(",", ":")).encode()
+    prefix = MAGIC + struct.pack("<I", len(head)) + _checksum(head, data) + head
+    return prefix + b"\0" * (-len(prefix) % ALIGN) + data
+
+
+def replace_payload(folder: Path, quant: str, blob: bytes):
+    disk = DiskTier(folder, 1 << 30, quant, namespace=NAMESPACE)
+    assert disk.put(record(), encode_kv(KV, quant, CPU)) == []
+    (path,) = (folder / "payloads").rglob("*.kv")
+    path.write_bytes(blob)
+    return disk
+
+
+def test_a_forged_file_claiming_other_tokens_under_the_right_key_is_a_miss(tmp_path):
+    """The header says what the payload is the KV of; the tier checks it against the row's record on every read."""
+
+    def other_tokens(header):
+        header["entry"]["tokens"][0] += 1
+
+    disk = replace_payload(tmp_path / "kv", "none", forge(FILES["none"], other_tokens))
+    assert disk.load(KEY, record()) is None and disk.counters.bad == 1
+
+
+def test_a_forged_file_longer_than_its_header_says_is_refused(tmp_path):
+    """A payload must be exactly the size its header gives, checksum or not: the disk tier also bounds a read by its
+    row's size, the remote tier's values (engine.kv.remote_tier) only by what decode_bytes checks."""
+    longer = forge(FILES["none"], append=b"\0" * 64)
+    with pytest.raises(PayloadError, match="header says"):
+        decode_bytes(torch.frombuffer(bytearray(longer), dtype=torch.uint8), NAMESPACE, KEY)
+    disk = replace_payload(tmp_path / "kv", "none", longer)
+    assert disk.load(KEY, record()) is None and disk.counters.bad == 1
+    intact = forge(FILES["none"])  # the forger's own check: the same file, rewritten, still reads
+    assert decode_bytes(torch.frombuffer(bytearray(intact), dtype=torch.uint8), NAMESPACE, KEY).num_tokens == 48

@@ -44,3 +44,11 @@ def test_a_payload_name_must_sit_in_the_folder_of_its_keys_first_two_digits():
     assert not is_payload_name(f"payloads/{other}/{key}-0011aabb.kv", key)
     assert not is_payload_name(f"payloads/{other}/{key}-0011aabb.kv")
     assert parse_row(row("chunk", chain_key(ROOT, TOKENS), file=f"payloads/{other}/{key}-0011aabb.kv")) is None
+
+
+def test_a_row_whose_tokens_or_parent_were_rewritten_is_dropped():
+    key = chain_key(ROOT, TOKENS)
+    other_tokens = np.asarray((5, 6, 7, 8, 9, 10, 11, 99), dtype="<i4").tobytes()
+    assert parse_row(row("chunk", key, tokens=other_tokens)) is None
+    assert parse_row(row("chunk", key, parent=("ab" * 16))) is None
+    assert parse_row(row("chunk", key, exact=0)) is None  # an inexact entry lives under another key
