@@ -160,19 +160,21 @@ def check_applies(root: Path = REPO) -> list[str]:
     return problems
 
 
-def run_tests(worktree: Path, tests: tuple[str, ...], timeout_s: float, env: dict) -> tuple[str, float]:
-    """(outcome, seconds): PASSED, FAILED, TIMEOUT or ERROR (pytest could not run the tests at all)."""
+def run_tests(worktree: Path, tests: tuple[str, ...], timeout_s: float, env: dict) -> tuple[str, float, str]:
+    """(outcome, seconds, the end of pytest's output): PASSED, FAILED, TIMEOUT or ERROR (pytest could not run the
+    tests at all)."""
     t0 = time.perf_counter()
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
     try:
         done = subprocess.run(command, cwd=worktree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return "TIMEOUT", time.perf_counter() - t0
+        return "TIMEOUT", time.perf_counter() - t0, ""
     outcome = {0: "PASSED", 1: "FAILED"}.get(done.returncode, "ERROR")
+    output = done.stdout.decode(errors="replace")[-3000:]
     if outcome == "ERROR":
-        print(done.stdout.decode(errors="replace")[-2000:], file=sys.stderr)
-    return outcome, time.perf_counter() - t0
+        print(output, file=sys.stderr)
+    return outcome, time.perf_counter() - t0, output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,9 +215,10 @@ def _run(chosen: list[Mutation], worktree: Path, env: dict, args) -> int:
     started = time.perf_counter()
     if not args.no_baseline:
         for tests in sorted({m.tests for m in chosen}):
-            outcome, seconds = run_tests(worktree, tests, args.timeout, env)
+            outcome, seconds, output = run_tests(worktree, tests, args.timeout, env)
             print(f"baseline {' '.join(Path(t).name for t in tests)}: {outcome} ({seconds:.0f} s)", flush=True)
             if outcome != "PASSED":
+                print(output, file=sys.stderr)
                 print("the unmutated tests do not pass: no mutation result would mean anything", file=sys.stderr)
                 return 2
     rows = []
@@ -224,7 +227,7 @@ def _run(chosen: list[Mutation], worktree: Path, env: dict, args) -> int:
         source = path.read_text()
         path.write_text(source.replace(m.original, m.mutated, 1))
         try:
-            outcome, seconds = run_tests(worktree, m.tests, args.timeout, env)
+            outcome, seconds, _ = run_tests(worktree, m.tests, args.timeout, env)
         finally:
             path.write_text(source)
         result = {"PASSED": "SURVIVED", "FAILED": "killed", "TIMEOUT": "killed (timeout)"}.get(outcome, "error")
