@@ -238,7 +238,7 @@ def default_ram_budget(total_bytes: int, available_bytes: int) -> RamBudget:
 
 def machine_ram_budget() -> RamBudget:
     """default_ram_budget of this machine's RAM and what the OS says is available now (Linux: MemAvailable)."""
-    return default_ram_budget(_total_ram_bytes(), _available_ram_bytes())
+    return default_ram_budget(_total_ram_bytes(), available_ram_bytes())
 
 
 def _total_ram_bytes() -> int:
@@ -252,7 +252,8 @@ def _total_ram_bytes() -> int:
         return psutil.virtual_memory().total
 
 
-def _available_ram_bytes() -> int:
+def available_ram_bytes() -> int:
+    """The RAM the OS says is available now (Linux: MemAvailable), in bytes."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:

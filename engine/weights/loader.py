@@ -18,7 +18,7 @@ import torch
 
 from .. import builtin
 from ..builtin import builtin_model_path
-from ..config import HEAD_CHOICES, WEIGHT_FORMATS
+from ..config import HEAD_CHOICES, WEIGHT_FORMATS, available_ram_bytes
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_blocks import KERNEL as BLOCK_KERNEL
@@ -139,17 +139,7 @@ def available_memory(device: torch.device) -> int:
     """Free device memory (CUDA) or the RAM the OS says is available (CPU), in bytes."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 4 << 30
+    return available_ram_bytes()
 
 
 def resolve_weights(source: ModelSource, device: torch.device, dtype: torch.dtype, weights: str = "auto",

@@ -3,28 +3,14 @@ and each answer token's log-probability where asked for, without changing the an
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
+from damaged_models import damaged_head
 
 from engine import Result, TokenEvent
 from engine.generate import NonFiniteLogits
 
 QUOTE = ("Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the old river bank. "
          "Repeat it: the quick brown fox")
-
-
-@contextlib.contextmanager
-def damaged_head(engine):
-    """The model's output head with every byte of its weight blocks 0xFF, as a file overwritten there would be
-    (each block's float16 scale then reads NaN), put back as it was on leaving."""
-    blocks = engine.model.lm_head.blocks
-    kept = blocks.clone()
-    blocks.fill_(0xFF)
-    try:
-        yield
-    finally:
-        blocks.copy_(kept)
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.7, "seed": 1}])

@@ -3,12 +3,12 @@ completions' `logprobs`, whole and streamed, and a model whose logits turn NaN a
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import httpx
 import openai
 import pytest
+from damaged_models import damaged_head
 
 COLORS = [{"role": "user", "content": "Name three colors."}]
 
@@ -106,19 +106,6 @@ def test_completions_refuse_logprobs_out_of_range(server, logprobs):
     resp = httpx.post(server.url + "/v1/completions", timeout=60,
                       json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "logprobs": logprobs})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logprobs"
-
-
-@contextlib.contextmanager
-def damaged_head(engine):
-    """The model's output head with every byte of its weight blocks 0xFF, as a file overwritten there would be
-    (each block's float16 scale then reads NaN), put back as it was on leaving."""
-    blocks = engine.model.lm_head.blocks
-    kept = blocks.clone()
-    blocks.fill_(0xFF)
-    try:
-        yield
-    finally:
-        blocks.copy_(kept)
 
 
 def test_a_model_answering_nan_fails_the_request_with_a_server_error(client, server):
