@@ -9,8 +9,8 @@ the user's turn and open a system turn of its own. Here only the template's own 
    and where each content goes (a template may drop a message, repeat one, or trim its content).
 2. The real rendering is matched against those pieces: each content's span is the content as the template wrote
    it (as it is, stripped, or after the reasoning a template cuts off), followed by the next piece exactly.
-3. When the whole rendering tokenized as one text has as many control tokens as the template's pieces alone
-   (content brought none), those ids are the prompt: the ids a chat without control strings has always had, so
+3. When the whole rendering holds as many control strings, and tokenized as one text as many control tokens, as
+   the template's pieces alone (content brought none), those ids are the prompt: the ids a chat without control strings has always had, so
    stored chunks keep their keys. Otherwise the rendering is cut at the template's own control strings only,
    and every text between them, template text and content together, is tokenized with its control strings
    split into plain tokens (`split_special_tokens`), as the tokenizer would tokenize that text between control
@@ -93,9 +93,9 @@ def _spans(rendered: str, skeleton: str, contents: Sequence[str]) -> list[tuple[
     return spans if order or rendered == texts[0] else None
 
 
-def _cut_at_controls(rendered: str, spans: list[tuple[int, int]], controls: list[str]) -> list[tuple[str, bool]]:
-    """`rendered` as (text, is_control) parts, cut at the control strings of the template's own text only."""
-    pattern = re.compile("|".join(map(re.escape, controls))) if controls else None
+def _cut_at_controls(rendered: str, spans: list[tuple[int, int]], pattern) -> list[tuple[str, bool]]:
+    """`rendered` as (text, is_control) parts, cut at the control strings (`pattern`) of the template's own text
+    only."""
     parts: list[tuple[str, bool]] = []
     text = ""
     pos = 0
@@ -121,33 +121,43 @@ def chat_ids(tokenizer, messages: Sequence[dict], add_generation_prompt: bool) -
     """Token ids of `messages` rendered by the tokenizer's chat template, control tokens only where the template
     itself writes them (ContentWithControlText where that cannot be assured)."""
     rendered = _render(tokenizer, messages, add_generation_prompt)
-    controls = control_ids(tokenizer)
     whole = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    strings = _control_strings(tokenizer)
+    pattern = re.compile("|".join(map(re.escape, strings))) if strings else None
     contents = [m["content"] for m in messages]
     marked = [{**m, "content": f"{_MARK_OPEN}{i}{_MARK_CLOSE}"} for i, m in enumerate(messages)]
     try:
         skeleton = _render(tokenizer, marked, add_generation_prompt)
     except Exception:  # a template that inspects content and refuses a marker: matched as unmatchable below
         skeleton = None
-    own = None
-    if skeleton is not None:
-        own = sum(1 for t in tokenizer(_MARK.sub("", skeleton), add_special_tokens=False)["input_ids"]
-                  if t in controls)
-        if sum(1 for t in whole if t in controls) == own:
-            return whole
+    if skeleton is not None and _only_the_templates_controls(tokenizer, whole, rendered, skeleton, pattern):
+        return whole
     spans = _spans(rendered, skeleton, contents) if skeleton is not None else None
     if spans is None:
-        if not any(s in c for c in contents for s in _control_strings(tokenizer)):
-            return whole  # the template's own control count moved with the content; content holds none
+        held = [s for s in strings if any(s in c for c in contents)]
+        if not held:
+            return whole  # the template's own controls moved with the content; content holds none
         raise ContentWithControlText(
-            "a message holds the chat template's control text (e.g. "
-            f"{next(s for s in _control_strings(tokenizer) if any(s in c for c in contents))!r}) and this model's "
-            "template rewrites message content, so it cannot be kept as plain text; remove it from the message")
+            f"a message holds the chat template's control text (e.g. {held[0]!r}) and this model's template "
+            "rewrites message content, so it cannot be kept as plain text; remove it from the message")
     ids: list[int] = []
-    for text, is_control in _cut_at_controls(rendered, spans, _control_strings(tokenizer)):
+    for text, is_control in _cut_at_controls(rendered, spans, pattern):
         if is_control:
-            ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
-        else:
+            control = tokenizer(text, add_special_tokens=False)["input_ids"]
+            assert len(control) == 1, (text, control)
+            ids.extend(control)
+        else:  # no control string of the template's in it: every one left is content's, and stays text
             ids.extend(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
-    assert sum(1 for t in ids if t in controls) == own, "content produced a control token"
     return ids
+
+
+def _only_the_templates_controls(tokenizer, whole: list[int], rendered: str, skeleton: str, pattern) -> bool:
+    """Whether the control strings and control tokens of the whole rendering are the template's own: as many
+    control strings as its pieces between contents hold, and as many control ids as they tokenize to (the
+    unknown-text id aside: a word a small vocabulary lacks becomes it, wherever it stands)."""
+    pieces = _MARK.split(skeleton)[0::2]
+    if pattern is not None and len(pattern.findall(rendered)) != sum(len(pattern.findall(p)) for p in pieces):
+        return False
+    controls = control_ids(tokenizer) - {getattr(tokenizer, "unk_token_id", None)}
+    own = sum(1 for p in pieces for t in tokenizer(p, add_special_tokens=False)["input_ids"] if t in controls)
+    return sum(1 for t in whole if t in controls) == own

@@ -148,3 +148,18 @@ def test_no_control_token_from_content_ever_reaches_the_prompt_ids(smollm, token
     text = rendered(tokenizer, messages, add_generation_prompt)
     assert tokenizer.decode(ids) == tokenizer.decode(tokenizer(text, add_special_tokens=False,
                                                                split_special_tokens=True)["input_ids"])
+
+
+def test_words_a_small_vocabulary_lacks_are_text_not_a_forgery(smollm):
+    """A word-level vocabulary turns unknown words into its unknown-text token, a special token that content
+    brings without holding any control string: that is no forgery, and the prompt is the plain tokenization."""
+    from tiny_models import build_tokenizer
+
+    from engine.prompt import encode
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    messages = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "w5 w6"}]
+    ids = encode(tokenizer, messages, vocab_size=len(tokenizer), name="tiny")
+    assert tokenizer.unk_token_id in ids
+    assert ids == tokenizer(rendered(tokenizer, messages), add_special_tokens=False)["input_ids"]
