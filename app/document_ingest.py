@@ -68,13 +68,18 @@ class Ingest:
         mtime, size = documents.file_signature(path)
         if known and known["mtime"] == mtime and known["size"] == size:
             return known, False
-        # Checked at every read, not only the first: a document that grew past the limit since it was added is
-        # refused here, before a byte of it is hashed or read (and both read at most the limit + 1 bytes).
-        documents.check_size(path, size, self.limits.max_bytes)
-        if known:
-            digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path, self.limits.max_bytes)
+        if known and known["size"] == size:
+            # Touched, at the size it was taken at: hashing reads no more than adding it did (a file growing
+            # meanwhile is read no further, and is read again below, under the limit).
+            try:
+                digest = await loop.run_in_executor(_FILE_WORKERS, documents.sha256_file, path, size)
+            except documents.DocumentError:
+                digest = None
             if digest == known["sha256"]:
                 return self.db.upsert_document_signature(known["id"], mtime, size), False
+        # Checked at every read, not only the first: a document that grew past the limit since it was added is
+        # refused here, before a byte of it is read (and then at most the limit + 1 bytes are).
+        documents.check_size(path, size, self.limits.max_bytes)
         self._reading = cancelled = threading.Event()
         read = functools.partial(document_worker.shared_pool().extract, path, self.limits, cancelled)
         try:
