@@ -14,8 +14,9 @@ NONE = type(None)
 INFO = {"name": str, "model_type": str, "max_context": int, "device": str, "dtype": str, "reuse": str,
         "cache_folder": (str, NONE), "disk_error": (str, NONE), "weights": dict, "cuda_graphs_unavailable": (str, NONE),
         "layer_streaming_unavailable": (str, NONE), "awq_unavailable": (str, NONE)}
-MEMORY_TIER = {"entries": int, "bytes": int, "budget_bytes": int, "kv_quant": str}
-DISK_TIER = {**MEMORY_TIER, "folder": str, "writes": int, "reads": int, "read_bytes": int, "read_ms": float,
+TIER = {"entries": int, "bytes": int, "budget_bytes": int, "kv_quant": str}
+MEMORY_TIER = {**TIER, "budget_rule": str}  # where its budget came from: set, or the default's rule
+DISK_TIER = {**TIER, "folder": str, "writes": int, "reads": int, "read_bytes": int, "read_ms": float,
              "bad": int, "errors": int, "evicted": int, "rejected": int}
 REMOTE_TIER = {"url": str, "namespace": str, "kv_quant": str, "state": str, "breaker_trips": int,
                "last_error": (str, NONE), "queued": int, "prefill_tokens_per_s": (float, NONE), "max_value_bytes": int,
@@ -42,7 +43,11 @@ def cache_stats(tiers: dict, disk_error: bool = False) -> dict:
 def memory(tiers: list[str], *, disk_error: bool = False, remote: bool = False) -> dict:
     return {"device": str, "weights_bytes": int, "streamed_weights_bytes": int,
             "kv_bytes": dict.fromkeys(tiers, int), "kv_budget_bytes": dict.fromkeys(tiers, int),
-            "kv_quant": dict.fromkeys(tiers, str), **({"disk_error": str} if disk_error else {}),
+            "kv_quant": dict.fromkeys(tiers, str),
+            # the memory tiers' chunk counts and where their budgets came from (the disk's count needs a query)
+            "kv_entries": dict.fromkeys([t for t in tiers if t != "disk"], int),
+            "kv_budget_rules": dict.fromkeys([t for t in tiers if t != "disk"], str),
+            **({"disk_error": str} if disk_error else {}),
             **({"remote": REMOTE_TIER} if remote else {})}  # device_used_bytes, device_total_bytes: CUDA only
 
 
