@@ -110,21 +110,27 @@ class NonFiniteLogits(RuntimeError):
 
 
 def check_finite(logits: torch.Tensor, where: str) -> None:
-    """Raises NonFiniteLogits where `logits` [..., V] hold NaN or an infinity. On the CPU in numpy, one thread:
-    torch's isfinite over a vocabulary wakes its OpenMP threads, which then spin against the block kernel's (9 ms a
-    call measured on 2 busy cores, numpy 0.04 ms). On a GPU where they are, before the step's synchronization."""
+    """Raises NonFiniteLogits where `logits` [..., V] hold NaN or +infinity, or a row holds no finite value: no
+    distribution comes from them. -infinity alone is a token ruled out (a model or a logits processor masking it),
+    not damage. On the CPU in numpy, one thread: torch's isfinite over a vocabulary wakes its OpenMP threads, which
+    then spin against the block kernel's (9 ms a call measured on 2 busy cores, numpy 0.04 ms). On a GPU where
+    they are, before the step's synchronization."""
     if logits.device.type == "cpu":
         scores = logits.detach().float().numpy()
         if np.isfinite(scores).all():
             return
-        bad = int(np.count_nonzero(~np.isfinite(scores)))
+        broken = np.isnan(scores) | np.isposinf(scores)
+        bad, empty = int(np.count_nonzero(broken)), not np.isfinite(scores).any(axis=-1).all()
     else:
         if bool(torch.isfinite(logits).all()):
             return
-        bad = int((~torch.isfinite(logits)).sum())
+        broken = torch.isnan(logits) | torch.isposinf(logits)
+        bad, empty = int(broken.sum()), not bool(torch.isfinite(logits).any(dim=-1).all())
+    if bad == 0 and not empty:
+        return
     raise NonFiniteLogits(f"the model produced NaN/infinite logits for this prompt: its weights or file are damaged "
-                          f"({bad} of {logits.numel()} logits {where} are NaN or infinite); load it again, or "
-                          "download it again")
+                          f"({bad} of {logits.numel()} logits {where} are NaN or infinite"
+                          f"{'' if bad else ', and none is finite'}); load it again, or download it again")
 
 
 def token_logprob(logits: torch.Tensor, token: int, num_top: int, spell: Callable[[int], str]) -> TokenLogprob:

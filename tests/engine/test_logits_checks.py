@@ -4,6 +4,7 @@ and each answer token's log-probability where asked for, without changing the an
 from __future__ import annotations
 
 import pytest
+import torch
 from damaged_models import damaged_head
 
 from engine import Result, TokenEvent
@@ -74,3 +75,13 @@ def test_logprobs_are_the_log_softmax_of_the_raw_logits_whatever_the_temperature
     top = expected.topk(3)
     assert [t.token_id for t in first.top] == top.indices.tolist()
     assert [t.logprob for t in first.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+
+
+def test_a_token_ruled_out_by_minus_infinity_is_no_damage_but_nan_plus_infinity_or_nothing_finite_is():
+    from engine.generate import check_finite
+
+    ruled_out = torch.tensor([[0.5, float("-inf"), 2.0]])
+    check_finite(ruled_out, "here")  # a bigram table, a logits processor's mask: a distribution remains
+    for bad in ([0.5, float("nan"), 2.0], [0.5, float("inf"), 2.0], [float("-inf")] * 3):
+        with pytest.raises(NonFiniteLogits, match="here are NaN or infinite"):
+            check_finite(torch.tensor([bad]), "here")
