@@ -10,11 +10,11 @@ the user's turn and open a system turn of its own. Here only the template's own 
 2. The real rendering is matched against those pieces: each content's span is the content as the template wrote
    it (as it is, stripped, or after the reasoning a template cuts off), followed by the next piece exactly.
 3. When the whole rendering holds as many control strings, and tokenized as one text as many control tokens, as
-   the template's pieces alone (content brought none), those ids are the prompt: the ids a chat without control strings has always had, so
-   stored chunks keep their keys. Otherwise the rendering is cut at the template's own control strings only,
-   and every text between them, template text and content together, is tokenized with its control strings
-   split into plain tokens (`split_special_tokens`), as the tokenizer would tokenize that text between control
-   tokens. Same text, same ids, wherever it comes from (chunk keys follow the ids).
+   the template's pieces alone (content brought none), those ids are the prompt: the ids a chat without control
+   strings has always had, so stored chunks keep their keys. Otherwise the rendering is cut at the template's own
+   control strings only, and every text between them, template text and content together, is tokenized with its
+   control strings split into plain tokens (`split_special_tokens`), as the tokenizer would tokenize that text
+   between control tokens. Same text, same ids, wherever it comes from (chunk keys follow the ids).
 
 A template whose rendering cannot be matched (it rewrites content in a way not listed in `_rendered_forms`) and
 whose content holds control strings is refused with ValueError, never tokenized with those strings live. A
