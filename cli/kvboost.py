@@ -284,8 +284,8 @@ def cmd_cache(args) -> int:
 
 def _print_ram_budget() -> None:
     """The RAM tiers beside the disk tier: they live in the process that runs a model, so this says their default
-    budget on this machine (engine.config.default_ram_budget) and where their fill is shown."""
-    from engine.config import machine_ram_budget
+    budget on this machine (engine.ram_budget.default_ram_budget) and where their fill is shown."""
+    from engine.ram_budget import machine_ram_budget
 
     ram = machine_ram_budget()
     print(f"RAM tiers: {_human(ram.bytes)} budget (default: {ram.rule}; --cpu-cache-bytes and --cache-bytes set it), "

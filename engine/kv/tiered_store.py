@@ -1,6 +1,6 @@
 """The chunk store an engine runs with, built from its TierConfig: the device tier, host RAM and the disk
 tier, each budget from the config or, where not given, from the machine (the memory tiers' RAM:
-engine.config.default_ram_budget), each memory tier knowing which; the disk namespace its entries share;
+engine.ram_budget.default_ram_budget), each memory tier knowing which; the disk namespace its entries share;
 the remote tier (Redis/Valkey) when the config names one, with its own namespace. Payloads read back from disk or
 from the remote store are checked against the model's KV layout (engine.kv.tiers.KVLayout); the remote tier refuses,
 unread, values longer than one chunk's KV and its header can be (remote_max_value_bytes to override).
@@ -13,8 +13,9 @@ import sqlite3
 
 import torch
 
-from ..config import ChunkingConfig, ReuseConfig, TierConfig, machine_ram_budget
+from ..config import ChunkingConfig, ReuseConfig, TierConfig
 from ..keys import chain_key
+from ..ram_budget import machine_ram_budget
 from .disk import DiskTier, default_cache_dir
 from .eviction import POLICIES
 from .payload_file import FORMAT_VERSION, max_file_bytes

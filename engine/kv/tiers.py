@@ -21,7 +21,7 @@ from typing import Union
 
 import torch
 
-from ..config import RamBudget
+from ..ram_budget import RamBudget
 from .kv_quant import QuantizedTensor, dequantize, quantize_kv
 
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
@@ -248,7 +248,7 @@ class MemoryTier:
         return stored
 
 
-# Without a GPU both memory tiers are RAM and share one budget (engine.config.default_ram_budget): the device tier,
+# Without a GPU both memory tiers are RAM and share one budget (engine.ram_budget.default_ram_budget): the device tier,
 # read without a copy, two thirds of it; the overflow tier behind it the rest.
 CPU_DEVICE_SHARE = (2, 3)
 

@@ -18,7 +18,8 @@ import torch
 
 from .. import builtin
 from ..builtin import builtin_model_path
-from ..config import HEAD_CHOICES, WEIGHT_FORMATS, available_ram_bytes
+from ..config import HEAD_CHOICES, WEIGHT_FORMATS
+from ..ram_budget import available_ram_bytes
 from .awq import AWQFormatError, is_awq_folder, load_awq_model
 from .float_int4 import CheckpointError, load_float_as_int4
 from .gguf_blocks import KERNEL as BLOCK_KERNEL

@@ -213,7 +213,7 @@ def test_every_option_of_every_command_says_what_it_does():
 
 
 def test_cache_stats_names_the_ram_budget_and_where_it_came_from_beside_the_disk_tier(tmp_path):
-    from engine.config import machine_ram_budget
+    from engine.ram_budget import machine_ram_budget
 
     done = run_without_model(["cache", "stats", "--dir", str(tmp_path / "nothing")])
     assert done.returncode == 0, done.stderr

@@ -15,9 +15,9 @@ import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids
 
 from engine import Cancelled, EngineConfig, KVBoost, UnsupportedModelError
-from engine.config import machine_ram_budget
 from engine.kv.disk import default_disk_budget
 from engine.kv.tiers import default_device_budget, default_host_budget
+from engine.ram_budget import machine_ram_budget
 from engine.weights.fingerprint import fingerprint
 
 NEW_TOKENS = 12

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import RamBudget, default_ram_budget
+from engine.ram_budget import RamBudget, default_ram_budget
 
 GiB = 1 << 30
 

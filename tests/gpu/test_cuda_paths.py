@@ -9,8 +9,8 @@ import torch
 from tiny_models import CHUNK, build_model, build_tokenizer, random_ids  # noqa: E402
 
 from engine import EngineConfig, KVBoost  # noqa: E402
-from engine.config import machine_ram_budget  # noqa: E402
 from engine.kv.tiers import default_device_budget  # noqa: E402
+from engine.ram_budget import machine_ram_budget  # noqa: E402
 from engine.weights.loader import pick_dtype  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -49,7 +49,7 @@ def test_health_names_each_ram_tiers_budget_and_what_fills_it(server):
     assert set(before) >= {"device", "host"}
     for tier in ("device", "host"):
         assert before[tier]["budget_bytes"] > 0
-        # no budget was set: the default rule is named (engine.config.default_ram_budget)
+        # no budget was set: the default rule is named (engine.ram_budget.default_ram_budget)
         assert before[tier]["budget_rule"].startswith("default: ")
         assert "RAM" in before[tier]["budget_rule"] or "available" in before[tier]["budget_rule"]
     ask(server.url, distinct_prompt(10_001))
